@@ -1,0 +1,247 @@
+"""Parse ``nvidia-smi -q -x``: bytes in, one ``CardReading`` per ``<gpu>`` out.
+
+Pure: no I/O. The layout is recognised by which elements are present, not by
+the DTD version in the DOCTYPE (a 525 driver says v12 and writes v11 names).
+Read from every driver from 352 (DTD v7) to 595 (v13), Linux and Windows,
+vGPU guests, and MIG on and off.
+
+The parser is hardened: no DTD is loaded (nvidia-smi names
+``nvsmi_device_vNN.dtd``), nothing is fetched, no entity is expanded, and a
+document that declares entities is refused outright — nvidia-smi never does,
+even with ``--dtd``, so such input is hostile or not nvidia-smi's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lxml import etree
+
+from mig_exporter.errors import ParseError
+from mig_exporter.snapshot import MIB, CardReading, Memory, MigInstance, ProcessReading
+
+# Texts that mean "no value". Checked in lower case; anything in [brackets]
+# (the CSV forms: [N/A], [Not Supported], [Unknown Error]) counts too.
+UNKNOWN_TEXTS = frozenset({
+    "",
+    "n/a",
+    "not supported",
+    "requested functionality has been deprecated",
+    "unknown error",
+    "not found",
+    "unknown",
+    "insufficient permissions",
+    "no permission",
+    "gpu is lost",
+})
+
+_UNITS_TO_BYTES = {"b": 1, "kib": 1024, "mib": MIB, "gib": 1024 * MIB}
+_NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z%/()]*)\s*$")
+_ENTITY_DECLARATION = re.compile(rb"<!ENTITY", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class QueryReport:
+    """What ``nvidia-smi -q -x`` says, card by card."""
+
+    driver_version: str | None
+    cuda_version: str | None
+    cards: tuple[CardReading, ...]
+    problems: tuple[str, ...] = ()
+
+
+def _parser() -> etree.XMLParser:
+    return etree.XMLParser(
+        resolve_entities=False,
+        no_network=True,
+        load_dtd=False,
+        dtd_validation=False,
+        huge_tree=False,
+        remove_comments=True,
+        remove_pis=True,
+    )
+
+
+def parse_query_xml(data: bytes) -> QueryReport:
+    """Parse the whole report. Raises ``ParseError`` for anything that is not one."""
+    if not isinstance(data, bytes | bytearray):
+        raise ParseError("nvidia-smi -q -x output must be bytes")
+    if _ENTITY_DECLARATION.search(data):
+        raise ParseError("nvidia-smi -q -x output declares XML entities; refused (nvidia-smi never does)")
+    try:
+        root = etree.fromstring(bytes(data), _parser())
+    except etree.XMLSyntaxError as e:
+        raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
+    except ValueError as e:  # e.g. an encoding declaration lxml cannot honour
+        raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
+    if root is None or root.tag != "nvidia_smi_log":
+        tag = getattr(root, "tag", None)
+        raise ParseError(f"nvidia-smi -q -x output has root <{tag}>, expected <nvidia_smi_log>")
+
+    cards: list[CardReading] = []
+    problems: list[str] = []
+    for index, gpu in enumerate(root.iterfind("gpu")):
+        card_problems: list[str] = []
+        try:
+            cards.append(_read_card(index, gpu, card_problems))
+        except Exception as e:  # one unreadable card never blanks the others
+            cards.append(CardReading(index=index, uuid=_text(gpu, "uuid"), name=_text(gpu, "product_name"),
+                                     error=f"section unreadable: {_one_line(str(e)) or type(e).__name__}"))
+        problems.extend(f"card {index}: {p}" for p in card_problems)
+    return QueryReport(
+        driver_version=_text(root, "driver_version"),
+        cuda_version=_text(root, "cuda_version"),
+        cards=tuple(cards),
+        problems=tuple(problems),
+    )
+
+
+def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardReading:
+    values = _Values(problems)
+    mig_current = values.flag(gpu, "mig_mode/current_mig")
+    mig_pending = values.flag(gpu, "mig_mode/pending_mig")
+    instances: list[MigInstance] = []
+    for el in gpu.iterfind("mig_devices/mig_device"):
+        mig_index = values.integer(el, "index")
+        if mig_index is None:
+            problems.append("a MIG device without a readable index; skipped")
+            continue
+        instances.append(MigInstance(
+            mig_index=mig_index,
+            gpu_instance_id=values.integer(el, "gpu_instance_id"),
+            compute_instance_id=values.integer(el, "compute_instance_id"),
+            memory=values.memory(el, "fb_memory_usage"),
+        ))
+    processes: list[ProcessReading] = []
+    for el in gpu.iterfind("processes/process_info"):
+        pid_text = _raw_text(el, "pid")
+        pid = int(pid_text) if pid_text.isdigit() else 0
+        if pid <= 0:
+            problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
+            continue
+        processes.append(ProcessReading(
+            pid=pid,
+            type=_text(el, "type") or "",
+            name=_raw_text(el, "process_name"),
+            used_bytes=values.size(el, "used_memory"),
+            gpu_instance_id=values.integer(el, "gpu_instance_id"),
+            compute_instance_id=values.integer(el, "compute_instance_id"),
+        ))
+    return CardReading(
+        index=index,
+        uuid=_text(gpu, "uuid"),
+        name=_text(gpu, "product_name"),
+        pci_bus_id=_text(gpu, "pci/pci_bus_id") or _attr(gpu, "id"),
+        mig_current=mig_current,
+        mig_pending=mig_pending,
+        temperature_celsius=values.number(gpu, "temperature/gpu_temp", "c"),
+        power_draw_watts=values.first_number(gpu, _POWER_DRAW_PATHS, "w"),
+        utilization_ratio=_percent_to_ratio(values.number(gpu, "utilization/gpu_util", "%")),
+        memory=values.memory(gpu, "fb_memory_usage"),
+        instances=tuple(instances),
+        processes=tuple(processes),
+    )
+
+
+# Power draw moved between drivers: power_readings (<=525), gpu_power_readings
+# (535+), and average/instant draws replacing power_draw (570+).
+_POWER_DRAW_PATHS = (
+    "gpu_power_readings/power_draw",
+    "gpu_power_readings/average_power_draw",
+    "gpu_power_readings/instant_power_draw",
+    "power_readings/power_draw",
+    "power_readings/average_power_draw",
+    "power_readings/instant_power_draw",
+)
+
+
+class _Values:
+    """Reads typed values; an unreadable one becomes ``None`` and a problem line."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+
+    def number(self, el: etree._Element, path: str, unit: str) -> float | None:
+        text = _text(el, path)
+        if text is None:
+            return None
+        m = _NUMBER.match(text)
+        if not m or m.group(2).lower() not in ("", unit):
+            self.problems.append(f"{path}: unreadable value {text[:60]!r}")
+            return None
+        return float(m.group(1))
+
+    def first_number(self, el: etree._Element, paths: tuple[str, ...], unit: str) -> float | None:
+        for path in paths:
+            value = self.number(el, path, unit)
+            if value is not None:
+                return value
+        return None
+
+    def integer(self, el: etree._Element, path: str) -> int | None:
+        text = _text(el, path)
+        if text is None:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            self.problems.append(f"{path}: unreadable integer {text[:60]!r}")
+            return None
+
+    def size(self, el: etree._Element, path: str) -> int | None:
+        text = _text(el, path)
+        if text is None:
+            return None
+        m = _NUMBER.match(text)
+        factor = _UNITS_TO_BYTES.get(m.group(2).lower()) if m else None
+        if m is None or factor is None or m.group(1).startswith("-"):
+            self.problems.append(f"{path}: unreadable size {text[:60]!r}")
+            return None
+        return int(float(m.group(1)) * factor)
+
+    def memory(self, el: etree._Element, path: str) -> Memory:
+        return Memory(
+            total_bytes=self.size(el, f"{path}/total"),
+            used_bytes=self.size(el, f"{path}/used"),
+            free_bytes=self.size(el, f"{path}/free"),
+            reserved_bytes=self.size(el, f"{path}/reserved"),
+        )
+
+    def flag(self, el: etree._Element, path: str) -> bool | None:
+        text = _text(el, path)
+        if text is None:
+            return None
+        lowered = text.lower()
+        if lowered == "enabled":
+            return True
+        if lowered == "disabled":
+            return False
+        self.problems.append(f"{path}: unreadable mode {text[:60]!r}")
+        return None
+
+
+def _raw_text(el: etree._Element, path: str) -> str:
+    found = el.find(path)
+    return (found.text or "").strip() if found is not None else ""
+
+
+def _text(el: etree._Element, path: str) -> str | None:
+    """The element's trimmed text, or ``None`` when absent or an unknown marker."""
+    text = _raw_text(el, path)
+    if text.lower() in UNKNOWN_TEXTS or (text.startswith("[") and text.endswith("]")):
+        return None
+    return text
+
+
+def _attr(el: etree._Element, name: str) -> str | None:
+    value = (el.get(name) or "").strip()
+    return value or None
+
+
+def _percent_to_ratio(percent: float | None) -> float | None:
+    return None if percent is None else percent / 100.0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]

@@ -1,0 +1,33 @@
+"""The demo read path: bundled sample outputs, read through the same parser.
+
+A newcomer without a GPU sees real series: an A100 in MIG mode with three
+instances and their processes, and a whole A100 with a Vulkan (type G)
+llama-server on it. The outputs are hand-written in the exact form of
+``nvidia-smi -q -x`` and ``nvidia-smi -L``.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from mig_exporter.source_smi import snapshot_from_smi
+from mig_exporter.snapshot import Snapshot
+
+
+def sample_bytes(name: str) -> bytes:
+    return resources.files("mig_exporter").joinpath("samples", name).read_bytes()
+
+
+class DemoSource:
+    """Serves the bundled sample at every read, parsed afresh each time."""
+
+    name = "demo"
+
+    def ready(self) -> tuple[bool, str]:
+        return True, "demo sample bundled with the package"
+
+    def describe(self) -> str:
+        return "demo (bundled sample: an A100 in MIG mode and a whole A100; not a real GPU)"
+
+    def read(self, timeout_s: float | None = None) -> Snapshot:
+        return snapshot_from_smi(sample_bytes("demo.xml"), sample_bytes("demo.L.txt"))

@@ -1,0 +1,113 @@
+"""The nvidia-smi read path: run ``nvidia-smi -q -x`` and ``nvidia-smi -L``.
+
+The full ``-q -x`` query is used rather than ``--query-compute-apps``, which
+lists compute processes only: a Vulkan llama.cpp is a graphics process and
+would read as on no GPU at all. ``-L`` runs beside it, in parallel, because
+only it names MIG profiles and MIG UUIDs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+from mig_exporter.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, run_command
+from mig_exporter.errors import CommandError, CommandNotFound, ReadError
+from mig_exporter.placement import place
+from mig_exporter.smi_list import apply_listing, parse_list
+from mig_exporter.smi_xml import parse_query_xml
+from mig_exporter.snapshot import Snapshot
+
+DEFAULT_BINARY = "nvidia-smi"
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_error: str | None = None) -> Snapshot:
+    """Build the snapshot from the two outputs. Pure; raises ``ParseError``
+    only for the ``-q -x`` report: without ``-L`` the read still stands, with
+    MIG profiles and UUIDs unknown and a problem line saying why."""
+    report = parse_query_xml(query_xml)
+    problems = list(report.problems)
+    cards = report.cards
+    if listing is not None:
+        try:
+            cards, join_problems = apply_listing(cards, parse_list(listing))
+            problems.extend(join_problems)
+        except ReadError as e:
+            problems.append(str(e))
+    elif listing_error is not None:
+        problems.append(listing_error)
+    return place(cards, driver_version=report.driver_version, cuda_version=report.cuda_version, problems=problems)
+
+
+class NvidiaSmiSource:
+    """Reads through an nvidia-smi binary, at each call."""
+
+    name = "nvidia-smi"
+
+    def __init__(
+        self,
+        binary: str = DEFAULT_BINARY,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> None:
+        self.binary = binary
+        self.timeout_s = timeout_s
+        self.max_output_bytes = max_output_bytes
+
+    def resolve(self) -> str:
+        """The binary's path. Looked up at each read, so a driver installed
+        after start-up is picked up without a restart."""
+        if os.sep in self.binary:
+            if os.path.isfile(self.binary) and os.access(self.binary, os.X_OK):
+                return self.binary
+            raise CommandNotFound(f"{self.binary}: no such executable file")
+        found = shutil.which(self.binary)
+        if found is None:
+            raise CommandNotFound(f"{self.binary}: not found on PATH")
+        return found
+
+    def ready(self) -> tuple[bool, str]:
+        try:
+            return True, f"{self.resolve()} found"
+        except CommandError as e:
+            return False, str(e)
+
+    def describe(self) -> str:
+        return f"nvidia-smi ({self.binary}, timeout {self.timeout_s:g}s)"
+
+    def read(self, timeout_s: float | None = None) -> Snapshot:
+        budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        deadline = time.monotonic() + budget
+        binary = self.resolve()
+
+        # -L runs in parallel with -q -x so a read costs the slower of the two.
+        listing: dict[str, object] = {}
+        cancel = threading.Event()
+
+        def run_listing() -> None:
+            try:
+                listing["result"] = run_command([binary, "-L"], budget, self.max_output_bytes, cancel)
+            except CommandError as e:
+                listing["error"] = f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {e}"
+
+        worker = threading.Thread(target=run_listing, name="nvidia-smi-L", daemon=True)
+        worker.start()
+        try:
+            query = run_command([binary, "-q", "-x"], budget, self.max_output_bytes)
+        except BaseException:
+            cancel.set()  # the read has failed; -L is no longer wanted
+            raise
+        finally:
+            worker.join(max(deadline - time.monotonic(), 0.0) + 0.5)
+        result = listing.get("result")
+        error = listing.get("error")
+        if result is None and error is None:
+            error = "nvidia-smi -L did not finish in time; MIG profiles and UUIDs unknown"
+        return snapshot_from_smi(
+            query.stdout,
+            result.stdout if isinstance(result, CommandResult) else None,
+            error if isinstance(error, str) else None,
+        )

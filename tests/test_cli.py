@@ -1,0 +1,543 @@
+"""The ``mig-exporter`` command, run for real as ``python -m mig_exporter`` in a
+subprocess, against the fake nvidia-smi and the bundled demo."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import MIB, FakeSmi, fixture_bytes
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN_TIMEOUT_S = 30
+DRIVER_ERROR = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+def cli_env(**overrides: str) -> dict[str, str]:
+    """The test's environment without any MIG_EXPORTER_* setting, plus the given ones."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_EXPORTER_")}
+    env.update(overrides)
+    return env
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mig_exporter", *args],
+        env=env if env is not None else cli_env(),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of an exposition, keyed by name and labels."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, f"duplicate series {key}"
+            out[key] = s.value
+    return out
+
+
+def value(parsed: dict, name: str, **labels: str) -> float | None:
+    """The one sample of ``name`` whose labels include ``labels``."""
+    found = [v for (n, ls), v in parsed.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) <= 1, f"{name}{labels} matches {len(found)} series"
+    return found[0] if found else None
+
+
+def label_sets(parsed: dict, name: str) -> list[dict[str, str]]:
+    return [dict(ls) for (n, ls), _ in parsed.items() if n == name]
+
+
+def without_duration(text: str) -> str:
+    """The exposition less the read duration, which differs from one read to the next."""
+    return "\n".join(line for line in text.splitlines() if not line.startswith("mig_exporter_read_duration_seconds{"))
+
+
+ERROR_LINE = re.compile(r"^(?:mig-exporter: error: |Error: )(?P<message>.+)$")
+
+
+def error_message(stderr: str) -> str:
+    """The one error line of a failed command, without its prefix. Anything else on stderr must be
+    a log line: a usage error is one line, not a usage screen, and never a traceback."""
+    other = [line for line in stderr.splitlines() if line.strip() and not line.startswith("ts=")]
+    assert len(other) == 1, f"expected one error line, got: {other}"
+    match = ERROR_LINE.match(other[0])
+    assert match, f"not an error line: {other[0]!r}"
+    return match.group("message")
+
+
+def h100_fake(fake_nvidia_smi: FakeSmi, **kwargs) -> Path:
+    return fake_nvidia_smi(
+        xml=fixture_bytes("h100-mig-processes.xml"), listing=fixture_bytes("h100-mig-processes.L.txt"), **kwargs
+    )
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    log: list[str] = field(default_factory=list)
+
+    def get(self, path: str, timeout: float = 15) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+
+@contextmanager
+def serving(*args: str, env: dict[str, str] | None = None, startup_s: float = 15) -> Iterator[Server]:
+    """Start ``serve`` on 127.0.0.1, learn its port from the log, and always kill it at the end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mig_exporter", "serve", *args],
+        env=env if env is not None else cli_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    log: list[str] = []
+
+    def drain() -> None:  # keeps the pipe from filling while the test runs
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.append(line.rstrip("\n"))
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + startup_s
+        url = None
+        while url is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"serve did not log its address within {startup_s}s: {log}")
+            try:
+                line = lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"serve exited with {proc.wait()} before listening: {log}")
+            match = re.search(r"listening on (http://127\.0\.0\.1:(\d+))", line)
+            if match:
+                url = match.group(1)
+        yield Server(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        reader.join(timeout=5)
+
+
+# --- version and usage -------------------------------------------------------------------------
+
+def test_version() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout == "mig-exporter 0.1.0\n"
+
+
+def test_bad_flag_is_a_usage_error_with_one_error_line() -> None:
+    result = run_cli("read", "--no-such-flag")
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert error_message(result.stderr).startswith("No such option '--no-such-flag'")
+
+
+def test_timeout_out_of_range_is_a_usage_error() -> None:
+    result = run_cli("read", "--demo", "--timeout", "0")
+    assert result.returncode == 2
+    assert "--timeout" in error_message(result.stderr)
+
+
+# --- read --------------------------------------------------------------------------------------
+
+def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi)
+    result = run_cli("read", "--nvidia-smi", str(fake))
+
+    assert result.returncode == 0, result.stderr
+    parsed = samples(result.stdout)
+    used = {d["index"]: value(parsed, "mig_exporter_device_memory_used_bytes", index=d["index"])
+            for d in label_sets(parsed, "mig_exporter_device_memory_used_bytes")}
+    assert used == {"1000": 3594 * MIB, "1001": 17 * MIB, "1002": 7493 * MIB, "1003": 9 * MIB}
+    assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1002") == 7493 * 1048576
+    assert value(parsed, "mig_exporter_device_memory_total_bytes", index="1000", mig_profile="3g.40gb") == 42412802048
+    assert value(parsed, "mig_exporter_device_memory_free_bytes", index="1002") == 2491 * MIB
+    assert value(parsed, "mig_exporter_device_info", index="1003", mig_profile="1g.10gb",
+                 uuid="MIG-45ee6ebc-57f4-5590-941e-1f037860cf29", gpu_instance="10", compute_instance="0") == 1
+
+    assert label_sets(parsed, "mig_exporter_process_memory_used_bytes") == [
+        {"card": "0", "index": "1000", "mig_profile": "3g.40gb", "pid": "21180"},
+        {"card": "0", "index": "1000", "mig_profile": "3g.40gb", "pid": "21181"},
+        {"card": "0", "index": "1002", "mig_profile": "1g.10gb", "pid": "21198"},
+    ]
+    assert value(parsed, "mig_exporter_process_memory_used_bytes", pid="21198", index="1002",
+                 mig_profile="1g.10gb") == 7847542784
+    assert value(parsed, "mig_exporter_process_info", pid="21198", process_name="./gpu_burn", process_type="C") == 1
+    assert value(parsed, "mig_exporter_device_processes", index="1000") == 2
+    assert value(parsed, "mig_exporter_card_mig_instances", card="0") == 4
+    assert value(parsed, "mig_exporter_card_utilization_ratio", card="0") is None  # MIG: unknown, not 0
+    assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") == 1
+    assert value(parsed, "mig_exporter_read_errors_total", source="nvidia-smi") == 0
+    assert value(parsed, "mig_exporter_read_problems", source="nvidia-smi") == 0
+    assert value(parsed, "mig_exporter_build_info", version="0.1.0") == 1
+    assert f"reading through {fake}" in result.stderr
+
+
+def test_read_demo_prints_the_demo_series() -> None:
+    result = run_cli("read", "--demo")
+
+    assert result.returncode == 0, result.stderr
+    parsed = samples(result.stdout)
+    assert sorted(
+        (d["index"], d["mig_profile"]) for d in label_sets(parsed, "mig_exporter_device_memory_used_bytes")
+    ) == [("1", ""), ("1000", "3g.40gb"), ("1001", "2g.20gb"), ("1002", "1g.10gb")]
+    assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1000") == 12229541888
+    assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1") == 23184015360
+    assert value(parsed, "mig_exporter_card_mig_instances", card="0") == 3
+    # The Vulkan llama-server: a graphics process on the whole card 1.
+    assert value(parsed, "mig_exporter_process_info", pid="50102", index="1", card="1",
+                 process_name="/usr/local/bin/llama-server", process_type="G") == 1
+    assert value(parsed, "mig_exporter_process_memory_used_bytes", pid="50102") == 20480 * MIB
+    assert value(parsed, "mig_exporter_read_success", source="demo") == 1
+    assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") is None
+    assert re.search(r"level=INFO .*demo", result.stderr)
+
+
+def test_read_output_writes_the_file_atomically(tmp_path: Path) -> None:
+    out_dir = tmp_path / "textfile"
+    out_dir.mkdir()
+    target = out_dir / "mig.prom"
+    target.write_text("old content\n")
+    target.chmod(0o600)
+    old_inode = target.stat().st_ino
+
+    old_umask = os.umask(0o077)  # the mode must be set, not left to the caller's umask
+    try:
+        result = run_cli("read", "--demo", "--output", str(target))
+    finally:
+        os.umask(old_umask)
+    printed = run_cli("read", "--demo")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    written = target.read_text()
+    assert written.endswith('mig_exporter_build_info{version="0.1.0"} 1.0\n')
+    assert without_duration(written) == without_duration(printed.stdout)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    assert target.stat().st_ino != old_inode, "the file was rewritten in place, not renamed over"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["mig.prom"], "a temporary file was left behind"
+
+
+def test_read_output_of_a_failed_read_still_writes_read_success_0(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    fake = h100_fake(fake_nvidia_smi, mode="fail")
+    target = tmp_path / "mig.prom"
+    result = run_cli("read", "--nvidia-smi", str(fake), "--output", str(target))
+
+    assert result.returncode == 1
+    assert value(samples(target.read_text()), "mig_exporter_read_success", source="nvidia-smi") == 0
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_read_output_into_a_missing_directory_is_a_one_line_error(tmp_path: Path) -> None:
+    target = tmp_path / "no-such-dir" / "mig.prom"
+    result = run_cli("read", "--demo", "--output", str(target))
+
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert str(target.parent) in error_message(result.stderr)
+
+
+def test_read_output_relative_to_the_working_directory(tmp_path: Path) -> None:
+    result = run_cli("read", "--demo", "-o", "mig.prom", cwd=tmp_path)
+
+    assert result.returncode == 0, result.stderr
+    assert value(samples((tmp_path / "mig.prom").read_text()), "mig_exporter_read_success", source="demo") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mig.prom"]
+
+
+def test_read_against_a_failing_nvidia_smi_exits_1_but_prints_read_success_0(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi, mode="fail", stderr=DRIVER_ERROR)
+    result = run_cli("read", "--nvidia-smi", str(fake))
+
+    assert result.returncode == 1
+    assert 'mig_exporter_read_success{source="nvidia-smi"} 0.0' in result.stdout.splitlines()
+    parsed = samples(result.stdout)
+    assert value(parsed, "mig_exporter_read_errors_total", source="nvidia-smi") == 1
+    assert label_sets(parsed, "mig_exporter_device_memory_used_bytes") == []  # not reported as 0
+    assert DRIVER_ERROR in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi, list_mode="fail")
+    result = run_cli("read", "--nvidia-smi", str(fake))
+
+    assert result.returncode == 0, result.stderr
+    parsed = samples(result.stdout)
+    assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") == 1
+    assert value(parsed, "mig_exporter_read_problems", source="nvidia-smi") == 1
+    assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1002", mig_profile="") == 7493 * MIB
+    assert "nvidia-smi -L failed" in result.stderr
+
+
+def test_read_with_an_explicit_missing_binary_is_a_one_line_error() -> None:
+    result = run_cli("read", "--nvidia-smi", "/nonexistent/nvidia-smi")
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert error_message(result.stderr) == (
+        "/nonexistent/nvidia-smi: no such executable file "
+        "(give --nvidia-smi PATH, or --demo to try the exporter without a GPU)"
+    )
+
+
+def test_read_with_the_default_binary_absent_from_path_is_an_error(tmp_path: Path) -> None:
+    result = run_cli("read", env=cli_env(PATH=str(tmp_path)))
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert error_message(result.stderr) == (
+        "nvidia-smi: not found on PATH (give --nvidia-smi PATH, or --demo to try the exporter without a GPU)"
+    )
+
+
+# --- every option from the environment ---------------------------------------------------------
+
+def test_nvidia_smi_from_the_environment(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi)
+    result = run_cli("read", env=cli_env(MIG_EXPORTER_NVIDIA_SMI=str(fake)))
+
+    assert result.returncode == 0, result.stderr
+    parsed = samples(result.stdout)
+    assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1002") == 7493 * MIB
+    assert (fake.parent / "calls.log").exists()
+
+
+def test_timeout_from_the_environment(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi, mode="hang")
+    started = time.monotonic()
+    result = run_cli("read", env=cli_env(MIG_EXPORTER_NVIDIA_SMI=str(fake), MIG_EXPORTER_TIMEOUT="0.5"))
+    elapsed = time.monotonic() - started
+
+    assert result.returncode == 1
+    assert elapsed < 5, "the default timeout (10 s) was used instead of MIG_EXPORTER_TIMEOUT"
+    assert 'mig_exporter_read_success{source="nvidia-smi"} 0.0' in result.stdout.splitlines()
+    assert "timed out after 0.5s" in result.stderr
+
+
+def test_demo_from_the_environment() -> None:
+    result = run_cli("read", env=cli_env(MIG_EXPORTER_DEMO="1", MIG_EXPORTER_NVIDIA_SMI="/nonexistent/nvidia-smi"))
+
+    assert result.returncode == 0, result.stderr
+    assert value(samples(result.stdout), "mig_exporter_read_success", source="demo") == 1
+
+
+def test_output_from_the_environment(tmp_path: Path) -> None:
+    target = tmp_path / "mig.prom"
+    result = run_cli("read", "--demo", env=cli_env(MIG_EXPORTER_OUTPUT=str(target)))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert value(samples(target.read_text()), "mig_exporter_read_success", source="demo") == 1
+
+
+def test_log_level_from_the_environment() -> None:
+    quiet = run_cli("read", "--demo", env=cli_env(MIG_EXPORTER_LOG_LEVEL="error"))
+    chatty = run_cli("read", "--demo", env=cli_env(MIG_EXPORTER_LOG_LEVEL="debug"))
+
+    assert quiet.returncode == 0 and chatty.returncode == 0
+    assert quiet.stderr == ""
+    assert "level=INFO" in chatty.stderr
+
+
+@pytest.mark.parametrize("variable, option, args", [
+    ("MIG_EXPORTER_TIMEOUT", "--timeout", ["read", "--demo"]),
+    ("MIG_EXPORTER_LOG_LEVEL", "--log-level", ["read", "--demo"]),
+    ("MIG_EXPORTER_WEB_TIMEOUT_OFFSET", "--web.timeout-offset", ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
+    ("MIG_EXPORTER_WEB_LISTEN_ADDRESS", "--web.listen-address", ["serve", "--demo"]),
+])
+def test_a_bad_value_in_the_environment_is_a_usage_error(variable: str, option: str, args: list[str]) -> None:
+    # Refusing the value proves the variable is read.
+    result = run_cli(*args, env=cli_env(**{variable: "nonsense"}), timeout=15)
+
+    assert result.returncode == 2
+    message = error_message(result.stderr)
+    assert option in message
+    assert "nonsense" in message
+
+
+# --- serve -------------------------------------------------------------------------------------
+
+def test_serve_demo_answers_metrics_and_stops_on_sigterm() -> None:
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo") as server:
+        status, body = server.get("/metrics")
+        assert status == 200
+        parsed = samples(body)
+        assert value(parsed, "mig_exporter_read_success", source="demo") == 1
+        assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1001", mig_profile="2g.20gb") == 9700376576
+        assert value(parsed, "mig_exporter_process_info", pid="50102", process_type="G") == 1
+
+        server.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert server.proc.wait(timeout=5) == 0
+        assert time.monotonic() - started < 5
+    assert any("received SIGTERM" in line for line in server.log)
+    assert not any("Traceback" in line for line in server.log)
+
+
+def test_serve_listen_address_from_the_environment() -> None:
+    with socket.socket() as probe:  # a free port, so the address seen can only come from the variable
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = cli_env(MIG_EXPORTER_WEB_LISTEN_ADDRESS=f"127.0.0.1:{port}", MIG_EXPORTER_DEMO="1")
+    with serving(env=env) as server:
+        assert server.url == f"http://127.0.0.1:{port}"
+        status, body = server.get("/metrics")
+        assert status == 200
+        assert value(samples(body), "mig_exporter_read_success", source="demo") == 1
+
+
+def test_serve_reads_the_fake_at_every_scrape(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi)
+    with serving("--web.listen-address", "127.0.0.1:0", "--nvidia-smi", str(fake)) as server:
+        for _ in range(2):
+            status, body = server.get("/metrics")
+            assert status == 200
+            assert value(samples(body), "mig_exporter_device_memory_used_bytes", index="1002") == 7493 * MIB
+    runs = [line.split(" ", 1)[1] for line in (fake.parent / "calls.log").read_text().splitlines()]
+    assert sorted(runs) == ["-L", "-L", "-q -x", "-q -x"]
+
+
+def test_serve_without_nvidia_smi_on_path_still_serves_read_success_0(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    with serving("--web.listen-address", "127.0.0.1:0", env=cli_env(PATH=str(empty))) as server:
+        status, body = server.get("/metrics")
+        assert status == 200
+        parsed = samples(body)
+        assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") == 0
+        assert value(parsed, "mig_exporter_read_errors_total", source="nvidia-smi") == 1
+        assert label_sets(parsed, "mig_exporter_device_memory_used_bytes") == []
+    assert any("nvidia-smi: not found on PATH" in line and "level=WARNING" in line for line in server.log)
+
+
+def test_serve_with_an_explicit_missing_binary_is_a_one_line_error() -> None:
+    result = run_cli("serve", "--web.listen-address", "127.0.0.1:0", "--nvidia-smi", "/nonexistent/nvidia-smi")
+
+    assert result.returncode == 1
+    assert error_message(result.stderr) == (
+        "/nonexistent/nvidia-smi: no such executable file "
+        "(give --nvidia-smi PATH, or --demo to try the exporter without a GPU)"
+    )
+    assert "listening" not in result.stderr
+
+
+def test_serve_with_a_nonsense_listen_address_is_a_usage_error() -> None:
+    result = run_cli("serve", "--demo", "--web.listen-address", "nonsense")
+
+    assert result.returncode == 2
+    message = error_message(result.stderr)
+    assert "--web.listen-address" in message
+    assert "nonsense" in message
+    assert "listening" not in result.stderr
+
+
+def test_serve_on_a_port_in_use_is_a_one_line_error() -> None:
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo") as first:
+        port = first.url.rsplit(":", 1)[1]
+        result = run_cli("serve", "--demo", "--web.listen-address", f"127.0.0.1:{port}")
+
+    assert result.returncode == 1
+    assert error_message(result.stderr).startswith(f"cannot listen on 127.0.0.1:{port}: ")
+
+
+def test_sigterm_during_a_hung_read_leaves_no_nvidia_smi_behind(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi, mode="hang", list_mode="hang")
+    calls_log = fake.parent / "calls.log"
+    pgids: list[int] = []
+    try:
+        with serving("--web.listen-address", "127.0.0.1:0", "--nvidia-smi", str(fake), "--timeout", "60") as server:
+            scrape = threading.Thread(target=lambda: _ignore_errors(server.get, "/metrics", 70), daemon=True)
+            scrape.start()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and len(_lines(calls_log)) < 2:
+                time.sleep(0.02)
+            pgids = [int(line.split(" ", 1)[0]) for line in _lines(calls_log)]
+            assert len(pgids) == 2, "the scrape never started nvidia-smi"
+
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(timeout=5) == 0
+        assert _running_in_groups(pgids, within_s=1.0) == []
+    finally:
+        for pgid in pgids:  # the fake's groups were started by this test: never leave them running
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _ignore_errors(func, *args) -> None:
+    try:
+        func(*args)
+    except Exception:  # noqa: BLE001 - the server is being stopped under the request
+        pass
+
+
+def _running_in_groups(pgids: list[int], within_s: float) -> list[tuple[int, int]]:
+    """(pid, pgrp) of processes of the groups still running (zombies excepted), after a short grace."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat_line = f.read()
+            except OSError:
+                continue
+            fields = stat_line[stat_line.rindex(")") + 2:].split()
+            if int(fields[2]) in pgids and fields[0] not in "ZX":
+                running.append((int(entry), int(fields[2])))
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)

@@ -1,0 +1,352 @@
+"""run_command: an argv (never a shell), a deadline, an output cap, and a kill
+of the whole process group when either is hit. Every test runs real commands."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from mig_exporter.command import CommandResult, run_command
+from mig_exporter.errors import (
+    CommandError,
+    CommandFailed,
+    CommandNotFound,
+    CommandTimeout,
+    OutputTooLarge,
+    ReadError,
+)
+
+MIB = 1024 * 1024
+DRIVER_ERROR = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running."
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# --- /proc helpers -----------------------------------------------------------------------------
+
+def _proc_stats() -> list[tuple[int, str, int, int]]:
+    """(pid, state, ppid, pgrp) of every process, read from /proc/*/stat."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited while we looked
+        # The command name is in parentheses and may hold spaces: split after the last ')'.
+        fields = stat[stat.rindex(")") + 2:].split()
+        out.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
+    return out
+
+
+def live_members(pgid: int) -> list[tuple[int, str]]:
+    """Processes of the group that are still running (not zombies waiting for init)."""
+    return [(pid, state) for pid, state, _, pgrp in _proc_stats() if pgrp == pgid and state not in "ZX"]
+
+
+def zombie_children() -> list[int]:
+    """Zombies whose parent is this test process: children nobody reaped."""
+    me = os.getpid()
+    return [pid for pid, state, ppid, _ in _proc_stats() if ppid == me and state == "Z"]
+
+
+def wait_until_clean(pgid: int, within_s: float = 1.0) -> tuple[list[tuple[int, str]], list[int]]:
+    """Poll briefly (SIGKILL is delivered asynchronously) and return what is left."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left, zombies = live_members(pgid), zombie_children()
+        if (not left and not zombies) or time.monotonic() > deadline:
+            return left, zombies
+        time.sleep(0.02)
+
+
+def group_leader(pidfile: Path, within_s: float = 2.0) -> int:
+    """The pid the command wrote; it leads its own session, so it is also the process group id."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        text = pidfile.read_text().strip() if pidfile.exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.01)
+    raise AssertionError(f"{pidfile} was never written")
+
+
+# --- success -----------------------------------------------------------------------------------
+
+def test_successful_command_returns_its_stdout_stderr_and_argv() -> None:
+    result = run_command(["sh", "-c", "printf 'GPU 0: NVIDIA H100\\n'; printf 'a warning\\n' >&2"], timeout_s=5)
+
+    assert isinstance(result, CommandResult)
+    assert result.stdout == b"GPU 0: NVIDIA H100\n"
+    assert result.stderr == b"a warning\n"
+    assert result.argv == ("sh", "-c", "printf 'GPU 0: NVIDIA H100\\n'; printf 'a warning\\n' >&2")
+    assert 0 <= result.duration_s < 5
+
+
+def test_output_is_returned_byte_for_byte() -> None:
+    every_byte = bytes(range(256)) * 4
+    result = run_command(
+        [sys.executable, "-c", "import sys; sys.stdout.buffer.write(bytes(range(256)) * 4)"], timeout_s=10
+    )
+    assert result.stdout == every_byte
+
+
+def test_output_larger_than_one_read_is_returned_whole() -> None:
+    # 3 MiB arrives over several reads of the pipe.
+    result = run_command(["head", "-c", str(3 * MIB), "/dev/zero"], timeout_s=5)
+    assert result.stdout == b"\0" * (3 * MIB)
+
+
+def test_command_gets_no_stdin() -> None:
+    # With the test's stdin inherited, `cat` would wait for input; with /dev/null it ends at once.
+    result = run_command(["cat"], timeout_s=2)
+    assert result.stdout == b""
+
+
+# --- failure -----------------------------------------------------------------------------------
+
+def test_nonzero_exit_raises_command_failed_with_first_nonempty_stderr_line() -> None:
+    argv = ["sh", "-c", "printf '\\n   \\nFailed to initialize NVML: Driver/library version mismatch\\nsecond line\\n' >&2; exit 3"]
+    with pytest.raises(CommandFailed) as raised:
+        run_command(argv, timeout_s=5)
+
+    message = str(raised.value)
+    assert message.startswith("sh -c ")
+    assert message.split(": exit status 3: ", 1)[1] == "Failed to initialize NVML: Driver/library version mismatch"
+    assert "\n" not in message
+
+
+def test_nonzero_exit_with_empty_stderr_carries_the_first_stdout_line() -> None:
+    # nvidia-smi prints its driver error on stdout and exits 9.
+    argv = ["sh", "-c", f"echo; echo {shlex.quote(DRIVER_ERROR)}; echo 'more text'; exit 9"]
+    with pytest.raises(CommandFailed) as raised:
+        run_command(argv, timeout_s=5)
+
+    assert str(raised.value).split(": exit status 9: ", 1)[1] == DRIVER_ERROR
+
+
+def test_nonzero_exit_prefers_stderr_over_stdout() -> None:
+    with pytest.raises(CommandFailed) as raised:
+        run_command(["sh", "-c", "echo partial output; echo the reason >&2; exit 1"], timeout_s=5)
+    assert str(raised.value).endswith("exit status 1: the reason")
+
+
+def test_nonzero_exit_without_any_output_says_so() -> None:
+    with pytest.raises(CommandFailed) as raised:
+        run_command(["sh", "-c", "exit 4"], timeout_s=5)
+    assert str(raised.value).endswith("exit status 4: no output")
+
+
+def test_death_by_signal_is_reported_as_such() -> None:
+    with pytest.raises(CommandFailed) as raised:
+        run_command(["sh", "-c", "kill -TERM $$"], timeout_s=5)
+    assert "killed by signal 15" in str(raised.value)
+
+
+def test_every_command_error_is_a_read_error() -> None:
+    for error in (CommandFailed, CommandNotFound, CommandTimeout, OutputTooLarge):
+        assert issubclass(error, CommandError)
+        assert issubclass(error, ReadError)
+
+
+# --- not found ---------------------------------------------------------------------------------
+
+def test_missing_binary_raises_command_not_found(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "nvidia-smi"
+    with pytest.raises(CommandNotFound) as raised:
+        run_command([str(missing), "-L"], timeout_s=5)
+    assert str(missing) in str(raised.value)
+
+
+def test_name_not_on_path_raises_command_not_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(CommandNotFound) as raised:
+        run_command(["nvidia-smi", "-L"], timeout_s=5)
+    assert str(raised.value).startswith("nvidia-smi: ")
+
+
+def test_file_without_execute_permission_raises_command_not_found(tmp_path: Path) -> None:
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\necho should not run\n")
+    script.chmod(0o644)
+    with pytest.raises(CommandNotFound) as raised:
+        run_command([str(script), "-L"], timeout_s=5)
+    assert str(script) in str(raised.value)
+
+
+def test_directory_raises_command_not_found(tmp_path: Path) -> None:
+    with pytest.raises(CommandNotFound):
+        run_command([str(tmp_path), "-L"], timeout_s=5)
+
+
+def test_executable_that_is_not_a_program_raises_command_not_found(tmp_path: Path) -> None:
+    not_a_program = tmp_path / "nvidia-smi"
+    not_a_program.write_bytes(b"\x7fELF-not-really\0\0\0")
+    not_a_program.chmod(0o755)
+    with pytest.raises(CommandNotFound):
+        run_command([str(not_a_program)], timeout_s=5)
+
+
+# --- timeout -----------------------------------------------------------------------------------
+
+def test_timeout_kills_the_whole_group_even_when_a_child_holds_the_pipes(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    # The background sleep inherits stdout/stderr: the pipes stay open even if sh alone is killed.
+    argv = ["sh", "-c", f"echo $$ > {pidfile}; echo started; sleep 600 & sleep 600"]
+    timeout = 0.5
+
+    started = time.monotonic()
+    with pytest.raises(CommandTimeout) as raised:
+        run_command(argv, timeout_s=timeout)
+    elapsed = time.monotonic() - started
+
+    assert timeout <= elapsed < timeout + 1.0
+    assert "timed out" in str(raised.value)
+    pgid = group_leader(pidfile)
+    left, zombies = wait_until_clean(pgid)
+    assert left == [], f"processes of group {pgid} still running: {left}"
+    assert zombies == [], f"unreaped children of the test process: {zombies}"
+
+
+def test_timeout_after_the_command_closed_its_output_still_kills_it(tmp_path: Path) -> None:
+    # Printed, closed its pipes, then hung (a driver call stuck after output).
+    pidfile = tmp_path / "pid"
+    argv = ["sh", "-c", f"echo $$ > {pidfile}; echo done; exec >/dev/null 2>&1; sleep 600"]
+
+    started = time.monotonic()
+    with pytest.raises(CommandTimeout):
+        run_command(argv, timeout_s=0.5)
+    assert time.monotonic() - started < 1.5
+
+    pgid = group_leader(pidfile)
+    left, zombies = wait_until_clean(pgid)
+    assert left == []
+    assert zombies == []
+
+
+def test_a_command_that_finishes_in_time_is_not_killed() -> None:
+    result = run_command(["sh", "-c", "sleep 0.2; echo finished"], timeout_s=3)
+    assert result.stdout == b"finished\n"
+    assert result.duration_s >= 0.2
+
+
+# --- output cap --------------------------------------------------------------------------------
+
+def test_output_over_the_cap_raises_quickly_with_bounded_memory(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    cap = 1 * MIB
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OutputTooLarge) as raised:
+            run_command(["sh", "-c", f"echo $$ > {pidfile}; exec yes '<gpu>'"], timeout_s=10, max_output_bytes=cap)
+        elapsed = time.monotonic() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert elapsed < 2.0, "the cap must stop the command, not the timeout"
+    assert str(cap) in str(raised.value)
+    # The buffer may pass the cap by one read (1 MiB) before the check; never by much more.
+    assert peak < cap + 4 * MIB, f"peak Python memory {peak} bytes for a {cap}-byte cap"
+    pgid = group_leader(pidfile)
+    left, zombies = wait_until_clean(pgid)
+    assert left == []
+    assert zombies == []
+
+
+def test_output_exactly_at_the_cap_is_accepted() -> None:
+    result = run_command(["head", "-c", "65536", "/dev/zero"], timeout_s=5, max_output_bytes=65536)
+    assert len(result.stdout) == 65536
+
+
+def test_output_one_byte_over_the_cap_is_refused() -> None:
+    with pytest.raises(OutputTooLarge):
+        run_command(["head", "-c", "65537", "/dev/zero"], timeout_s=5, max_output_bytes=65536)
+
+
+def test_large_stderr_does_not_count_against_the_stdout_cap() -> None:
+    # Stderr is kept only for the error line; a chatty command is not refused for it.
+    result = run_command(["sh", "-c", "head -c 200000 /dev/zero >&2; echo ok"], timeout_s=5, max_output_bytes=1024)
+    assert result.stdout == b"ok\n"
+    assert len(result.stderr) <= 64 * 1024
+
+
+# --- no shell ----------------------------------------------------------------------------------
+
+def test_shell_metacharacters_in_arguments_are_passed_literally(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    hostile = f"; touch {marker} && echo $(touch {marker}) `touch {marker}` | cat > {marker} *"
+    result = run_command(["printf", "%s", hostile], timeout_s=5)
+
+    assert result.stdout == hostile.encode()
+    assert not marker.exists()
+
+
+def test_an_argv_of_one_string_with_spaces_is_one_program_name() -> None:
+    # Without a shell, "echo hi" is the name of a (missing) program, not a command line.
+    with pytest.raises(CommandNotFound):
+        run_command(["echo hi"], timeout_s=5)
+
+
+# --- what a command leaves behind, cancellation, shutdown ------------------------------------
+
+def test_children_left_running_after_a_clean_exit_are_killed(tmp_path: Path) -> None:
+    """A wrapper that exits 0 but leaves a background child in its group (one
+    that closed our pipes) does not leak it."""
+    pidfile = tmp_path / "pid"
+    script = f"echo $$ > {shlex.quote(str(pidfile))}; echo hi; sleep 600 >/dev/null 2>&1 &"
+    result = run_command(["sh", "-c", script], timeout_s=5)
+    assert result.stdout == b"hi\n"
+    left, zombies = wait_until_clean(group_leader(pidfile))
+    assert left == [] and zombies == []
+
+
+def test_cancel_stops_a_running_command_at_once(tmp_path: Path) -> None:
+    import threading
+
+    cancel = threading.Event()
+    pidfile = tmp_path / "pid"
+    threading.Timer(0.2, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(CommandTimeout, match="cancelled"):
+        run_command(["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; sleep 600"], timeout_s=30, cancel=cancel)
+    assert time.monotonic() - started < 2.0
+    left, zombies = wait_until_clean(group_leader(pidfile))
+    assert left == [] and zombies == []
+
+
+def test_kill_running_takes_down_commands_in_flight(tmp_path: Path) -> None:
+    import threading
+
+    from mig_exporter.command import kill_running
+
+    pidfile = tmp_path / "pid"
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            run_command(["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; sleep 600 & sleep 600"], timeout_s=30)
+        except CommandError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    pgid = group_leader(pidfile)
+    assert kill_running() == 1
+    worker.join(5)
+    assert not worker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], CommandFailed) and "killed by signal 9" in str(errors[0])
+    left, zombies = wait_until_clean(pgid)
+    assert left == [] and zombies == []

@@ -1,0 +1,62 @@
+"""Placement rules on hand-built readings: indexes, process ownership, merging."""
+
+from __future__ import annotations
+
+from mig_exporter.placement import mig_placement_index, place
+from mig_exporter.snapshot import CardReading, Memory, MigInstance, ProcessReading
+
+
+def _mig_card(index: int, instances, processes) -> CardReading:
+    return CardReading(index=index, uuid=f"GPU-{index}", name="NVIDIA A100-SXM4-80GB", mig_current=True,
+                       mig_pending=True, memory=Memory(total_bytes=81920 * 2**20), utilization_ratio=0.5,
+                       instances=tuple(instances), processes=tuple(processes))
+
+
+def test_mig_placement_index():
+    assert mig_placement_index(0, 0) == 1000
+    assert mig_placement_index(3, 6) == 1306
+
+
+def test_a_process_matching_gi_but_not_ci_is_not_placed_and_is_reported():
+    card = _mig_card(0, [MigInstance(0, 1, 0, Memory())], [ProcessReading(5, "C", "x", 1, 1, 1)])
+    s = place([card], driver_version=None, cuda_version=None)
+    assert s.processes == ()
+    assert s.problems == ("card 0: process 5 carries GPU instance 1 and compute instance 1, which match no MIG device; not placed",)
+
+
+def test_processes_on_a_card_with_nothing_carved_are_reported_not_lost_silently():
+    card = _mig_card(2, [], [ProcessReading(9, "C", "x", 1, 0, 0)])
+    s = place([card], driver_version=None, cuda_version=None)
+    assert s.devices == () and s.cards[0].mig_instances == 0
+    assert len(s.problems) == 1 and "process 9" in s.problems[0]
+
+
+def test_a_pid_listed_twice_on_one_device_is_one_process_with_the_sum():
+    card = CardReading(index=0, name="Tesla T4", processes=(
+        ProcessReading(7, "C", "/bin/app", 100), ProcessReading(7, "G", "/bin/app", 50), ProcessReading(8, "G", "", None),
+        ProcessReading(8, "C", "", None),
+    ))
+    s = place([card], driver_version=None, cuda_version=None)
+    assert [(p.pid, p.type, p.used_bytes) for p in s.processes] == [(7, "C+G", 150), (8, "C+G", None)]
+
+
+def test_the_same_pid_on_two_cards_is_two_processes():
+    cards = [CardReading(index=i, name="GTX 1080", processes=(ProcessReading(450, "G", "Xorg", 10),)) for i in (0, 1)]
+    s = place(cards, driver_version=None, cuda_version=None)
+    assert [(p.pid, p.device_index) for p in s.processes] == [(450, 0), (450, 1)]
+
+
+def test_a_card_that_failed_is_kept_with_its_error_and_others_still_report():
+    failed = CardReading(index=0, uuid="GPU-0", name="NVIDIA H100 80GB HBM3", error="GPU is lost")
+    ok = CardReading(index=1, uuid="GPU-1", name="NVIDIA H100 80GB HBM3", memory=Memory(used_bytes=5))
+    s = place([failed, ok], driver_version="550", cuda_version="12.4")
+    assert [c.error for c in s.cards] == ["GPU is lost", None]
+    assert [d.index for d in s.devices] == [1]
+    assert s.problems == ("card 0: GPU is lost",)
+
+
+def test_duplicate_mig_index_keeps_the_first_and_reports():
+    card = _mig_card(0, [MigInstance(0, 1, 0, Memory(used_bytes=1)), MigInstance(0, 2, 0, Memory(used_bytes=2))], [])
+    s = place([card], driver_version=None, cuda_version=None)
+    assert [(d.index, d.gpu_instance_id) for d in s.devices] == [(1000, 1)]
+    assert len(s.problems) == 1

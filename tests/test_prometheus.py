@@ -1,0 +1,295 @@
+"""A real Prometheus scrapes a real ``mig-exporter serve``.
+
+The exporter runs as its own process (``python -m mig_exporter serve``) over a
+fake nvidia-smi; Prometheus runs from its own binary with a one-second scrape
+interval and timeout. Both listen on 127.0.0.1 only. The tests ask
+Prometheus' HTTP API what it stored: the values must be the scenario's, and
+Prometheus must have seen no scrape error. Prometheus negotiates OpenMetrics,
+so this also covers that encoding end to end.
+
+Without the ``prometheus`` binary these tests are skipped, except under CI
+(``CI`` set), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import MIB, fixture_bytes
+
+pytestmark = pytest.mark.prometheus
+
+HOST = "127.0.0.1"
+STARTUP_S = 30.0  # bound on every wait: exporter start, Prometheus start, target up
+STOP_S = 10.0
+JOB = "mig-exporter"
+LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
+
+
+def _prometheus_binary() -> str:
+    path = shutil.which("prometheus")
+    if path is None:
+        message = "the prometheus binary is not installed (apt-get install prometheus)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must run the Prometheus tests")
+        pytest.skip(message)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen) -> int:
+    """Terminate, wait, and kill if it will not go; the exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            return process.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait(timeout=STOP_S)
+
+
+class _LineReader:
+    """Drains a pipe on a thread so the child never blocks on a full pipe,
+    and keeps every line for the assertions and for failure messages."""
+
+    def __init__(self, pipe) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._drain, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _drain(self, pipe) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: re.Pattern[str], timeout_s: float) -> re.Match[str] | None:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                return None
+            if line is None:  # the process closed its stderr: it exited
+                return None
+            if m := pattern.search(line):
+                return m
+        return None
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+@dataclass
+class Exporter:
+    process: subprocess.Popen
+    log: _LineReader
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+
+@contextmanager
+def exporter(nvidia_smi: Path, cwd: Path) -> Iterator[Exporter]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mig_exporter", "serve",
+         "--web.listen-address", f"{HOST}:0", "--nvidia-smi", str(nvidia_smi)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd,
+    )
+    try:
+        log = _LineReader(process.stderr)
+        m = log.wait_for(LISTENING, STARTUP_S)
+        assert m is not None, f"the exporter did not log 'listening on' (exit {process.poll()}):\n{log.text()}"
+        yield Exporter(process, log, int(m.group(1)))
+    finally:
+        _stop(process)
+        process.stderr.close()
+
+
+@dataclass
+class Prometheus:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def get(self, path: str, **params: str) -> dict:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=5) as r:
+            body = json.load(r)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, promql: str) -> list[dict]:
+        data = self.get("/api/v1/query", query=promql)
+        assert data["resultType"] == "vector", data
+        return data["result"]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def prometheus(target: str, tmp_path: Path) -> Iterator[Prometheus]:
+    binary = _prometheus_binary()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global:\n"
+        "  scrape_interval: 1s\n"
+        "  scrape_timeout: 1s\n"
+        "scrape_configs:\n"
+        f"  - job_name: {JOB}\n"
+        "    static_configs:\n"
+        f"      - targets: ['{target}']\n"
+    )
+    port = _free_port()
+    log_path = tmp_path / "prometheus.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address={HOST}:{port}"],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, cwd=tmp_path,
+        )
+    try:
+        server = Prometheus(process, f"http://{HOST}:{port}", log_path)
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert process.poll() is None, f"prometheus exited {process.returncode}:\n{server.log()}"
+            try:
+                with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"prometheus not ready after {STARTUP_S}s:\n{server.log()}"
+            time.sleep(0.2)
+        yield server
+    finally:
+        _stop(process)
+
+
+def _target_after_scrapes(server: Prometheus, address: str, scrapes: int = 2) -> dict:
+    """The active target once Prometheus has scraped it ``scrapes`` times and
+    stored the samples (bounded by STARTUP_S)."""
+    deadline = time.monotonic() + STARTUP_S
+    seen: dict | None = None
+    while time.monotonic() < deadline:
+        targets = server.get("/api/v1/targets", state="active")["activeTargets"]
+        seen = next((t for t in targets if t["labels"].get("instance") == address), None)
+        if seen is not None and seen["health"] != "unknown":
+            stored = server.query(f'count_over_time(up{{instance="{address}"}}[1m])')
+            if stored and float(stored[0]["value"][1]) >= scrapes:
+                return seen
+        time.sleep(0.2)
+    raise AssertionError(f"target {address} not scraped {scrapes} times in {STARTUP_S}s: {seen}\n{server.log()}")
+
+
+def _value(server: Prometheus, promql: str) -> float:
+    result = server.query(promql)
+    assert len(result) == 1, f"{promql}: expected one series, got {result}"
+    return float(result[0]["value"][1])
+
+
+def _ingestion_problems(server: Prometheus) -> dict[str, float]:
+    """Prometheus' own counters of samples it dropped while ingesting scrapes:
+    a series exposed twice, out of order or out of bounds, limits exceeded."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith(("prometheus_target_scrapes_", "prometheus_target_scrape_pool_exceeded"))
+        and s.name.endswith("_total")
+    }
+
+
+def test_prometheus_stores_the_h100_scenario(fake_nvidia_smi, tmp_path):
+    _prometheus_binary()  # skip (or fail under CI) before starting anything
+    smi = fake_nvidia_smi(xml=fixture_bytes("h100-mig-processes.xml"),
+                          listing=fixture_bytes("h100-mig-processes.L.txt"))
+    with exporter(smi, tmp_path) as exp, prometheus(exp.address, tmp_path) as prom:
+        target = _target_after_scrapes(prom, exp.address)
+        assert target["health"] == "up", target
+        assert target["lastError"] == "", target
+        assert target["scrapeUrl"] == f"http://{exp.address}/metrics"
+        assert target["labels"]["job"] == JOB
+
+        assert _value(prom, f'up{{job="{JOB}"}}') == 1
+        assert _value(prom, 'mig_exporter_read_success{source="nvidia-smi"}') == 1
+        assert _value(prom, 'mig_exporter_read_errors_total{source="nvidia-smi"}') == 0
+        assert _value(prom, "count(mig_exporter_device_info)") == 4
+        assert _value(prom, 'mig_exporter_device_memory_used_bytes{index="1002"}') == 7493 * MIB
+        assert _value(prom, 'mig_exporter_device_memory_total_bytes{index="1000"}') == 40448 * MIB
+
+        (process,) = prom.query('mig_exporter_process_memory_used_bytes{pid="21198"}')
+        assert process["metric"] == {
+            "__name__": "mig_exporter_process_memory_used_bytes",
+            "card": "0",
+            "index": "1002",
+            "mig_profile": "1g.10gb",
+            "pid": "21198",
+            "instance": exp.address,
+            "job": JOB,
+        }
+        assert float(process["value"][1]) == 7484 * MIB
+
+        # Each of 4 devices once: no series was duplicated or dropped on the way.
+        assert _value(prom, "count(mig_exporter_device_memory_used_bytes)") == 4
+        assert _value(prom, "count(mig_exporter_process_info)") == 3
+
+        problems = _ingestion_problems(prom)
+        assert problems, "Prometheus exposed none of its ingestion counters"
+        assert {k: v for k, v in problems.items() if v} == {}
+        assert "Traceback" not in exp.log.text()
+    assert exp.process.returncode == 0, exp.log.text()
+
+
+def test_prometheus_sees_a_failed_read_as_data(fake_nvidia_smi, tmp_path):
+    """nvidia-smi fails: the scrape still succeeds (up 1) and says read_success 0."""
+    _prometheus_binary()
+    smi = fake_nvidia_smi(mode="fail", list_mode="fail")
+    with exporter(smi, tmp_path) as exp, prometheus(exp.address, tmp_path) as prom:
+        target = _target_after_scrapes(prom, exp.address)
+        assert target["health"] == "up", target
+        assert target["lastError"] == "", target
+
+        assert _value(prom, f'up{{job="{JOB}"}}') == 1
+        assert _value(prom, 'mig_exporter_read_success{source="nvidia-smi"}') == 0
+        assert _value(prom, 'mig_exporter_read_errors_total{source="nvidia-smi"}') >= 2
+        assert prom.query("mig_exporter_device_info") == []
+        assert prom.query("mig_exporter_card_info") == []
+        assert _value(prom, "mig_exporter_build_info") == 1
+
+        problems = _ingestion_problems(prom)
+        assert {k: v for k, v in problems.items() if v} == {}
+        assert "couldn't communicate with the NVIDIA driver" in exp.log.text()
+        assert "Traceback" not in exp.log.text()
+    assert exp.process.returncode == 0, exp.log.text()

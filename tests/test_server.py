@@ -1,0 +1,164 @@
+"""The HTTP server on 127.0.0.1 with a real client: paths, formats, failures, deadlines."""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import MIB, fixture_bytes
+from prometheus_client.parser import text_string_to_metric_families
+
+from mig_exporter.scrape import Scraper
+from mig_exporter.server import ExporterServer, parse_listen_address
+from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_smi import NvidiaSmiSource
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(source, timeout_s=10.0, offset_s=0.5) -> str:
+        server = ExporterServer(("127.0.0.1", 0), Scraper(source), timeout_s=timeout_s, timeout_offset_s=offset_s)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server.url
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):
+    request = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=15) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def _value(body: bytes, name: str, labels: dict[str, str]) -> float | None:
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+def test_metrics_from_a_mig_node_through_the_fake_nvidia_smi(serve, fake_nvidia_smi):
+    smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"))
+    url = serve(NvidiaSmiSource(str(smi)))
+    status, headers, body = _get(url + "/metrics")
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    assert _value(body, "mig_exporter_device_memory_used_bytes", {"index": "1000", "mig_profile": "3g.40gb"}) == 3594 * MIB
+    assert _value(body, "mig_exporter_process_memory_used_bytes", {"pid": "21181", "index": "1000"}) == 1272 * MIB
+    assert _value(body, "mig_exporter_read_success", {"source": "nvidia-smi"}) == 1
+
+
+def test_each_scrape_reads_afresh(serve, fake_nvidia_smi):
+    smi = fake_nvidia_smi(fixture_bytes("a100-mig-pending.xml"), fixture_bytes("a100-mig-pending.L.txt"))
+    url = serve(NvidiaSmiSource(str(smi)))
+    _get(url + "/metrics")
+    _get(url + "/metrics")
+    calls = (smi.parent / "calls.log").read_text().splitlines()
+    assert sorted(line.split(" ", 1)[1] for line in calls) == ["-L", "-L", "-q -x", "-q -x"]
+
+
+def test_openmetrics_and_gzip_are_negotiated(serve):
+    url = serve(DemoSource())
+    status, headers, body = _get(url + "/metrics", {"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert status == 200 and headers["Content-Type"].startswith("application/openmetrics-text")
+    assert body.rstrip().endswith(b"# EOF")
+    status, headers, body = _get(url + "/metrics", {"Accept-Encoding": "gzip"})
+    assert headers["Content-Encoding"] == "gzip"
+    assert b"mig_exporter_device_info" in gzip.decompress(body)
+
+
+def test_a_failing_read_still_answers_200_with_read_success_zero(serve, fake_nvidia_smi):
+    smi = fake_nvidia_smi(mode="fail")
+    url = serve(NvidiaSmiSource(str(smi)))
+    status, _, body = _get(url + "/metrics")
+    assert status == 200
+    assert _value(body, "mig_exporter_read_success", {"source": "nvidia-smi"}) == 0
+    assert _value(body, "mig_exporter_read_errors_total", {"source": "nvidia-smi"}) == 1
+    assert b"Traceback" not in body
+
+
+def test_garbage_from_nvidia_smi_is_a_failed_read_not_a_500(serve, fake_nvidia_smi):
+    url = serve(NvidiaSmiSource(str(fake_nvidia_smi(mode="garbage"))))
+    status, _, body = _get(url + "/metrics")
+    assert status == 200 and _value(body, "mig_exporter_read_success", {}) == 0
+
+
+def test_a_hung_read_answers_within_prometheus_scrape_timeout(serve, fake_nvidia_smi):
+    smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), mode="hang")
+    url = serve(NvidiaSmiSource(str(smi), timeout_s=30), timeout_s=30, offset_s=1.0)
+    started = time.monotonic()
+    status, _, body = _get(url + "/metrics", {"X-Prometheus-Scrape-Timeout-Seconds": "2"})
+    elapsed = time.monotonic() - started
+    assert status == 200 and _value(body, "mig_exporter_read_success", {}) == 0
+    # The read gets 2 s less the 1 s offset; Prometheus would give up at 2 s.
+    assert elapsed < 2.0, f"answered after {elapsed:.2f}s, past Prometheus' 2s scrape timeout"
+
+
+def test_health_stays_up_while_reads_fail_and_ready_says_why(serve, tmp_path):
+    url = serve(NvidiaSmiSource(str(tmp_path / "missing" / "nvidia-smi")))
+    assert _get(url + "/-/healthy")[0] == 200
+    status, _, body = _get(url + "/-/ready")
+    assert status == 503 and b"no such executable file" in body
+    ready = serve(DemoSource())
+    assert _get(ready + "/-/ready")[0] == 200
+
+
+def test_landing_page_names_version_source_and_links(serve):
+    url = serve(DemoSource())
+    status, headers, body = _get(url + "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    page = body.decode()
+    assert "mig-exporter 0.1.0" in page and "demo" in page
+    for link in ('href="/metrics"', 'href="/-/healthy"', 'href="/-/ready"'):
+        assert link in page
+
+
+def test_unknown_paths_and_methods(serve):
+    url = serve(DemoSource())
+    assert _get(url + "/nope")[0] == 404
+    assert _get(url + "/metrics", method="POST")[0] == 501
+    status, headers, body = _get(url + "/metrics", method="HEAD")
+    assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
+
+
+def test_concurrent_scrapes_are_all_answered(serve, fake_nvidia_smi):
+    smi = fake_nvidia_smi(fixture_bytes("h200-shared-gpu-instance.xml"), fixture_bytes("h200-shared-gpu-instance.L.txt"),
+                          delay_s=0.3)
+    url = serve(NvidiaSmiSource(str(smi)))
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda _: _get(url + "/metrics"), range(8)))
+    elapsed = time.monotonic() - started
+    assert [r[0] for r in results] == [200] * 8
+    assert all(_value(r[2], "mig_exporter_device_processes", {"index": "1001"}) == 1 for r in results)
+    # Served in parallel: eight 0.3 s reads one after another would take 2.4 s.
+    assert elapsed < 2.4
+
+
+@pytest.mark.parametrize(
+    "address, expected",
+    [(":10064", ("0.0.0.0", 10064)), ("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:9", ("::1", 9))],
+)
+def test_listen_address(address, expected):
+    assert parse_listen_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["10064", "host:port", "::1:9", ":70000"])
+def test_bad_listen_address(address):
+    with pytest.raises(ValueError):
+        parse_listen_address(address)
