@@ -111,3 +111,7 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+# A fake libnvidia-ml beneath pynvml's real ctypes layer (tests/fake_nvml.py).
+from fake_nvml import fake_nvml_lib  # noqa: E402,F401  (registers the fixture)

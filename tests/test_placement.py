@@ -31,13 +31,14 @@ def test_processes_on_a_card_with_nothing_carved_are_reported_not_lost_silently(
     assert len(s.problems) == 1 and "process 9" in s.problems[0]
 
 
-def test_a_pid_listed_twice_on_one_device_is_one_process_with_the_sum():
+def test_a_pid_listed_twice_on_one_device_is_one_process_with_its_types_joined():
     card = CardReading(index=0, name="Tesla T4", processes=(
-        ProcessReading(7, "C", "/bin/app", 100), ProcessReading(7, "G", "/bin/app", 50), ProcessReading(8, "G", "", None),
-        ProcessReading(8, "C", "", None),
+        ProcessReading(7, "C", "/bin/app", 100), ProcessReading(7, "G", "/bin/app", 100), ProcessReading(8, "G", "", None),
+        ProcessReading(8, "C", "", None), ProcessReading(9, "C", "mps", 64), ProcessReading(9, "M", "mps", None),
     ))
     s = place([card], driver_version=None, cuda_version=None)
-    assert [(p.pid, p.type, p.used_bytes) for p in s.processes] == [(7, "C+G", 150), (8, "C+G", None)]
+    # Each entry is the process's whole usage on the device: never summed.
+    assert [(p.pid, p.type, p.used_bytes) for p in s.processes] == [(7, "C+G", 100), (8, "C+G", None), (9, "M+C", 64)]
 
 
 def test_the_same_pid_on_two_cards_is_two_processes():

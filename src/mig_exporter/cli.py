@@ -7,6 +7,7 @@ Every option can also be set from the environment: ``--timeout`` from
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -17,14 +18,17 @@ from collections.abc import Callable
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mig_exporter import __version__
 from mig_exporter.command import kill_running
-from mig_exporter.errors import CommandError
+from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
 from mig_exporter.scrape import ScrapeCollector, Scraper, Source
 from mig_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
+from mig_exporter.source_auto import AutoSource
 from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_nvml import NvmlSource
 from mig_exporter.source_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
 
 ENV_PREFIX = "MIG_EXPORTER_"
@@ -35,8 +39,16 @@ def _env(name: str) -> str:
     return ENV_PREFIX + name
 
 
+SOURCES = ("auto", "nvml", "nvidia-smi", "demo")
+
+
 def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
+        click.option("--source", type=click.Choice(SOURCES), default="auto", show_default=True,
+                     envvar=_env("SOURCE"), show_envvar=True,
+                     help="Where to read: NVML (libnvidia-ml), nvidia-smi, or the bundled demo sample. "
+                          "auto takes NVML where the library loads, else nvidia-smi (nvidia-smi when "
+                          "--nvidia-smi is given)."),
         click.option("--nvidia-smi", "nvidia_smi", default=DEFAULT_BINARY, show_default=True,
                      envvar=_env("NVIDIA_SMI"), show_envvar=True,
                      help="The nvidia-smi binary: a path, or a name looked up on PATH."),
@@ -44,7 +56,7 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True, envvar=_env("TIMEOUT"), show_envvar=True,
                      help="Seconds a read may take; at the deadline the command's process group is killed."),
         click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
-                     help="Read the bundled sample (an A100 in MIG mode and a whole A100) instead of a GPU."),
+                     help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100)."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                      show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity."),
     ]
@@ -62,25 +74,38 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def _make_source(nvidia_smi: str, timeout: float, demo: bool, *, strict: bool) -> Source:
+def _make_source(source: str, nvidia_smi: str, timeout: float, demo: bool, *, strict: bool) -> Source:
     """The source the flags ask for.
 
-    ``strict`` refuses a binary that cannot be found. ``serve`` is strict only
-    about an explicit path: a node whose driver is not installed yet still
-    serves, with read_success 0, instead of crash-looping.
+    ``strict`` (``read``) refuses a source that cannot work now. ``serve`` is
+    strict only about an explicit ``--nvidia-smi`` path: a node whose driver is
+    not installed yet still serves, with read_success 0 and the reason in the
+    log, instead of crash-looping.
     """
+    ctx = click.get_current_context()
     if demo:
+        source = "demo"
+    elif source == "auto" and ctx.get_parameter_source("nvidia_smi") not in (
+        ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None,
+    ):
+        source = "nvidia-smi"  # an explicit --nvidia-smi says which path to read
+    if source == "demo":
         log.info("demo mode: serving the bundled sample, not a real GPU")
         return DemoSource()
-    source = NvidiaSmiSource(nvidia_smi, timeout)
-    try:
-        path = source.resolve()
-        log.info("reading through %s", path)
-    except CommandError as e:
-        if strict or os.sep in nvidia_smi:
-            raise click.ClickException(f"{e} (give --nvidia-smi PATH, or --demo to try the exporter without a GPU)") from None
-        log.warning("%s; serving with read_success 0 until it appears", e)
-    return source
+    smi = NvidiaSmiSource(nvidia_smi, timeout)
+    chosen: Source = smi
+    if source == "nvml":
+        chosen = NvmlSource(timeout_s=timeout)
+    elif source == "auto":
+        chosen = AutoSource(NvmlSource(timeout_s=timeout), smi)
+    ok, reason = chosen.ready()
+    if ok:
+        log.info("reading through %s: %s", chosen.describe(), reason)
+    elif strict or (source == "nvidia-smi" and os.sep in nvidia_smi):
+        raise click.ClickException(f"{reason} (give --nvidia-smi PATH, or --demo to try the exporter without a GPU)")
+    else:
+        log.warning("%s; serving with read_success 0 until it is available", reason)
+    return chosen
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -111,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
 @click.option("--web.timeout-offset", "timeout_offset", type=click.FloatRange(min=0), default=0.5,
               show_default=True, envvar=_env("WEB_TIMEOUT_OFFSET"), show_envvar=True,
               help="Seconds kept back from Prometheus' scrape timeout so the answer arrives in time.")
-def serve(nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_address: str,
+def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_address: str,
           timeout_offset: float) -> None:
     """Serve /metrics; every scrape reads the GPUs afresh."""
     _setup_logging(log_level)
@@ -119,9 +144,9 @@ def serve(nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_ad
         address = parse_listen_address(listen_address)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--web.listen-address") from None
-    source = _make_source(nvidia_smi, timeout, demo, strict=False)
+    chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(source), timeout_s=timeout, timeout_offset_s=timeout_offset)
+        server = ExporterServer(address, Scraper(chosen), timeout_s=timeout, timeout_offset_s=timeout_offset)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
 
@@ -131,7 +156,7 @@ def serve(nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_ad
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.url, source.describe())
+    log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.url, chosen.describe())
     with server:
         server.serve_forever()
     # Reads still in flight would otherwise leave nvidia-smi running.
@@ -145,11 +170,10 @@ def serve(nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_ad
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
-def read(nvidia_smi: str, timeout: float, demo: bool, log_level: str, output: str | None) -> None:
+def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     _setup_logging(log_level)
-    source = _make_source(nvidia_smi, timeout, demo, strict=True)
-    scraper = Scraper(source)
+    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ScrapeCollector(scraper, timeout))
     previous = signal.signal(signal.SIGTERM, _kill_and_exit)
@@ -167,6 +191,39 @@ def read(nvidia_smi: str, timeout: float, demo: bool, log_level: str, output: st
             raise click.ClickException(f"cannot write {output}: {e.strerror or e}") from None
     if scraper.errors_total:
         sys.exit(1)
+
+
+@cli.command()
+@click.option("--nvidia-smi", "nvidia_smi", default=DEFAULT_BINARY, show_default=True,
+              envvar=_env("NVIDIA_SMI"), show_envvar=True,
+              help="The nvidia-smi binary: a path, or a name looked up on PATH.")
+@click.option("--timeout", type=click.FloatRange(min=0.1, max=600), default=DEFAULT_TIMEOUT_S,
+              show_default=True, envvar=_env("TIMEOUT"), show_envvar=True, help="Seconds each read may take.")
+@click.option("--slow-threshold", type=click.FloatRange(min=0), default=DEFAULT_SLOW_THRESHOLD_S, show_default=True,
+              envvar=_env("DOCTOR_SLOW_THRESHOLD"), show_envvar=True,
+              help="Warn when nvidia-smi takes longer than this many seconds.")
+@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              envvar=_env("DOCTOR_FORMAT"), show_envvar=True, help="Human-readable text, or JSON for machines.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+              show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity.")
+def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, log_level: str) -> None:
+    """Read through NVML and nvidia-smi, show each card, and warn of what is wrong.
+
+    Exits 1 when there is any warning, 0 when there is none.
+    """
+    _setup_logging(log_level)
+    nvml = NvmlSource(timeout_s=timeout)
+    smi = NvidiaSmiSource(nvidia_smi, timeout)
+    report = diagnose(
+        timed_read("nvml", nvml.read),
+        timed_read("nvidia-smi", smi.read),
+        slow_threshold_s=slow_threshold,
+    )
+    if output_format == "json":
+        click.echo(json.dumps(as_json(report), indent=2))
+    else:
+        click.echo(render_text(report), nl=False)
+    sys.exit(1 if report.findings else 0)
 
 
 def _kill_and_exit(signum: int, _frame: object) -> None:

@@ -145,18 +145,25 @@ def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list
 
 
 def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Process]:
-    """One process per pid on a device: a pid listed twice (a compute and a
-    graphics entry) is one process holding the sum, so no series is repeated."""
+    """One process per pid on a device, in pid order, so no series is repeated.
+
+    A pid listed more than once (NVML lists a process in each of its compute,
+    graphics and MPS lists, each entry with the process's whole usage on the
+    device) is one process: its types joined (C+G, M+C) and the larger usage.
+    """
     by_pid: dict[int, Process] = {}
     for p in readings:
         seen = by_pid.get(p.pid)
         if seen is None:
             by_pid[p.pid] = Process(p.pid, p.type, p.name, p.used_bytes, device_index)
             continue
-        used = None if seen.used_bytes is None and p.used_bytes is None else (seen.used_bytes or 0) + (p.used_bytes or 0)
+        known = [u for u in (seen.used_bytes, p.used_bytes) if u is not None]
+        used = max(known) if known else None
         types = sorted((set(seen.type.split("+")) | set(p.type.split("+"))) - {""}, key=_type_order)
         by_pid[p.pid] = Process(p.pid, "+".join(types), seen.name or p.name, used, device_index)
-    return list(by_pid.values())
+    # By pid: the drivers' list orders differ between paths (NVML lists compute
+    # before graphics), the snapshot must not.
+    return sorted(by_pid.values(), key=lambda p: p.pid)
 
 
 def _type_order(letter: str) -> tuple[int, str]:

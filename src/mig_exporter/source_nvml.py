@@ -1,0 +1,265 @@
+"""The NVML read path: libnvidia-ml through pynvml, answering in microseconds.
+
+It builds the same snapshot as the nvidia-smi path, through the same
+placement rules, so a dashboard cannot tell which path fed it except by the
+``source`` label. What each value matches in nvidia-smi:
+
+- cards: ``nvmlDeviceGetCount`` / ``GetHandleByIndex`` (``nvidia-smi -L`` order);
+- MIG mode: ``GetMigMode`` (``mig_mode/current_mig``, ``pending_mig``);
+- instances: ``GetMaxMigDeviceCount`` and ``GetMigDeviceHandleByIndex`` over
+  every slot, skipping empty ones (``mig_devices/mig_device``); profile from the
+  instance's name, "NVIDIA A100-SXM4-80GB MIG 3g.40gb" (``-L``'s profile);
+- memory: ``GetMemoryInfo`` v2 where the driver has it, for ``reserved``
+  (``fb_memory_usage``);
+- processes: compute, graphics and MPS lists on each MIG handle, or on the
+  card (``processes/process_info``), v3 with fallbacks to v2 and v1.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import pynvml
+
+from mig_exporter.errors import ReadError
+from mig_exporter.nvml import Nvml, NvmlCallError, NvmlUnavailable, error_name
+from mig_exporter.placement import place
+from mig_exporter.snapshot import CardReading, Memory, MigInstance, ProcessReading, Snapshot
+
+DEFAULT_TIMEOUT_S = 10.0
+# Linux never hands out pids above PID_MAX_LIMIT (2^22); 0 and 2^32-1 are what
+# the R535-era v2/v3 process struct mismatch produced.
+_PID_MAX_LIMIT = 4_194_304
+_EMPTY_SLOT = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+_PROFILE_IN_NAME = re.compile(r"\bMIG\s+(\S+)\s*$")
+
+_PROCESS_LISTS = (
+    # pynvml's unversioned wrappers raise a non-NVML error where _v3 is missing;
+    # name the versions, newest first.
+    ("C", ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")),
+    ("G", ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2")),
+    ("M", ("nvmlDeviceGetMPSComputeRunningProcesses_v3", "nvmlDeviceGetMPSComputeRunningProcesses_v2")),
+)
+
+
+class NvmlSource:
+    """Reads through libnvidia-ml at each call."""
+
+    name = "nvml"
+
+    def __init__(self, nvml: Nvml | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.nvml = nvml or Nvml()
+        self.timeout_s = timeout_s
+        # An NVML call can hang in the driver. Each read runs in a daemon thread
+        # (a hung one must not block the exporter's exit) and the caller waits
+        # only until its deadline. A read already in flight is joined rather
+        # than started again, so concurrent scrapes share it and a hung call
+        # never piles up threads.
+        self._inflight: tuple[threading.Thread, dict[str, Any]] | None = None
+        self._lock = threading.Lock()
+
+    def ready(self) -> tuple[bool, str]:
+        try:
+            self.nvml.ensure()
+            count = self.nvml.call(pynvml.nvmlDeviceGetCount)
+        except ReadError as e:
+            return False, str(e)
+        return True, f"libnvidia-ml loaded, {count} device(s)"
+
+    def describe(self) -> str:
+        return f"NVML (libnvidia-ml, timeout {self.timeout_s:g}s)"
+
+    def read(self, timeout_s: float | None = None) -> Snapshot:
+        budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        with self._lock:
+            if self._inflight is None or not self._inflight[0].is_alive():
+                outcome: dict[str, Any] = {}
+                thread = threading.Thread(target=self._run, args=(outcome,), name="nvml-read", daemon=True)
+                thread.start()
+                self._inflight = (thread, outcome)
+            thread, outcome = self._inflight
+        thread.join(budget)
+        if "snapshot" in outcome:
+            return outcome["snapshot"]
+        if "error" in outcome:
+            raise outcome["error"]
+        raise ReadError(f"NVML read did not finish within {budget:.1f}s (a driver call hung)")
+
+    def _run(self, outcome: dict[str, Any]) -> None:
+        try:
+            outcome["snapshot"] = self.read_now()
+        except BaseException as e:  # handed to every caller waiting on this read
+            outcome["error"] = e
+
+    def read_now(self) -> Snapshot:
+        """One read, in the calling thread."""
+        nv = self.nvml
+        nv.ensure()
+        driver = _text(nv.optional(pynvml.nvmlSystemGetDriverVersion))
+        cuda = _cuda_version(nv.optional(pynvml.nvmlSystemGetCudaDriverVersion))
+        count = nv.call(pynvml.nvmlDeviceGetCount)
+        cards: list[CardReading] = []
+        problems: list[str] = []
+        for index in range(count):
+            cards.append(self._read_card(index, problems))
+        return place(cards, driver_version=driver, cuda_version=cuda, problems=problems)
+
+    def _read_card(self, index: int, problems: list[str]) -> CardReading:
+        """One card; a failing call marks the card (keeping what was read before
+        it) instead of failing the read, unless the whole library has gone."""
+        identity: dict[str, Any] = {}
+        try:
+            return self._read_card_values(index, identity, problems)
+        except NvmlCallError as e:
+            if e.code in (pynvml.NVML_ERROR_UNINITIALIZED, pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
+                raise
+            return CardReading(index=index, error=f"{error_name(e.code)} in {e.function}", **identity)
+
+    def _read_card_values(self, index: int, identity: dict[str, Any], problems: list[str]) -> CardReading:
+        nv = self.nvml
+        handle = nv.call(pynvml.nvmlDeviceGetHandleByIndex, index)
+        identity["uuid"] = _text(nv.call(pynvml.nvmlDeviceGetUUID, handle))
+        identity["name"] = _text(nv.call(pynvml.nvmlDeviceGetName, handle))
+        identity["pci_bus_id"] = _text(getattr(nv.optional(pynvml.nvmlDeviceGetPciInfo, handle), "busId", None))
+        mode = nv.optional(pynvml.nvmlDeviceGetMigMode, handle)
+        identity["mig_current"] = mig_current = None if mode is None else bool(mode[0])
+        identity["mig_pending"] = None if mode is None else bool(mode[1])
+        temperature = nv.optional(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
+        power_mw = nv.optional(pynvml.nvmlDeviceGetPowerUsage, handle)
+        utilization = None if mig_current else nv.optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
+        identity["memory"] = self._memory(handle)
+        instances: list[MigInstance] = []
+        processes: list[ProcessReading] = []
+        if mig_current:
+            for mig_index, mig_handle in self._mig_handles(handle):
+                gi = nv.call(pynvml.nvmlDeviceGetGpuInstanceId, mig_handle)
+                ci = nv.call(pynvml.nvmlDeviceGetComputeInstanceId, mig_handle)
+                instances.append(MigInstance(
+                    mig_index=mig_index,
+                    gpu_instance_id=gi,
+                    compute_instance_id=ci,
+                    memory=self._memory(mig_handle),
+                    profile=_profile(_text(nv.optional(pynvml.nvmlDeviceGetName, mig_handle))),
+                    uuid=_text(nv.optional(pynvml.nvmlDeviceGetUUID, mig_handle)),
+                ))
+                processes.extend(self._processes(mig_handle, gi, ci, f"card {index} MIG device {mig_index}", problems))
+        else:
+            processes.extend(self._processes(handle, None, None, f"card {index}", problems))
+        return CardReading(
+            index=index,
+            temperature_celsius=None if temperature is None else float(temperature),
+            power_draw_watts=None if power_mw is None else power_mw / 1000.0,
+            utilization_ratio=None if utilization is None else utilization.gpu / 100.0,
+            instances=tuple(instances),
+            processes=tuple(processes),
+            **identity,
+        )
+
+    def _mig_handles(self, handle: Any) -> list[tuple[int, Any]]:
+        nv = self.nvml
+        found = []
+        for mig_index in range(nv.call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
+            try:
+                found.append((mig_index, nv.call(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, mig_index)))
+            except NvmlCallError as e:
+                if e.code not in _EMPTY_SLOT:
+                    raise
+        return found
+
+    def _memory(self, handle: Any) -> Memory:
+        """v2 (with ``reserved``) where the driver has it, else v1."""
+        nv = self.nvml
+        version = getattr(pynvml, "nvmlMemory_v2", None)
+        if version is not None:
+            try:
+                m = nv.call(pynvml.nvmlDeviceGetMemoryInfo, handle, version=version)
+                return Memory(total_bytes=m.total, used_bytes=m.used, free_bytes=m.free, reserved_bytes=m.reserved)
+            except NvmlCallError as e:
+                if not (e.unsupported or e.code == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH):
+                    raise
+        m = nv.optional(pynvml.nvmlDeviceGetMemoryInfo, handle)
+        if m is None:
+            return Memory()
+        return Memory(total_bytes=m.total, used_bytes=m.used, free_bytes=m.free)
+
+    def _processes(self, handle: Any, gi: int | None, ci: int | None, where: str,
+                   problems: list[str]) -> list[ProcessReading]:
+        """Compute (C), graphics (G) and MPS (M) processes; placement merges a pid
+        listed in several of them into one process of type C+G or M+C."""
+        found: list[ProcessReading] = []
+        names: dict[int, str] = {}
+        for letter, functions in _PROCESS_LISTS:
+            for entry in self._process_list(handle, functions, where, problems):
+                pid = int(entry.pid)
+                if pid not in names:
+                    names[pid] = self._process_name(pid)
+                found.append(ProcessReading(
+                    pid=pid,
+                    type=letter,
+                    name=names[pid],
+                    used_bytes=entry.usedGpuMemory,
+                    gpu_instance_id=gi,
+                    compute_instance_id=ci,
+                ))
+        return found
+
+    def _process_list(self, handle: Any, functions: tuple[str, ...], where: str, problems: list[str]) -> list[Any]:
+        """The newest variant the driver has; a list with impossible pids (the
+        R535 v2/v3 struct mismatch) is retried with the older variant, and any
+        impossible pid left is dropped, never exported."""
+        nv = self.nvml
+        last_bad: list[Any] = []
+        for name in functions:
+            function = getattr(pynvml, name, None)
+            if function is None:
+                continue
+            try:
+                entries = nv.call(function, handle)
+            except NvmlCallError as e:
+                if e.unsupported:
+                    continue
+                raise
+            bad = [p for p in entries if not 0 < int(p.pid) < _PID_MAX_LIMIT]
+            if not bad:
+                return list(entries)
+            last_bad = list(entries)
+        if last_bad:
+            good = [p for p in last_bad if 0 < int(p.pid) < _PID_MAX_LIMIT]
+            problems.append(
+                f"{where}: {len(last_bad) - len(good)} process entries with impossible pids dropped "
+                "(NVML process struct version mismatch)"
+            )
+            return good
+        return []
+
+    def _process_name(self, pid: int) -> str:
+        try:
+            return _text(self.nvml.call(pynvml.nvmlSystemGetProcessName, pid)) or ""
+        except NvmlCallError:
+            return ""  # exited since it was listed, or not ours to see
+
+
+def _profile(mig_name: str | None) -> str | None:
+    m = _PROFILE_IN_NAME.search(mig_name or "")
+    return m.group(1) if m else None
+
+
+def _text(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    text = str(value).strip()
+    return text or None
+
+
+def _cuda_version(value: int | None) -> str | None:
+    """12040 -> "12.4", as nvidia-smi prints it."""
+    if not value:
+        return None
+    return f"{value // 1000}.{value % 1000 // 10}"
+
+
+__all__ = ["NvmlSource", "NvmlUnavailable"]

@@ -1,0 +1,218 @@
+"""The NVML read path, with the real pynvml running over a fake libnvidia-ml.
+
+The parity tests are the heart: for every scenario, NVML and nvidia-smi give
+the same snapshot — devices, indexes, profiles, UUIDs, classes, processes and
+bytes — so a dashboard cannot tell which path fed it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import re
+import threading
+import time
+
+import pynvml
+import pytest
+from click.testing import CliRunner
+from conftest import MIB, fixture_bytes, sample_value, scenario
+from fake_nvml import OLD_DRIVER_MISSING, SCENARIOS
+
+from mig_exporter.cli import cli
+from mig_exporter.errors import ReadError
+from mig_exporter.nvml import NvmlUnavailable
+from mig_exporter.scrape import Scraper
+from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_nvml import NvmlSource
+
+FIXTURE_SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved",
+                     "a100-mig-pending", "na-memory"]
+
+
+@pytest.mark.parametrize("name", FIXTURE_SCENARIOS)
+def test_nvml_snapshot_equals_the_nvidia_smi_snapshot(fake_nvml_lib, name):
+    fake = fake_nvml_lib(name)
+    assert NvmlSource().read() == scenario(name)
+    assert fake.exceptions == []
+
+
+def test_nvml_demo_equals_the_bundled_demo(fake_nvml_lib):
+    fake_nvml_lib("demo")
+    assert NvmlSource().read() == DemoSource().read()
+
+
+def test_mig_instances_are_enumerated_over_every_slot_and_empty_ones_skipped(fake_nvml_lib):
+    fake = fake_nvml_lib("h100-mig-processes")
+    snapshot = NvmlSource().read()
+    assert [d.index for d in snapshot.devices] == [1000, 1001, 1002, 1003]
+    # Seven slots asked for, four answered, three NOT_FOUND and skipped.
+    assert fake.called("nvmlDeviceGetMigDeviceHandleByIndex") == 7
+    assert [(p.pid, p.device_index, p.used_bytes) for p in snapshot.processes] == [
+        (21180, 1000, 2296 * MIB), (21181, 1000, 1272 * MIB), (21198, 1002, 7484 * MIB)]
+
+
+def test_a_lost_card_and_a_card_without_mig_permission_are_marked_and_the_third_reports(fake_nvml_lib, caplog):
+    fake_nvml_lib("one-lost-one-no-permission")
+    scraper = Scraper(NvmlSource())
+    families = scraper.families()
+    lost, denied, healthy = NvmlSource().read().cards
+    assert lost.error == "NVML_ERROR_GPU_IS_LOST in nvmlDeviceGetUUID"
+    assert denied.error == "NVML_ERROR_NO_PERMISSION in nvmlDeviceGetMaxMigDeviceCount"
+    assert denied.uuid is not None and denied.name is not None, "what was read before the failure is kept"
+    assert healthy.error is None
+    assert sample_value(families, "mig_exporter_card_read_success", {"card": "0"}) == 0
+    assert sample_value(families, "mig_exporter_card_read_success", {"card": "1"}) == 0
+    assert sample_value(families, "mig_exporter_card_read_success", {"card": "2"}) == 1
+    assert sample_value(families, "mig_exporter_read_success", {"source": "nvml"}) == 1
+    assert sample_value(families, "mig_exporter_read_problems", {"source": "nvml"}) == 2
+    assert sample_value(families, "mig_exporter_device_processes", {"index": "2"}) == 1
+    assert "card 0: NVML_ERROR_GPU_IS_LOST in nvmlDeviceGetUUID" in caplog.text
+    assert "card 1: NVML_ERROR_NO_PERMISSION" in caplog.text
+
+
+def test_r535_struct_mismatch_is_detected_and_the_older_call_gives_the_truth(fake_nvml_lib):
+    bad = dataclasses.replace(SCENARIOS["h100-mig-processes"](), r535_struct_mismatch=True)
+    fake = fake_nvml_lib(bad)
+    snapshot = NvmlSource().read()
+    assert snapshot == scenario("h100-mig-processes")
+    assert fake.called("nvmlDeviceGetComputeRunningProcesses_v2") > 0
+
+
+def test_impossible_pids_are_never_exported_even_without_an_older_call(fake_nvml_lib):
+    bad = dataclasses.replace(
+        SCENARIOS["h100-mig-processes"](),
+        r535_struct_mismatch=True,
+        missing_functions=frozenset({"nvmlDeviceGetComputeRunningProcesses_v2"}),
+    )
+    fake_nvml_lib(bad)
+    snapshot = NvmlSource().read()
+    pids = {p.pid for p in snapshot.processes}
+    assert not pids & {0, 4294967295}
+    assert all(0 < pid < 4_194_304 for pid in pids)
+    assert any("impossible pids dropped" in problem for problem in snapshot.problems)
+
+
+def test_an_older_driver_without_v3_process_calls_or_memory_v2_still_reads(fake_nvml_lib):
+    old = dataclasses.replace(SCENARIOS["h100-mig-processes"](), missing_functions=OLD_DRIVER_MISSING)
+    fake = fake_nvml_lib(old)
+    snapshot = NvmlSource().read()
+    assert [(p.pid, p.device_index) for p in snapshot.processes] == [(21180, 1000), (21181, 1000), (21198, 1002)]
+    # v1 memory has no reserved field: unknown, not zero.
+    assert all(d.memory.reserved_bytes is None for d in snapshot.devices)
+    assert snapshot.device(1002).memory.total_bytes == 9984 * MIB
+    assert fake.exceptions == []
+
+
+def test_unknown_process_memory_is_none(fake_nvml_lib):
+    fake_nvml_lib("na-memory")
+    snapshot = NvmlSource().read()
+    assert [(p.pid, p.type, p.used_bytes) for p in snapshot.processes_on(0)] == [(4242, "C", None), (4243, "G", None)]
+
+
+def test_without_the_library_the_source_says_why(fake_nvml_lib):
+    fake_nvml_lib(dataclasses.replace(SCENARIOS["demo"](), init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
+    source = NvmlSource()
+    ok, reason = source.ready()
+    assert not ok and "NVML_ERROR_DRIVER_NOT_LOADED" in reason
+    with pytest.raises(NvmlUnavailable, match="NVML cannot be initialised: NVML_ERROR_DRIVER_NOT_LOADED"):
+        source.read()
+
+
+def test_nvml_is_initialised_once_and_again_after_a_driver_error(fake_nvml_lib):
+    fake = fake_nvml_lib("a100-mig-pending")
+    source = NvmlSource()
+    source.read()
+    source.read()
+    assert fake.called("nvmlInitWithFlags") == 1
+    healthy = fake.scenario
+    fake.set_scenario(dataclasses.replace(healthy, system_errors={"nvmlDeviceGetCount_v2": pynvml.NVML_ERROR_UNINITIALIZED}))
+    with pytest.raises(ReadError, match="NVML_ERROR_UNINITIALIZED"):
+        source.read()
+    fake.set_scenario(healthy)
+    assert source.read() == scenario("a100-mig-pending")
+    assert fake.called("nvmlInitWithFlags") == 2
+
+
+def _hang(fake, symbol: str, release: threading.Event, argtypes) -> None:
+    """Make one C function block until ``release`` is set (a wedged driver call)."""
+    def blocked(*args):
+        release.wait(30)
+        return pynvml.NVML_ERROR_UNKNOWN
+    hung = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(blocked)
+    fake._functions[symbol] = hung
+    pynvml._nvmlGetFunctionPointer_cache.pop(symbol, None)
+    return hung
+
+
+def test_a_hung_call_fails_the_read_at_its_deadline_and_later_reads_do_not_pile_up(fake_nvml_lib):
+    fake = fake_nvml_lib("a100-mig-pending")
+    source = NvmlSource(timeout_s=10)
+    source.read()  # initialised
+    release = threading.Event()
+    keep = _hang(fake, "nvmlDeviceGetCount_v2", release, (ctypes.c_void_p,))
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReadError, match="did not finish within 0.3s"):
+            source.read(timeout_s=0.3)
+        with pytest.raises(ReadError, match="did not finish within 0.3s"):
+            source.read(timeout_s=0.3)
+        assert time.monotonic() - started < 3
+        threads = [t for t in threading.enumerate() if t.name == "nvml-read"]
+        assert len(threads) == 1, "the second read joined the hung one instead of starting another"
+    finally:
+        release.set()
+    del keep
+
+
+def test_concurrent_reads_share_one_read(fake_nvml_lib):
+    fake = fake_nvml_lib("h100-mig-processes")
+    source = NvmlSource()
+    source.read()
+    before = fake.called("nvmlDeviceGetCount_v2")
+    release = threading.Event()
+    original = fake._functions["nvmlDeviceGetCount_v2"]
+
+    def slow(out):
+        release.wait(5)
+        return original(out)
+    fake._functions["nvmlDeviceGetCount_v2"] = keep = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(slow)
+    pynvml._nvmlGetFunctionPointer_cache.pop("nvmlDeviceGetCount_v2", None)
+    results = []
+    readers = [threading.Thread(target=lambda: results.append(source.read())) for _ in range(5)]
+    for r in readers:
+        r.start()
+    time.sleep(0.2)
+    release.set()
+    for r in readers:
+        r.join(10)
+    assert len(results) == 5 and all(r == scenario("h100-mig-processes") for r in results)
+    assert fake.called("nvmlDeviceGetCount_v2") - before == 1
+    del keep
+
+
+def _without_volatile(text: str) -> str:
+    """Exposition minus the per-read duration, with the source label made neutral."""
+    lines = [line for line in text.splitlines() if not line.startswith("mig_exporter_read_duration_seconds{")]
+    return re.sub(r'source="[^"]+"', 'source="*"', "\n".join(lines))
+
+
+@pytest.mark.parametrize("name", FIXTURE_SCENARIOS)
+def test_read_source_nvml_prints_the_same_series_as_the_nvidia_smi_path(fake_nvml_lib, fake_nvidia_smi, name):
+    fake_nvml_lib(name)
+    smi = fake_nvidia_smi(fixture_bytes(f"{name}.xml"), fixture_bytes(f"{name}.L.txt"))
+    runner = CliRunner()
+    via_nvml = runner.invoke(cli, ["read", "--source", "nvml"])
+    via_smi = runner.invoke(cli, ["read", "--source", "nvidia-smi", "--nvidia-smi", str(smi)])
+    assert via_nvml.exit_code == 0 and via_smi.exit_code == 0
+    assert 'mig_exporter_read_success{source="nvml"} 1.0' in via_nvml.stdout
+    assert 'mig_exporter_read_success{source="nvidia-smi"} 1.0' in via_smi.stdout
+    assert _without_volatile(via_nvml.stdout) == _without_volatile(via_smi.stdout)
+
+
+def test_source_auto_takes_nvml_where_the_library_loads(fake_nvml_lib):
+    fake_nvml_lib("h100-mig-processes")
+    result = CliRunner().invoke(cli, ["read"])
+    assert result.exit_code == 0
+    assert 'mig_exporter_read_success{source="nvml"} 1.0' in result.stdout
+    assert 'mig_exporter_device_memory_used_bytes{card="0",index="1002",mig_profile="1g.10gb"} 7.856979968e+09' in result.stdout
