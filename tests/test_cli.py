@@ -400,6 +400,8 @@ def test_log_level_from_the_environment() -> None:
     ("MIG_EXPORTER_LOG_LEVEL", "--log-level", ["read", "--demo"]),
     ("MIG_EXPORTER_WEB_TIMEOUT_OFFSET", "--web.timeout-offset", ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
     ("MIG_EXPORTER_WEB_LISTEN_ADDRESS", "--web.listen-address", ["serve", "--demo"]),
+    ("MIG_EXPORTER_PROBE_MAX_CONCURRENT", "--probe.max-concurrent",
+     ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
 ])
 def test_a_bad_value_in_the_environment_is_a_usage_error(variable: str, option: str, args: list[str]) -> None:
     # Refusing the value proves the variable is read.
@@ -552,3 +554,156 @@ def _running_in_groups(pgids: list[int], within_s: float) -> list[tuple[int, int
         if not running or time.monotonic() > deadline:
             return running
         time.sleep(0.05)
+
+
+# --- the config file: serve --config.file, SIGHUP, check-config --------------------------------
+
+BAD_CONFIG = """\
+probe_targets:
+  gpu-a:
+    command: nvidia-smi
+  '../etc':
+    command: [nvidia-smi]
+  gpu-b:
+    command: [nvidia-smi]
+    timeout: forever
+"""
+BAD_CONFIG_ERRORS = [
+    "probe_targets.gpu-a.command: must be a list of arguments (no shell is used), e.g. ['nvidia-smi']",
+    "probe_targets.'../etc': not a valid target name "
+    "(a letter or digit, then letters, digits, '_', '.' or '-'; at most 64 characters)",
+    "probe_targets.gpu-b.timeout: 'forever' is not a duration (write it like 500ms, 5s or 1m30s)",
+]
+
+
+def probe_config(path: Path, **targets: Path) -> Path:
+    path.write_text("probe_targets:\n" + "".join(
+        f"  {name}:\n    command: ['{fake}']\n    timeout: 5s\n" for name, fake in targets.items()))
+    return path
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The error lines of a failed command, without their prefix; nothing else but log lines."""
+    other = [line for line in stderr.splitlines() if line.strip() and not line.startswith("ts=")]
+    assert all(line.startswith("mig-exporter: error: ") for line in other), other
+    return [line.removeprefix("mig-exporter: error: ") for line in other]
+
+
+def wait_for_log(server: Server, text: str, after: int = 0, timeout_s: float = 10) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in server.log[after:]:
+            if text in line:
+                return line
+        time.sleep(0.02)
+    raise AssertionError(f"no log line with {text!r}: {server.log}")
+
+
+def test_serve_with_a_bad_config_prints_every_error_and_exits_1(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
+    config = tmp_path / "mig.yml"
+    config.write_text(BAD_CONFIG)
+    fake = h100_fake(fake_nvidia_smi)
+    result = run_cli("serve", "--web.listen-address", "127.0.0.1:0", "--nvidia-smi", str(fake),
+                     "--config.file", str(config))
+
+    assert result.returncode == 1
+    assert error_lines(result.stderr) == [f"{config}: {error}" for error in BAD_CONFIG_ERRORS]
+    assert "listening" not in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (fake.parent / "calls.log").exists()
+
+
+def test_serve_with_a_missing_config_file_is_a_one_line_error(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yml"
+    result = run_cli("serve", "--demo", "--web.listen-address", "127.0.0.1:0",
+                     env=cli_env(MIG_EXPORTER_CONFIG_FILE=str(missing)))
+
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{missing}: cannot read: No such file or directory"
+
+
+def test_serve_probes_the_targets_of_the_config_file_from_the_environment(
+    tmp_path: Path, fake_nvidia_smi: FakeSmi
+) -> None:
+    config = probe_config(tmp_path / "mig.yml", gpu_a=h100_fake(fake_nvidia_smi))
+    env = cli_env(MIG_EXPORTER_CONFIG_FILE=str(config), MIG_EXPORTER_PROBE_MAX_CONCURRENT="2")
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo", env=env) as server:
+        status, body = server.get("/probe?target=gpu_a")
+        assert status == 200
+        parsed = samples(body)
+        assert value(parsed, "probe_success") == 1
+        assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1002") == 7493 * MIB
+        status, body = server.get("/metrics")
+        assert value(samples(body), "mig_exporter_probes_total", target="gpu_a") == 1
+        assert server.get("/probe?target=/bin/sh")[0] == 400
+    assert any(f"loaded {config}: 1 probe target (gpu_a); at most 2 probes at once" in line for line in server.log)
+
+
+def test_sighup_reloads_the_config_and_a_bad_one_is_refused(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
+    fake_a, fake_b = h100_fake(fake_nvidia_smi), h100_fake(fake_nvidia_smi)
+    config = probe_config(tmp_path / "mig.yml", gpu_a=fake_a)
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo", "--config.file", str(config)) as server:
+        assert server.get("/probe?target=gpu_b")[0] == 400
+
+        probe_config(config, gpu_a=fake_a, gpu_b=fake_b)
+        mark = len(server.log)
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for_log(server, f"reloaded {config}: 2 probe targets (gpu_a, gpu_b)", mark)
+        status, body = server.get("/probe?target=gpu_b")
+        assert status == 200 and value(samples(body), "probe_success") == 1
+
+        config.write_text(BAD_CONFIG)
+        mark = len(server.log)
+        server.proc.send_signal(signal.SIGHUP)
+        line = wait_for_log(server, "kept the previous config", mark)
+        assert "level=ERROR" in line and all(error in line for error in BAD_CONFIG_ERRORS)
+        assert server.get("/probe?target=gpu_b")[0] == 200
+        assert value(samples(server.get("/metrics")[1]), "mig_exporter_config_last_reload_successful") == 0
+        assert server.proc.poll() is None
+    assert not any("Traceback" in line for line in server.log)
+
+
+def test_sighup_without_a_config_file_keeps_serving() -> None:
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo") as server:
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for_log(server, "no --config.file, nothing to reload")
+        assert server.get("/metrics")[0] == 200
+
+
+def test_check_config_of_a_good_file(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi)
+    config = tmp_path / "mig.yml"
+    config.write_text(f"probe_targets:\n  gpu-a: {{command: ['{fake}']}}\n"
+                      "  remote: {command: [no-such-ssh-here, gpu-07, nvidia-smi], timeout: 3s}\n")
+    result = run_cli("check-config", str(config))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{config}: ok: 2 probe targets (gpu-a, remote)\n"
+    # Checked on this host, a command that is missing here is worth a warning, not a failure.
+    assert result.stderr == (f"mig-exporter: warning: {config}: probe_targets.remote: "
+                             "no-such-ssh-here: not found on PATH (on this host)\n")
+    assert not (fake.parent / "calls.log").exists(), "check-config must not run the targets"
+
+
+def test_check_config_of_a_bad_file_prints_every_error_and_exits_1(tmp_path: Path) -> None:
+    config = tmp_path / "mig.yml"
+    config.write_text(BAD_CONFIG)
+    result = run_cli("check-config", str(config))
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert error_lines(result.stderr) == [f"{config}: {error}" for error in BAD_CONFIG_ERRORS]
+
+
+@pytest.mark.parametrize("content, error", [
+    (None, "cannot read: No such file or directory"),
+    ("probe_targets: [\n", "line 2, column 1: not valid YAML: expected the node content, but found '<stream end>'"),
+])
+def test_check_config_of_an_unreadable_file(tmp_path: Path, content: str | None, error: str) -> None:
+    config = tmp_path / "mig.yml"
+    if content is not None:
+        config.write_text(content)
+    result = run_cli("check-config", str(config))
+
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{config}: {error}"

@@ -131,7 +131,12 @@ def test_landing_page_names_version_source_and_links(serve):
 def test_unknown_paths_and_methods(serve):
     url = serve(DemoSource())
     assert _get(url + "/nope")[0] == 404
-    assert _get(url + "/metrics", method="POST")[0] == 501
+    # POST exists for /-/reload alone; elsewhere it is a method the path does not allow.
+    status, headers, _ = _get(url + "/metrics", method="POST")
+    assert (status, headers["Allow"]) == (405, "GET, HEAD")
+    status, headers, _ = _get(url + "/-/reload")
+    assert (status, headers["Allow"]) == (405, "POST")
+    assert _get(url + "/metrics", method="PUT")[0] == 501
     status, headers, body = _get(url + "/metrics", method="HEAD")
     assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
 

@@ -1,4 +1,4 @@
-"""The ``mig-exporter`` command: ``serve`` and ``read``.
+"""The ``mig-exporter`` command: ``serve``, ``read`` and ``check-config``.
 
 Every option can also be set from the environment: ``--timeout`` from
 ``MIG_EXPORTER_TIMEOUT``, ``--web.listen-address`` from
@@ -23,7 +23,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from mig_exporter import __version__
 from mig_exporter.command import kill_running
+from mig_exporter.config import Config, ConfigError, load_config
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
+from mig_exporter.errors import CommandError
+from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
 from mig_exporter.scrape import ScrapeCollector, Scraper, Source
 from mig_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from mig_exporter.source_auto import AutoSource
@@ -115,7 +118,7 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: errors are one line on stderr and a non-zero exit (2 for usage, 1 otherwise)."""
+    """Entry point: errors are one line each on stderr and a non-zero exit (2 for usage, 1 otherwise)."""
     try:
         cli.main(args=argv, prog_name="mig-exporter", standalone_mode=False)
     except click.UsageError as e:
@@ -123,10 +126,19 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"mig-exporter: error: {e.format_message()} (see '{command} --help')", err=True)
         sys.exit(2)
     except click.ClickException as e:
-        click.echo(f"mig-exporter: error: {e.format_message()}", err=True)
+        for line in e.format_message().splitlines():  # a bad config file: one line per error
+            click.echo(f"mig-exporter: error: {line}", err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         sys.exit(1)
+
+
+def _load_config(path: str) -> Config:
+    """The config file, or a ClickException listing every error in it."""
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        raise click.ClickException("\n".join(f"{e.source}: {error}" for error in e.errors)) from None
 
 
 @cli.command()
@@ -136,17 +148,29 @@ def main(argv: list[str] | None = None) -> None:
 @click.option("--web.timeout-offset", "timeout_offset", type=click.FloatRange(min=0), default=0.5,
               show_default=True, envvar=_env("WEB_TIMEOUT_OFFSET"), show_envvar=True,
               help="Seconds kept back from Prometheus' scrape timeout so the answer arrives in time.")
+@click.option("--config.file", "config_file", metavar="FILE", default=None, envvar=_env("CONFIG_FILE"),
+              show_envvar=True,
+              help="YAML file naming the probe targets /probe may run; reloaded on SIGHUP and POST /-/reload.")
+@click.option("--probe.max-concurrent", "max_concurrent", type=click.IntRange(min=1, max=1024),
+              default=DEFAULT_MAX_CONCURRENT, show_default=True, envvar=_env("PROBE_MAX_CONCURRENT"),
+              show_envvar=True, help="Probes that may run at once; beyond that /probe answers 503 at once.")
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_address: str,
-          timeout_offset: float) -> None:
-    """Serve /metrics; every scrape reads the GPUs afresh."""
+          timeout_offset: float, config_file: str | None, max_concurrent: int) -> None:
+    """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     _setup_logging(log_level)
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--web.listen-address") from None
+    prober = None
+    if config_file is not None:
+        config = _load_config(config_file)
+        prober = Prober(config, max_concurrent=max_concurrent, default_timeout_s=timeout, config_file=config_file)
+        log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(chosen), timeout_s=timeout, timeout_offset_s=timeout_offset)
+        server = ExporterServer(address, Scraper(chosen), timeout_s=timeout, timeout_offset_s=timeout_offset,
+                                prober=prober)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
 
@@ -154,8 +178,17 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         log.info("received %s, shutting down", signal.Signals(signum).name)
         threading.Thread(target=server.shutdown, daemon=True).start()
 
+    def reload(_signum: int, _frame: object) -> None:
+        if prober is None:
+            log.info("received SIGHUP; no --config.file, nothing to reload")
+            return
+        log.info("received SIGHUP, reloading %s", config_file)
+        # Off the signal handler: reloading takes locks the interrupted code may hold.
+        threading.Thread(target=prober.reload, name="reload", daemon=True).start()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, reload)
     log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.url, chosen.describe())
     with server:
         server.serve_forever()
@@ -163,6 +196,21 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     killed = kill_running()
     if killed:
         log.info("killed %d command(s) still running at shutdown", killed)
+
+
+@cli.command("check-config")
+@click.argument("config_file", metavar="FILE")
+def check_config(config_file: str) -> None:
+    """Check a config file: print every error and exit 1, or a summary and exit 0."""
+    config = _load_config(config_file)
+    click.echo(f"{config_file}: ok: {config.summary()}")
+    # Not errors: the file may be checked on another host than the one that runs it.
+    for target in config.probe_targets.values():
+        try:
+            NvidiaSmiSource(target.command).resolve()
+        except CommandError as e:
+            click.echo(f"mig-exporter: warning: {config_file}: probe_targets.{target.name}: {e} (on this host)",
+                       err=True)
 
 
 @cli.command()

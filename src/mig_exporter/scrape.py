@@ -53,8 +53,9 @@ class Scraper:
     Thread-safe: concurrent scrapes each read; only the counters are shared.
     """
 
-    def __init__(self, source: Source) -> None:
+    def __init__(self, source: Source, name: str | None = None) -> None:
         self.source = source
+        self.name = name or source.name  # what the log calls this read path
         self._lock = threading.Lock()
         self._errors_total = 0
         self._known_problems: frozenset[str] = frozenset()
@@ -71,7 +72,7 @@ class Scraper:
         except ReadError as e:
             return self._failed(started, str(e))
         except Exception as e:  # a bug must not take the scrape down; say where
-            log.exception("read from %s failed unexpectedly", self.source.name)
+            log.exception("read from %s failed unexpectedly", self.name)
             return self._failed(started, f"unexpected {type(e).__name__}: {e}")
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
@@ -80,7 +81,7 @@ class Scraper:
     def _failed(self, started: float, reason: str) -> ReadOutcome:
         with self._lock:
             self._errors_total += 1
-        log.warning("read from %s failed: %s", self.source.name, reason)
+        log.warning("read from %s failed: %s", self.name, reason)
         return ReadOutcome(None, time.monotonic() - started, reason)
 
     def _log_problems(self, problems: Iterable[str]) -> None:
@@ -92,9 +93,9 @@ class Scraper:
             cleared = self._known_problems - current
             self._known_problems = current
         for problem in sorted(new):
-            log.warning("read from %s: %s", self.source.name, problem)
+            log.warning("read from %s: %s", self.name, problem)
         for problem in sorted(cleared):
-            log.info("read from %s: cleared: %s", self.source.name, problem)
+            log.info("read from %s: cleared: %s", self.name, problem)
 
     def families(self, timeout_s: float | None = None) -> list[Metric]:
         """Read once and map the outcome to metric families."""
@@ -102,7 +103,7 @@ class Scraper:
         try:
             return list(self.families_for(outcome))
         except Exception as e:  # a mapping bug still answers, as a failed read
-            log.exception("mapping the read from %s failed", self.source.name)
+            log.exception("mapping the read from %s failed", self.name)
             with self._lock:
                 self._errors_total += 1
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
