@@ -707,3 +707,30 @@ def test_check_config_of_an_unreadable_file(tmp_path: Path, content: str | None,
 
     assert result.returncode == 1
     assert error_message(result.stderr) == f"{config}: {error}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_read_leaves_no_nvidia_smi_behind(fake_nvidia_smi: FakeSmi, sig) -> None:
+    fake = h100_fake(fake_nvidia_smi, mode="hang", list_mode="hang")
+    calls_log = fake.parent / "calls.log"
+    pgids: list[int] = []
+    proc = subprocess.Popen([sys.executable, "-m", "mig_exporter", "read", "--nvidia-smi", str(fake),
+                             "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(_lines(calls_log)) < 2:
+            time.sleep(0.02)
+        pgids = [int(line.split(" ", 1)[0]) for line in _lines(calls_log)]
+        assert len(pgids) == 2, "the read never started nvidia-smi"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=5) != 0
+        assert _running_in_groups(pgids, within_s=1.0) == []
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -7,6 +7,7 @@ Every option can also be set from the environment: ``--timeout`` from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -224,11 +225,8 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
     scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ScrapeCollector(scraper, timeout))
-    previous = signal.signal(signal.SIGTERM, _kill_and_exit)
-    try:
+    with _signals_kill_commands():
         text = generate_latest(registry)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if output is None:
         sys.stdout.buffer.write(text)
         sys.stdout.buffer.flush()
@@ -262,11 +260,12 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     _setup_logging(log_level)
     nvml = NvmlSource(timeout_s=timeout)
     smi = NvidiaSmiSource(nvidia_smi, timeout)
-    report = diagnose(
-        timed_read("nvml", nvml.read),
-        timed_read("nvidia-smi", smi.read),
-        slow_threshold_s=slow_threshold,
-    )
+    with _signals_kill_commands():
+        report = diagnose(
+            timed_read("nvml", nvml.read),
+            timed_read("nvidia-smi", smi.read),
+            slow_threshold_s=slow_threshold,
+        )
     if output_format == "json":
         click.echo(json.dumps(as_json(report), indent=2))
     else:
@@ -274,8 +273,20 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     sys.exit(1 if report.findings else 0)
 
 
+@contextlib.contextmanager
+def _signals_kill_commands() -> Iterator[None]:
+    """Reads run in worker threads: SIGTERM or SIGINT must take their commands
+    down explicitly, or those outlive us in their own sessions."""
+    previous = {sig: signal.signal(sig, _kill_and_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _kill_and_exit(signum: int, _frame: object) -> None:
-    """SIGTERM during a read: take the read's commands down with us."""
+    """SIGTERM or SIGINT during a read: take the read's commands down with us."""
     kill_running()
     sys.exit(128 + signum)
 

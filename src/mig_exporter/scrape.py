@@ -59,6 +59,7 @@ class Scraper:
         self._lock = threading.Lock()
         self._errors_total = 0
         self._known_problems: frozenset[str] = frozenset()
+        self._logged_bugs: set[str] = set()
 
     @property
     def errors_total(self) -> int:
@@ -72,7 +73,7 @@ class Scraper:
         except ReadError as e:
             return self._failed(started, str(e))
         except Exception as e:  # a bug must not take the scrape down; say where
-            log.exception("read from %s failed unexpectedly", self.name)
+            self._log_bug(f"read from {self.name} failed unexpectedly", e)
             return self._failed(started, f"unexpected {type(e).__name__}: {e}")
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
@@ -83,6 +84,16 @@ class Scraper:
             self._errors_total += 1
         log.warning("read from %s failed: %s", self.name, reason)
         return ReadOutcome(None, time.monotonic() - started, reason)
+
+    def _log_bug(self, what: str, error: Exception) -> None:
+        """The traceback once per distinct fault; afterwards the failed-read
+        line alone, so a fault that repeats at every scrape cannot flood the log."""
+        key = f"{what}: {type(error).__name__}: {error}"
+        with self._lock:
+            first = key not in self._logged_bugs
+            self._logged_bugs.add(key)
+        if first:
+            log.error("%s (traceback shown once)", what, exc_info=error)
 
     def _log_problems(self, problems: Iterable[str]) -> None:
         """Log a problem once when it appears and once when it clears, not at
@@ -103,7 +114,7 @@ class Scraper:
         try:
             return list(self.families_for(outcome))
         except Exception as e:  # a mapping bug still answers, as a failed read
-            log.exception("mapping the read from %s failed", self.name)
+            self._log_bug(f"mapping the read from {self.name} failed", e)
             with self._lock:
                 self._errors_total += 1
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")

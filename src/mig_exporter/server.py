@@ -13,6 +13,7 @@ import gzip
 import html
 import logging
 import socket
+import sys
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -61,12 +62,36 @@ class _Families:
         return self._families
 
 
+def _accepts_gzip(header: str) -> bool:
+    """Whether Accept-Encoding admits gzip (``gzip;q=0`` refuses it)."""
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        if name.strip().lower() in ("gzip", "*"):
+            q = params.strip().lower()
+            if q.startswith("q="):
+                try:
+                    return float(q[2:]) > 0
+                except ValueError:
+                    return False
+            return True
+    return False
+
+
 class ExporterServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     # socketserver's default backlog of 5 drops connections when many probes
     # arrive at once; the client then retries only after a second.
     request_queue_size = 128
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """One log line, not socketserver's traceback on stderr: a client that
+        hangs up mid-answer is routine."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.debug("connection from %s ended: %s", client_address, error)
+        else:
+            log.error("request from %s failed", client_address, exc_info=error)
 
     def __init__(
         self,
@@ -101,11 +126,16 @@ class _Handler(BaseHTTPRequestHandler):
     server: ExporterServer
     server_version = f"mig-exporter/{__version__}"
     protocol_version = "HTTP/1.1"
+    # An idle or half-open connection is dropped after this many seconds
+    # instead of holding a thread for ever.
+    timeout = 30
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._discard_body()
         self._dispatch("GET")
 
     def do_HEAD(self) -> None:  # noqa: N802
+        self._discard_body()
         self._dispatch("HEAD")
 
     def do_POST(self) -> None:  # noqa: N802
@@ -183,16 +213,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_exposition(self, registry: CollectorRegistry | _Families, send_body: bool) -> None:
         encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
         body = encoder(registry)
-        extra = {}
-        if "gzip" in self.headers.get("Accept-Encoding", ""):
+        extra = {"Vary": "Accept-Encoding"}
+        if _accepts_gzip(self.headers.get("Accept-Encoding", "")):
             body = gzip.compress(body, compresslevel=6)
             extra["Content-Encoding"] = "gzip"
         self._send(200, body, content_type, send_body, extra)
 
     def _discard_body(self) -> None:
-        """Read a POST's body (none is expected) so the connection stays in
+        """Read a request's body (none is expected) so the connection stays in
         step; one too large or chunked closes the connection instead."""
-        length = self.headers.get("Content-Length", "0")
+        length = self.headers.get("Content-Length", "0").strip()
         if length.isdigit() and int(length) <= _MAX_DISCARDED_BODY and "Transfer-Encoding" not in self.headers:
             self.rfile.read(int(length))
         else:

@@ -22,12 +22,16 @@ from collections.abc import Sequence
 from mig_exporter.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, run_command
 from mig_exporter.errors import CommandError, CommandNotFound, ReadError
 from mig_exporter.placement import place
+from mig_exporter.singleflight import SingleFlight
 from mig_exporter.smi_list import apply_listing, parse_list
 from mig_exporter.smi_xml import parse_query_xml
 from mig_exporter.snapshot import Snapshot
 
 DEFAULT_BINARY = "nvidia-smi"
 DEFAULT_TIMEOUT_S = 10.0
+# The commands are killed at the read's deadline and answer a few ms later;
+# wait that long for their own error rather than a generic timeout.
+_KILL_GRACE_S = 0.1
 
 
 def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_error: str | None = None) -> Snapshot:
@@ -39,7 +43,9 @@ def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_err
     cards = report.cards
     if listing is not None:
         try:
-            cards, join_problems = apply_listing(cards, parse_list(listing))
+            parsed = parse_list(listing)
+            cards, join_problems = apply_listing(cards, parsed.gpus)
+            problems.extend(parsed.skipped)
             problems.extend(join_problems)
         except ReadError as e:
             problems.append(str(e))
@@ -69,6 +75,7 @@ class NvidiaSmiSource:
         self.binary = self.command[0]
         self.timeout_s = timeout_s
         self.max_output_bytes = max_output_bytes
+        self._reads: SingleFlight[Snapshot] = SingleFlight(f"{shlex.join(self.command)} read", "nvidia-smi-read")
 
     def resolve(self) -> str:
         """The binary's path (the first element of an argv prefix). Looked up
@@ -97,7 +104,13 @@ class NvidiaSmiSource:
         return f"nvidia-smi ({shlex.join(self.command)}, timeout {self.timeout_s:g}s)"
 
     def read(self, timeout_s: float | None = None) -> Snapshot:
+        """One read; a read already in flight is joined, not run again, so
+        concurrent scrapes cause one nvidia-smi run."""
         budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        return self._reads.run(lambda: self.read_now(budget), budget, grace_s=_KILL_GRACE_S)
+
+    def read_now(self, budget: float) -> Snapshot:
+        """One read in the calling thread, within ``budget`` seconds."""
         deadline = time.monotonic() + budget
         prefix = self.resolve_command()
 
