@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, FakeSmi, fixture_bytes
+from proc_tree import Proc, make_proc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,6 +99,15 @@ def h100_fake(fake_nvidia_smi: FakeSmi, **kwargs) -> Path:
     return fake_nvidia_smi(
         xml=fixture_bytes("h100-mig-processes.xml"), listing=fixture_bytes("h100-mig-processes.L.txt"), **kwargs
     )
+
+
+def h100_host_proc(root: Path) -> Path:
+    """The /proc of the h100-mig-processes host: its three GPU processes, no engine."""
+    return make_proc(root, [
+        Proc(21180, "memhog", ["/root/tools/memhog", "2296"], exe="/root/tools/memhog"),
+        Proc(21181, "memhog", ["/root/tools/memhog", "1272"], exe="/root/tools/memhog"),
+        Proc(21198, "gpu_burn", ["./gpu_burn", "3600"], exe="/root/gpu-burn/gpu_burn"),
+    ])
 
 
 @dataclass
@@ -185,9 +195,9 @@ def test_timeout_out_of_range_is_a_usage_error() -> None:
 
 # --- read --------------------------------------------------------------------------------------
 
-def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi) -> None:
+def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi)
-    result = run_cli("read", "--nvidia-smi", str(fake))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -214,6 +224,12 @@ def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi) -> None:
     assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") == 1
     assert value(parsed, "mig_exporter_read_errors_total", source="nvidia-smi") == 0
     assert value(parsed, "mig_exporter_read_problems", source="nvidia-smi") == 0
+    # No engine on this host: every preset is counted, at an explicit 0.
+    assert value(parsed, "mig_exporter_host_pid_namespace") == 1
+    assert {d["engine"]: value(parsed, "mig_exporter_engine_processes", **d)
+            for d in label_sets(parsed, "mig_exporter_engine_processes")} == {
+        "llama.cpp": 0, "ollama": 0, "vllm": 0, "sglang": 0, "tgi": 0, "triton": 0, "tensorrt-llm": 0}
+    assert label_sets(parsed, "mig_exporter_engine_memory_used_bytes") == []
     assert value(parsed, "mig_exporter_build_info", version="0.1.0") == 1
     assert f"reading through {fake}" in result.stderr
 
@@ -236,6 +252,11 @@ def test_read_demo_prints_the_demo_series() -> None:
     assert value(parsed, "mig_exporter_read_success", source="demo") == 1
     assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") is None
     assert re.search(r"level=INFO .*demo", result.stderr)
+    # The demo's host: two llama-servers on the GPU, one asked for -ngl 99 on none.
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="50102") == 20480 * MIB
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="52040") == 0
+    assert value(parsed, "mig_exporter_engine_info", pid="52040", index="") == 1
+    assert value(parsed, "mig_exporter_engine_processes", engine="llama.cpp") == 3
 
 
 def test_read_output_writes_the_file_atomically(tmp_path: Path) -> None:
@@ -303,9 +324,9 @@ def test_read_against_a_failing_nvidia_smi_exits_1_but_prints_read_success_0(fak
     assert "Traceback" not in result.stderr
 
 
-def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi) -> None:
+def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi, list_mode="fail")
-    result = run_cli("read", "--nvidia-smi", str(fake))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -337,6 +358,73 @@ def test_read_with_the_default_binary_absent_from_path_is_an_error(tmp_path: Pat
 
 
 # --- every option from the environment ---------------------------------------------------------
+
+# --- engines: --config.file and --proc.root -----------------------------------------------------
+
+ENGINES_CONFIG = """\
+# Only our own server and llama.cpp.
+engines:
+  presets:
+    ollama: false
+    vllm: false
+    sglang: false
+    tgi: false
+    triton: false
+    tensorrt-llm: false
+  rules:
+    - name: memhog
+      exe: memhog
+"""
+
+
+def test_read_with_a_config_file_and_a_proc_root(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(ENGINES_CONFIG)
+    proc = h100_host_proc(tmp_path / "proc")
+    result = run_cli("read", "--nvidia-smi", str(h100_fake(fake_nvidia_smi)), "--config.file", str(config),
+                     "--proc.root", str(proc))
+
+    assert result.returncode == 0, result.stderr
+    parsed = samples(result.stdout)
+    assert {d["engine"]: value(parsed, "mig_exporter_engine_processes", **d)
+            for d in label_sets(parsed, "mig_exporter_engine_processes")} == {"memhog": 2, "llama.cpp": 0}
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21180") == 2296 * MIB
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21181") == 1272 * MIB
+    assert value(parsed, "mig_exporter_engine_info", pid="21181", comm="memhog", index="1000") == 1
+    assert re.search(r"level=INFO .*watching engines: memhog, llama.cpp \(/proc: .*/proc\)", result.stderr)
+
+
+def test_config_file_and_proc_root_from_the_environment(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(ENGINES_CONFIG)
+    proc = h100_host_proc(tmp_path / "proc")
+    result = run_cli("read", "--nvidia-smi", str(h100_fake(fake_nvidia_smi)),
+                     env=cli_env(MIG_EXPORTER_CONFIG_FILE=str(config), MIG_EXPORTER_PROC_ROOT=str(proc)))
+
+    assert result.returncode == 0, result.stderr
+    assert value(samples(result.stdout), "mig_exporter_engine_processes", engine="memhog") == 2
+
+
+def test_a_bad_config_file_is_one_error_line_with_every_problem(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yml"
+    config.write_text("engines:\n  presets: {vllm: maybe}\n  rules:\n    - name: x\n      cmdline: ['(']\n")
+    for command in (["read", "--demo"], ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]):
+        result = run_cli(*command, "--config.file", str(config))
+
+        assert result.returncode == 1
+        assert error_message(result.stderr) == (
+            f"config file {config}: 2 errors: engines.presets.vllm: must be true or false, got str; "
+            "engines.rules[0].cmdline[0]: not a valid regular expression (missing ), unterminated subpattern "
+            "at position 0): '('"
+        )
+        assert "listening" not in result.stderr
+
+
+def test_a_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    result = run_cli("read", "--demo", "--config.file", str(tmp_path / "none.yml"))
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"config file {tmp_path}/none.yml: cannot read it: No such file or directory"
+
 
 def test_nvidia_smi_from_the_environment(fake_nvidia_smi: FakeSmi) -> None:
     fake = h100_fake(fake_nvidia_smi)

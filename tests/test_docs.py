@@ -6,9 +6,13 @@ import re
 
 from conftest import REPO, scenario
 
+from mig_exporter.attribution import EngineWatch
+from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import CommandFailed
+from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import Scraper
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_demo import DemoProcs, DemoSource
+from proc_tree import CONTAINER_NS, make_proc
 
 SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved", "a100-mig-pending",
              "na-memory"]
@@ -42,13 +46,22 @@ def _documented() -> dict[str, tuple[str, set[str]]]:
     return rows
 
 
-def _emitted() -> dict[str, tuple[str, set[str]]]:
-    """Every family the code emits over all scenarios, a failed read and the demo."""
-    sources = [_Source(scenario(name)) for name in SCENARIOS]
-    sources += [DemoSource(), _Source(error=CommandFailed("nvidia-smi: exit status 9"))]
+def _emitted(tmp_path) -> dict[str, tuple[str, set[str]]]:
+    """Every family the code emits over all scenarios, a failed read and the
+    demo, with and without engines: the demo's host, a /proc outside the host
+    namespace, and a failed GPU read beside a readable /proc."""
+    failing = _Source(error=CommandFailed("nvidia-smi: exit status 9"))
+    scrapers = [Scraper(_Source(scenario(name))) for name in SCENARIOS]
+    scrapers += [Scraper(DemoSource()), Scraper(failing)]
+    container = str(make_proc(tmp_path / "container", [], namespace=CONTAINER_NS))
+    scrapers += [
+        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
+        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, ProcfsSource(container))),
+        Scraper(failing, EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
+    ]
     found: dict[str, tuple[str, set[str]]] = {}
-    for source in sources:
-        for family in Scraper(source).families():
+    for scraper in scrapers:
+        for family in scraper.families():
             name = family.name + ("_total" if family.type == "counter" else "")
             labels = {k for s in family.samples for k in s.labels}
             kind, seen = found.get(name, (family.type, set()))
@@ -56,8 +69,8 @@ def _emitted() -> dict[str, tuple[str, set[str]]]:
     return found
 
 
-def test_every_emitted_metric_is_documented_with_its_type_and_labels():
-    assert _emitted() == _documented()
+def test_every_emitted_metric_is_documented_with_its_type_and_labels(tmp_path):
+    assert _emitted(tmp_path) == _documented()
 
 
 def test_readme_first_screen_gives_the_two_commands():

@@ -20,11 +20,15 @@ import click
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mig_exporter import __version__
+from mig_exporter.attribution import EngineWatch
 from mig_exporter.command import kill_running
+from mig_exporter.engines import DEFAULT_SETTINGS, ConfigError, read_config_file
 from mig_exporter.errors import CommandError
+from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
+from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import ScrapeCollector, Scraper, Source
 from mig_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_demo import DemoProcs, DemoSource
 from mig_exporter.source_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
 
 ENV_PREFIX = "MIG_EXPORTER_"
@@ -44,13 +48,40 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True, envvar=_env("TIMEOUT"), show_envvar=True,
                      help="Seconds a read may take; at the deadline the command's process group is killed."),
         click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
-                     help="Read the bundled sample (an A100 in MIG mode and a whole A100) instead of a GPU."),
+                     help="Read the bundled sample (an A100 in MIG mode and a whole A100, and its host's processes) "
+                          "instead of a GPU and /proc."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                      show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity."),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--config.file", "config_file", type=click.Path(dir_okay=False), default=None,
+                     envvar=_env("CONFIG_FILE"), show_envvar=True,
+                     help="YAML config file. Its engines: section says which processes are inference engines "
+                          "(docs/engines.md); without it every built-in preset is on."),
+        click.option("--proc.root", "proc_root", metavar="DIR", default=DEFAULT_PROC_ROOT, show_default=True,
+                     envvar=_env("PROC_ROOT"), show_envvar=True,
+                     help="The /proc to read processes from, e.g. /host/proc in a container that mounts the host's."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _make_engine_watch(config_file: str | None, proc_root: str, demo: bool) -> EngineWatch:
+    """Engine settings from the config file, over /proc or the demo's processes."""
+    try:
+        settings = read_config_file(config_file) if config_file else DEFAULT_SETTINGS
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    watch = EngineWatch(settings, DemoProcs() if demo else ProcfsSource(proc_root))
+    log.info("watching %s", watch.describe())
+    return watch
 
 
 def _setup_logging(level: str) -> None:
@@ -106,22 +137,24 @@ def main(argv: list[str] | None = None) -> None:
 
 @cli.command()
 @_source_options
+@_engine_options
 @click.option("--web.listen-address", "listen_address", default=DEFAULT_LISTEN_ADDRESS, show_default=True,
               envvar=_env("WEB_LISTEN_ADDRESS"), show_envvar=True, help="HOST:PORT to serve on.")
 @click.option("--web.timeout-offset", "timeout_offset", type=click.FloatRange(min=0), default=0.5,
               show_default=True, envvar=_env("WEB_TIMEOUT_OFFSET"), show_envvar=True,
               help="Seconds kept back from Prometheus' scrape timeout so the answer arrives in time.")
-def serve(nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_address: str,
-          timeout_offset: float) -> None:
+def serve(nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None, proc_root: str,
+          listen_address: str, timeout_offset: float) -> None:
     """Serve /metrics; every scrape reads the GPUs afresh."""
     _setup_logging(log_level)
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--web.listen-address") from None
+    engines = _make_engine_watch(config_file, proc_root, demo)
     source = _make_source(nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(source), timeout_s=timeout, timeout_offset_s=timeout_offset)
+        server = ExporterServer(address, Scraper(source, engines), timeout_s=timeout, timeout_offset_s=timeout_offset)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
 
@@ -142,14 +175,17 @@ def serve(nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_ad
 
 @cli.command()
 @_source_options
+@_engine_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
-def read(nvidia_smi: str, timeout: float, demo: bool, log_level: str, output: str | None) -> None:
+def read(nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None, proc_root: str,
+         output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     _setup_logging(log_level)
+    engines = _make_engine_watch(config_file, proc_root, demo)
     source = _make_source(nvidia_smi, timeout, demo, strict=True)
-    scraper = Scraper(source)
+    scraper = Scraper(source, engines)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ScrapeCollector(scraper, timeout))
     previous = signal.signal(signal.SIGTERM, _kill_and_exit)
