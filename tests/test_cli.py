@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, FakeSmi, fixture_bytes
+from proc_tree import Proc, make_proc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,6 +99,15 @@ def h100_fake(fake_nvidia_smi: FakeSmi, **kwargs) -> Path:
     return fake_nvidia_smi(
         xml=fixture_bytes("h100-mig-processes.xml"), listing=fixture_bytes("h100-mig-processes.L.txt"), **kwargs
     )
+
+
+def h100_host_proc(root: Path) -> Path:
+    """The /proc of the h100-mig-processes host: its three GPU processes, no engine."""
+    return make_proc(root, [
+        Proc(21180, "memhog", ["/root/tools/memhog", "2296"], exe="/root/tools/memhog"),
+        Proc(21181, "memhog", ["/root/tools/memhog", "1272"], exe="/root/tools/memhog"),
+        Proc(21198, "gpu_burn", ["./gpu_burn", "3600"], exe="/root/gpu-burn/gpu_burn"),
+    ])
 
 
 @dataclass
@@ -185,9 +195,9 @@ def test_timeout_out_of_range_is_a_usage_error() -> None:
 
 # --- read --------------------------------------------------------------------------------------
 
-def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi) -> None:
+def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi)
-    result = run_cli("read", "--nvidia-smi", str(fake))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -214,6 +224,12 @@ def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi) -> None:
     assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") == 1
     assert value(parsed, "mig_exporter_read_errors_total", source="nvidia-smi") == 0
     assert value(parsed, "mig_exporter_read_problems", source="nvidia-smi") == 0
+    # No engine on this host: every preset is counted, at an explicit 0.
+    assert value(parsed, "mig_exporter_host_pid_namespace") == 1
+    assert {d["engine"]: value(parsed, "mig_exporter_engine_processes", **d)
+            for d in label_sets(parsed, "mig_exporter_engine_processes")} == {
+        "llama.cpp": 0, "ollama": 0, "vllm": 0, "sglang": 0, "tgi": 0, "triton": 0, "tensorrt-llm": 0}
+    assert label_sets(parsed, "mig_exporter_engine_memory_used_bytes") == []
     assert value(parsed, "mig_exporter_build_info", version="0.1.0") == 1
     assert f"reading through nvidia-smi ({fake}, timeout 10s): {fake} found" in result.stderr
 
@@ -236,6 +252,11 @@ def test_read_demo_prints_the_demo_series() -> None:
     assert value(parsed, "mig_exporter_read_success", source="demo") == 1
     assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") is None
     assert re.search(r"level=INFO .*demo", result.stderr)
+    # The demo's host: two llama-servers on the GPU, one asked for -ngl 99 on none.
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="50102") == 20480 * MIB
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="52040") == 0
+    assert value(parsed, "mig_exporter_engine_info", pid="52040", index="") == 1
+    assert value(parsed, "mig_exporter_engine_processes", engine="llama.cpp") == 3
 
 
 def test_read_output_writes_the_file_atomically(tmp_path: Path) -> None:
@@ -303,9 +324,9 @@ def test_read_against_a_failing_nvidia_smi_exits_1_but_prints_read_success_0(fak
     assert "Traceback" not in result.stderr
 
 
-def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi) -> None:
+def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi, list_mode="fail")
-    result = run_cli("read", "--nvidia-smi", str(fake))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -347,6 +368,74 @@ def test_read_auto_with_neither_nvml_nor_nvidia_smi_names_both_reasons(tmp_path:
 
 
 # --- every option from the environment ---------------------------------------------------------
+
+# --- engines: --config.file and --proc.root -----------------------------------------------------
+
+ENGINES_CONFIG = """\
+# Only our own server and llama.cpp.
+engines:
+  presets:
+    ollama: false
+    vllm: false
+    sglang: false
+    tgi: false
+    triton: false
+    tensorrt-llm: false
+  rules:
+    - name: memhog
+      exe: memhog
+"""
+
+
+def test_read_with_a_config_file_and_a_proc_root(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(ENGINES_CONFIG)
+    proc = h100_host_proc(tmp_path / "proc")
+    result = run_cli("read", "--nvidia-smi", str(h100_fake(fake_nvidia_smi)), "--config.file", str(config),
+                     "--proc.root", str(proc))
+
+    assert result.returncode == 0, result.stderr
+    parsed = samples(result.stdout)
+    assert {d["engine"]: value(parsed, "mig_exporter_engine_processes", **d)
+            for d in label_sets(parsed, "mig_exporter_engine_processes")} == {"memhog": 2, "llama.cpp": 0}
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21180") == 2296 * MIB
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21181") == 1272 * MIB
+    assert value(parsed, "mig_exporter_engine_info", pid="21181", comm="memhog", index="1000") == 1
+    assert re.search(r"level=INFO .*watching engines: memhog, llama.cpp \(/proc: .*/proc\)", result.stderr)
+
+
+def test_config_file_and_proc_root_from_the_environment(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(ENGINES_CONFIG)
+    proc = h100_host_proc(tmp_path / "proc")
+    result = run_cli("read", "--nvidia-smi", str(h100_fake(fake_nvidia_smi)),
+                     env=cli_env(MIG_EXPORTER_CONFIG_FILE=str(config), MIG_EXPORTER_PROC_ROOT=str(proc)))
+
+    assert result.returncode == 0, result.stderr
+    assert value(samples(result.stdout), "mig_exporter_engine_processes", engine="memhog") == 2
+
+
+def test_a_bad_config_file_gives_every_problem_one_line_each(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yml"
+    config.write_text("engines:\n  presets: {vllm: maybe}\n  rules:\n    - name: x\n      cmdline: ['(']\n")
+    for command in (["read", "--demo"], ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]):
+        result = run_cli(*command, "--config.file", str(config))
+
+        assert result.returncode == 1
+        errors = [line for line in result.stderr.splitlines() if line.startswith("mig-exporter: error:")]
+        assert errors == [
+            f"mig-exporter: error: {config}: engines.presets.vllm: must be true or false, got str",
+            f"mig-exporter: error: {config}: engines.rules[0].cmdline[0]: not a valid regular expression "
+            "(missing ), unterminated subpattern at position 0): '('",
+        ]
+        assert "listening" not in result.stderr
+
+
+def test_a_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    result = run_cli("read", "--demo", "--config.file", str(tmp_path / "none.yml"))
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{tmp_path}/none.yml: cannot read: No such file or directory"
+
 
 def test_nvidia_smi_from_the_environment(fake_nvidia_smi: FakeSmi) -> None:
     fake = h100_fake(fake_nvidia_smi)
@@ -636,7 +725,8 @@ def test_serve_probes_the_targets_of_the_config_file_from_the_environment(
         status, body = server.get("/metrics")
         assert value(samples(body), "mig_exporter_probes_total", target="gpu_a") == 1
         assert server.get("/probe?target=/bin/sh")[0] == 400
-    assert any(f"loaded {config}: 1 probe target (gpu_a); at most 2 probes at once" in line for line in server.log)
+    assert any(f"loaded {config}: 1 probe target (gpu_a); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, "
+               "tensorrt-llm; at most 2 probes at once" in line for line in server.log)
 
 
 def test_sighup_reloads_the_config_and_a_bad_one_is_refused(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
@@ -648,7 +738,7 @@ def test_sighup_reloads_the_config_and_a_bad_one_is_refused(tmp_path: Path, fake
         probe_config(config, gpu_a=fake_a, gpu_b=fake_b)
         mark = len(server.log)
         server.proc.send_signal(signal.SIGHUP)
-        wait_for_log(server, f"reloaded {config}: 2 probe targets (gpu_a, gpu_b)", mark)
+        wait_for_log(server, f"reloaded {config}: 2 probe targets (gpu_a, gpu_b); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm", mark)
         status, body = server.get("/probe?target=gpu_b")
         assert status == 200 and value(samples(body), "probe_success") == 1
 
@@ -678,7 +768,7 @@ def test_check_config_of_a_good_file(tmp_path: Path, fake_nvidia_smi: FakeSmi) -
     result = run_cli("check-config", str(config))
 
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"{config}: ok: 2 probe targets (gpu-a, remote)\n"
+    assert result.stdout == f"{config}: ok: 2 probe targets (gpu-a, remote); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm\n"
     # Checked on this host, a command that is missing here is worth a warning, not a failure.
     assert result.stderr == (f"mig-exporter: warning: {config}: probe_targets.remote: "
                              "no-such-ssh-here: not found on PATH (on this host)\n")

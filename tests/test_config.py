@@ -87,7 +87,7 @@ def test_every_error_is_reported_at_once() -> None:
     )
     assert errors == [
         "line 22: key good is given twice (first on line 2)",
-        "scrape_interval: unknown setting (known: probe_targets)",
+        "scrape_interval: unknown setting (known: probe_targets, engines)",
         "probe_targets.shell.command: must be a list of arguments (no shell is used), "
         "e.g. ['ssh', 'gpu-07', 'nvidia-smi']",
         "probe_targets.number.command[1]: 5 is a number; quote it to make it a string",
@@ -129,8 +129,8 @@ def test_a_non_string_name_is_refused() -> None:
 
 @pytest.mark.parametrize("text, error", [
     ("probe_targets: [a, b]\n", "probe_targets: must be a mapping of target names to targets, not a list"),
-    ("- probe_targets\n", "the file must be a mapping with probe_targets, not a list"),
-    ("just text\n", "the file must be a mapping with probe_targets, not a string"),
+    ("- probe_targets\n", "the file must be a mapping with probe_targets and engines, not a list"),
+    ("just text\n", "the file must be a mapping with probe_targets and engines, not a string"),
     ("probe_targets:\n  a: {command: [\"nvidia\\0smi\"]}\n", "probe_targets.a.command[0]: contains a NUL character"),
     ("probe_targets:\n  a: {command: [nvidia-smi], timeout: 50ms}\n",
      "probe_targets.a.timeout: 50ms is out of range (100ms to 10m)"),

@@ -6,11 +6,15 @@ import re
 
 from conftest import REPO, scenario
 
+from mig_exporter.attribution import EngineWatch
 from mig_exporter.config import ProbeTarget, parse_config
+from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import CommandFailed
 from mig_exporter.probe import ProbeResult, Prober
+from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import ReadOutcome, Scraper
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_demo import DemoProcs, DemoSource
+from proc_tree import CONTAINER_NS, make_proc
 
 SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved", "a100-mig-pending",
              "na-memory"]
@@ -63,12 +67,21 @@ def _prober() -> Prober:
     return Prober(config, config_file="mig.yml")
 
 
-def _emitted() -> dict[str, tuple[str, set[str]]]:
-    """Every family /metrics emits over all scenarios, a failed read and the demo, and with a
-    config file, the probe counters."""
-    sources = [_Source(scenario(name)) for name in SCENARIOS]
-    sources += [DemoSource(), _Source(error=CommandFailed("nvidia-smi: exit status 9"))]
-    families = [f for source in sources for f in Scraper(source).families()]
+def _emitted(tmp_path) -> dict[str, tuple[str, set[str]]]:
+    """Every family /metrics emits over all scenarios, a failed read and the
+    demo, with and without engines (the demo's host, a /proc outside the host
+    namespace, a failed GPU read beside a readable /proc), and with a config
+    file, the probe counters."""
+    failing = _Source(error=CommandFailed("nvidia-smi: exit status 9"))
+    scrapers = [Scraper(_Source(scenario(name))) for name in SCENARIOS]
+    scrapers += [Scraper(DemoSource()), Scraper(failing)]
+    container = str(make_proc(tmp_path / "container", [], namespace=CONTAINER_NS))
+    scrapers += [
+        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
+        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, ProcfsSource(container))),
+        Scraper(failing, EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
+    ]
+    families = [f for scraper in scrapers for f in scraper.families()]
     return _kinds([*families, *_prober().families()])
 
 
@@ -80,8 +93,8 @@ def _emitted_by_probe() -> dict[str, tuple[str, set[str]]]:
     return _kinds([f for outcome in outcomes for f in ProbeResult(target, outcome, 0.2).collect()])
 
 
-def test_every_emitted_metric_is_documented_with_its_type_and_labels():
-    assert _emitted() == _documented()
+def test_every_emitted_metric_is_documented_with_its_type_and_labels(tmp_path):
+    assert _emitted(tmp_path) == _documented()
 
 
 def test_every_probe_metric_is_documented_and_the_rest_are_those_of_metrics():

@@ -553,7 +553,7 @@ def test_reload_adds_keeps_and_removes_targets(serve: Serve, fake_nvidia_smi: Fa
     exp.write_config({"gpu-a": ([str(fake_a)], None), "gpu-new": ([str(fake_new)], "3s")})
     status, _, body = exp.get("/-/reload", method="POST")
 
-    assert (status, body) == (200, f"reloaded {exp.config_file}: 2 probe targets (gpu-a, gpu-new)\n")
+    assert (status, body) == (200, f"reloaded {exp.config_file}: 2 probe targets (gpu-a, gpu-new); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm\n")
     status, body = exp.probe("gpu-new")
     assert status == 200 and value(parse(body), "mig_exporter_device_memory_used_bytes", index="0") == 5371854848
     assert exp.probe("gpu-old")[0] == 400
@@ -575,7 +575,8 @@ def test_a_bad_reload_keeps_the_old_config_and_says_why(
 
     assert status == 400
     assert body.splitlines() == [
-        f"reloading {exp.config_file} failed; kept the previous config, 1 probe target (gpu-a):",
+        f"reloading {exp.config_file} failed; kept the previous config, 1 probe target (gpu-a); "
+            "engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm:",
         "  probe_targets.gpu-a.command: must be a list of arguments (no shell is used), e.g. ['nvidia-smi']",
         "  probe_targets.gpu-a.timeout: must be a duration such as 5s or 500ms, not a number (write 5s)",
         "  probe_targets.'../x': not a valid target name "
@@ -621,3 +622,19 @@ def test_the_landing_page_links_the_probe_targets(serve: Serve, fake_nvidia_smi:
     assert status == 200
     assert 'href="/probe?target=gpu-a"' in page and 'href="/probe?target=host"' in page
     assert "chroot" not in page  # names only; commands stay in the config file
+
+
+def test_a_reload_hands_the_new_config_to_the_engine_watch(tmp_path):
+    from mig_exporter.config import load_config
+
+    path = tmp_path / "mig-exporter.yml"
+    path.write_text("engines:\n  presets: {vllm: false}\n")
+    seen = []
+    prober = Prober(load_config(path), config_file=str(path), on_reload=seen.append)
+    assert "vllm" not in load_config(path).engines.engines
+    path.write_text("engines:\n  presets: {vllm: true}\n")
+    ok, _ = prober.reload()
+    assert ok and len(seen) == 1 and "vllm" in seen[0].engines.engines
+    path.write_text("engines:\n  presets: {vllm: maybe}\n")
+    ok, _ = prober.reload()
+    assert not ok and len(seen) == 1, "a bad file is not handed on"

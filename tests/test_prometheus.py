@@ -123,10 +123,11 @@ class Exporter:
 
 
 @contextmanager
-def exporter(nvidia_smi: Path, cwd: Path, *args: str) -> Iterator[Exporter]:
+def exporter(nvidia_smi: Path | None, cwd: Path, *args: str) -> Iterator[Exporter]:
+    """``serve`` over the fake nvidia-smi, or over the demo when it is None."""
+    source = ["--demo"] if nvidia_smi is None else ["--nvidia-smi", str(nvidia_smi)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "mig_exporter", "serve",
-         "--web.listen-address", f"{HOST}:0", "--nvidia-smi", str(nvidia_smi), *args],
+        [sys.executable, "-m", "mig_exporter", "serve", "--web.listen-address", f"{HOST}:0", *source, *args],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd,
     )
     try:
@@ -162,15 +163,19 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus(target: str, tmp_path: Path, config_text: str | None = None) -> Iterator[Prometheus]:
-    """Prometheus scraping ``target`` with a one-second interval, or running ``config_text``."""
+def prometheus(target: str, tmp_path: Path, config_text: str | None = None,
+               rule_files: tuple[Path, ...] = ()) -> Iterator[Prometheus]:
+    """Prometheus scraping ``target`` with a one-second interval (evaluating
+    ``rule_files``), or running ``config_text``."""
     binary = _prometheus_binary()
     config = tmp_path / "prometheus.yml"
     config.write_text(config_text or (
         "global:\n"
         "  scrape_interval: 1s\n"
         "  scrape_timeout: 1s\n"
-        "scrape_configs:\n"
+        "  evaluation_interval: 1s\n"
+        + (f"rule_files: [{', '.join(repr(str(f)) for f in rule_files)}]\n" if rule_files else "")
+        + "scrape_configs:\n"
         f"  - job_name: {JOB}\n"
         "    static_configs:\n"
         f"      - targets: ['{target}']\n"
@@ -390,3 +395,42 @@ def test_prometheus_probes_named_targets_with_the_documented_relabelling(fake_nv
     # The one read of /metrics' own nvidia-smi is the test's fetch above: Prometheus scraped only /probe.
     runs = sorted(line.split(" ", 1)[1] for line in (local.parent / "calls.log").read_text().splitlines())
     assert runs == ["-L", "-q -x"]
+
+
+def test_prometheus_evaluates_the_rules_on_the_demo(tmp_path):
+    """The demo's host runs a llama-server asked for -ngl 99 that is on no
+    GPU's list: with deploy/prometheus/alerts.yml loaded, a real Prometheus
+    puts EngineHoldsNoGPUMemory in pending for it (firing takes 2 minutes)
+    and for nothing else, and the recording rules hold the demo's values."""
+    _prometheus_binary()
+    alerts_file = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
+    with exporter(None, tmp_path) as exp, prometheus(exp.address, tmp_path, rule_files=(alerts_file,)) as prom:
+        target = _target_after_scrapes(prom, exp.address)
+        assert target["health"] == "up", target
+        deadline = time.monotonic() + STARTUP_S
+        active: list[dict] = []
+        while time.monotonic() < deadline:
+            active = prom.get("/api/v1/alerts")["alerts"]
+            recorded = prom.query("instance_engine:mig_exporter_engine_memory_used_bytes:sum")
+            if active and recorded:
+                break
+            time.sleep(0.2)
+        assert [(a["labels"]["alertname"], a["state"]) for a in active] == [("EngineHoldsNoGPUMemory", "pending")]
+        labels = active[0]["labels"]
+        assert {k: labels[k] for k in ("engine", "pid", "comm", "severity", "instance")} == {
+            "engine": "llama.cpp", "pid": "52040", "comm": "llama-server", "severity": "warning",
+            "instance": exp.address,
+        }
+        assert active[0]["annotations"]["summary"] == (
+            f"llama.cpp process 52040 (llama-server) on {exp.address} holds no GPU memory")
+
+        engines = {r["metric"]["engine"]: float(r["value"][1]) for r in
+                   prom.query("instance_engine:mig_exporter_engine_memory_used_bytes:sum")}
+        assert engines == {"llama.cpp": (11520 + 20480) * MIB, "vllm": 9216 * MIB}
+        assert _value(prom, "instance_engine:mig_exporter_engine_processes_without_gpu_memory:count") == 1
+        cards = {r["metric"]["card"]: float(r["value"][1]) for r in
+                 prom.query("instance_card:mig_exporter_device_memory_used_bytes:sum")}
+        assert cards == {"0": (11663 + 9251 + 13) * MIB, "1": 22110 * MIB}
+        rule_health = [r["health"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]]
+        assert rule_health == ["ok"] * 11
+        assert "Traceback" not in exp.log.text()

@@ -23,15 +23,19 @@ from click.core import ParameterSource
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mig_exporter import __version__
+from mig_exporter.attribution import EngineWatch
 from mig_exporter.command import kill_running
-from mig_exporter.config import Config, ConfigError, load_config
+from mig_exporter.config import EMPTY, Config, ConfigError, load_config
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
+from mig_exporter.engines import EngineSettings
 from mig_exporter.errors import CommandError
 from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
+from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
+from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import ScrapeCollector, Scraper, Source
 from mig_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from mig_exporter.source_auto import AutoSource
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_demo import DemoProcs, DemoSource
 from mig_exporter.source_nvml import NvmlSource
 from mig_exporter.source_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
 
@@ -60,13 +64,37 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True, envvar=_env("TIMEOUT"), show_envvar=True,
                      help="Seconds a read may take; at the deadline the command's process group is killed."),
         click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
-                     help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100)."),
+                     help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100, and "
+                          "its host's processes) instead of a GPU and /proc."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                      show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity."),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--config.file", "config_file", type=click.Path(dir_okay=False), default=None,
+                     envvar=_env("CONFIG_FILE"), show_envvar=True,
+                     help="YAML config file: probe_targets: (the commands /probe may run, serve only; "
+                          "docs/probe.md) and engines: (which processes are inference engines; docs/engines.md; "
+                          "without it every preset is on). serve reloads it on SIGHUP and POST /-/reload."),
+        click.option("--proc.root", "proc_root", metavar="DIR", default=DEFAULT_PROC_ROOT, show_default=True,
+                     envvar=_env("PROC_ROOT"), show_envvar=True,
+                     help="The /proc to read processes from, e.g. /host/proc in a container that mounts the host's."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineWatch:
+    """Which processes are engines, read from /proc or the demo's processes."""
+    watch = EngineWatch(settings, DemoProcs() if demo else ProcfsSource(proc_root))
+    log.info("watching %s", watch.describe())
+    return watch
 
 
 def _setup_logging(level: str) -> None:
@@ -144,33 +172,33 @@ def _load_config(path: str) -> Config:
 
 @cli.command()
 @_source_options
+@_engine_options
 @click.option("--web.listen-address", "listen_address", default=DEFAULT_LISTEN_ADDRESS, show_default=True,
               envvar=_env("WEB_LISTEN_ADDRESS"), show_envvar=True, help="HOST:PORT to serve on.")
 @click.option("--web.timeout-offset", "timeout_offset", type=click.FloatRange(min=0), default=0.5,
               show_default=True, envvar=_env("WEB_TIMEOUT_OFFSET"), show_envvar=True,
               help="Seconds kept back from Prometheus' scrape timeout so the answer arrives in time.")
-@click.option("--config.file", "config_file", metavar="FILE", default=None, envvar=_env("CONFIG_FILE"),
-              show_envvar=True,
-              help="YAML file naming the probe targets /probe may run; reloaded on SIGHUP and POST /-/reload.")
 @click.option("--probe.max-concurrent", "max_concurrent", type=click.IntRange(min=1, max=1024),
               default=DEFAULT_MAX_CONCURRENT, show_default=True, envvar=_env("PROBE_MAX_CONCURRENT"),
               show_envvar=True, help="Probes that may run at once; beyond that /probe answers 503 at once.")
-def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_address: str,
-          timeout_offset: float, config_file: str | None, max_concurrent: int) -> None:
+def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
+          proc_root: str, listen_address: str, timeout_offset: float, max_concurrent: int) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     _setup_logging(log_level)
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--web.listen-address") from None
+    config = _load_config(config_file) if config_file else EMPTY
+    engines = _make_engine_watch(config.engines, proc_root, demo)
     prober = None
     if config_file is not None:
-        config = _load_config(config_file)
-        prober = Prober(config, max_concurrent=max_concurrent, default_timeout_s=timeout, config_file=config_file)
+        prober = Prober(config, max_concurrent=max_concurrent, default_timeout_s=timeout, config_file=config_file,
+                        on_reload=lambda new: setattr(engines, "settings", new.engines))
         log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(chosen), timeout_s=timeout, timeout_offset_s=timeout_offset,
+        server = ExporterServer(address, Scraper(chosen, engines), timeout_s=timeout, timeout_offset_s=timeout_offset,
                                 prober=prober)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
@@ -216,13 +244,17 @@ def check_config(config_file: str) -> None:
 
 @cli.command()
 @_source_options
+@_engine_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
-def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, output: str | None) -> None:
+def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
+         proc_root: str, output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     _setup_logging(log_level)
-    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True))
+    config = _load_config(config_file) if config_file else EMPTY
+    engines = _make_engine_watch(config.engines, proc_root, demo)
+    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True), engines)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ScrapeCollector(scraper, timeout))
     with _signals_kill_commands():

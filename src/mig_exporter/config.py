@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from mig_exporter.engines import DEFAULT_SETTINGS, EngineSettings, parse_engines
+
 TARGET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 TARGET_NAME_RULE = "a letter or digit, then letters, digits, '_', '.' or '-'; at most 64 characters"
 MIN_TIMEOUT_S = 0.1
@@ -34,7 +36,7 @@ MAX_TIMEOUT_S = 600.0
 _DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:(\d+)s)?(?:(\d+)ms)?")
 _DURATION_UNITS_S = (3600.0, 60.0, 1.0, 0.001)
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,79}")
-_TOP_LEVEL_KEYS = ("probe_targets",)
+_TOP_LEVEL_KEYS = ("probe_targets", "engines")
 _TARGET_KEYS = ("command", "timeout")
 
 
@@ -61,11 +63,13 @@ class ProbeTarget:
 class Config:
     probe_targets: Mapping[str, ProbeTarget]
     source: str = "<config>"
+    engines: EngineSettings = DEFAULT_SETTINGS
 
     def summary(self) -> str:
-        """``2 probe targets (driver-root, host)``, for the log."""
+        """``2 probe targets (driver-root, host); engines: llama.cpp, vllm``, for the log."""
         n = len(self.probe_targets)
-        return f"{n} probe target{'' if n == 1 else 's'} ({', '.join(self.probe_targets) or 'none'})"
+        return (f"{n} probe target{'' if n == 1 else 's'} ({', '.join(self.probe_targets) or 'none'}); "
+                f"engines: {', '.join(self.engines.engines) or 'none'}")
 
 
 EMPTY = Config(MappingProxyType({}))
@@ -107,15 +111,17 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
     if document is None:
         document = {}
     if not isinstance(document, dict):
-        errors.append(f"the file must be a mapping with probe_targets, not {_kind(document)}")
+        errors.append(f"the file must be a mapping with probe_targets and engines, not {_kind(document)}")
     else:
         for key in document:
             if key not in _TOP_LEVEL_KEYS:
                 errors.append(f"{_show(key)}: unknown setting (known: {', '.join(_TOP_LEVEL_KEYS)})")
         targets = _probe_targets(document.get("probe_targets"), errors)
+        engines, engine_errors = parse_engines(document.get("engines"))
+        errors.extend(engine_errors)
     if errors:
         raise ConfigError(source, errors)
-    return Config(MappingProxyType(targets), source)
+    return Config(MappingProxyType(targets), source, engines or DEFAULT_SETTINGS)
 
 
 def _probe_targets(value: Any, errors: list[str]) -> dict[str, ProbeTarget]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
@@ -112,12 +112,14 @@ class Prober:
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
         config_file: str | None = None,
+        on_reload: Callable[[Config], None] | None = None,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be at least 1")
         self.max_concurrent = max_concurrent
         self.default_timeout_s = default_timeout_s
         self.config_file = config_file
+        self.on_reload = on_reload  # the rest of the exporter takes its part of a reloaded config
         self._lock = threading.Lock()
         self._reload_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
@@ -226,6 +228,8 @@ class Prober:
                 log.error("%s: %s", summary, "; ".join(e.errors))
                 return False, "\n".join([f"{summary}:", *(f"  {error}" for error in e.errors)])
             self._apply(config)
+            if self.on_reload is not None:
+                self.on_reload(config)
             with self._lock:
                 self._reload_ok = True
                 self._reload_success_time = time.time()
