@@ -6,6 +6,7 @@ import os
 import shlex
 import stat
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,47 @@ def families_of(snapshot: Snapshot) -> list:
 
 
 FakeSmi = Callable[..., Path]
+
+
+def calls(fake: Path) -> list[tuple[int, str]]:
+    """(pid, arguments) of each run of the fake, from its calls.log."""
+    log = fake.parent / "calls.log"
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        pid, _, args = line.partition(" ")
+        out.append((int(pid), args))
+    return out
+
+
+def _proc_stats() -> list[tuple[int, str, int, int]]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
+    return out
+
+
+def left_behind(pgids: list[int], within_s: float = 1.0) -> tuple[list[tuple[int, str, int]], list[int]]:
+    """Running members of the given process groups, and unreaped children of this process, after a
+    short grace for SIGKILL to land. Zombies already handed to init are not ours to reap."""
+    me = os.getpid()
+    deadline = time.monotonic() + within_s
+    while True:
+        stats = _proc_stats()
+        live = [(pid, state, pgrp) for pid, state, _, pgrp in stats if pgrp in pgids and state not in "ZX"]
+        zombies = [pid for pid, state, ppid, _ in stats if ppid == me and state == "Z"]
+        if (not live and not zombies) or time.monotonic() > deadline:
+            return live, zombies
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -103,6 +145,30 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
             "esac\n"
         )
         script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        return script
+
+    return make
+
+
+@pytest.fixture
+def fake_wrapper(tmp_path: Path) -> Callable[..., Path]:
+    """Make a wrapper like ``ssh HOST`` or ``chroot DIR``: ``wrapper ARG... -q -x``
+    logs its pid and arguments to ``wrapper.log`` beside it, drops the ``ARG``s
+    and runs ``inner`` with the rest as its child (not exec: a wrapper's
+    children must be killed with it)."""
+    counter = iter(range(1000))
+
+    def make(inner: Path, fixed_args: int) -> Path:
+        d = tmp_path / f"wrapper-{next(counter)}"
+        d.mkdir()
+        script = d / "wrapper"
+        script.write_text(
+            "#!/bin/sh\n"
+            f"echo \"$$ $*\" >> {shlex.quote(str(d / 'wrapper.log'))}\n"
+            f"shift {fixed_args}\n"
+            f'{shlex.quote(str(inner))} "$@"\n'
+        )
+        script.chmod(0o755)
         return script
 
     return make

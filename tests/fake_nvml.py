@@ -703,10 +703,13 @@ def _write_handle(ptr: int, token: int) -> int:
 
 
 def _write_string(buf: int | None, length: int, text: str) -> int:
-    """Copy ``text`` NUL-terminated into a caller's buffer of ``length`` bytes."""
+    """Copy ``text`` NUL-terminated into a caller's buffer of ``length`` bytes.
+
+    Lone surrogates (``"\\udcff"``) become the raw bytes they stand for, so a
+    scenario can hold a process name that is not UTF-8, as Linux allows."""
     if buf is None:
         return NVML_ERROR_INVALID_ARGUMENT
-    data = text.encode() + b"\0"
+    data = text.encode("utf-8", errors="surrogateescape") + b"\0"
     if len(data) > length:
         return NVML_ERROR_INSUFFICIENT_SIZE
     ctypes.memmove(buf, data, len(data))

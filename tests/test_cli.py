@@ -24,6 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, FakeSmi, fixture_bytes
+from proc_tree import Proc, make_proc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,6 +99,15 @@ def h100_fake(fake_nvidia_smi: FakeSmi, **kwargs) -> Path:
     return fake_nvidia_smi(
         xml=fixture_bytes("h100-mig-processes.xml"), listing=fixture_bytes("h100-mig-processes.L.txt"), **kwargs
     )
+
+
+def h100_host_proc(root: Path) -> Path:
+    """The /proc of the h100-mig-processes host: its three GPU processes, no engine."""
+    return make_proc(root, [
+        Proc(21180, "memhog", ["/root/tools/memhog", "2296"], exe="/root/tools/memhog"),
+        Proc(21181, "memhog", ["/root/tools/memhog", "1272"], exe="/root/tools/memhog"),
+        Proc(21198, "gpu_burn", ["./gpu_burn", "3600"], exe="/root/gpu-burn/gpu_burn"),
+    ])
 
 
 @dataclass
@@ -185,9 +195,9 @@ def test_timeout_out_of_range_is_a_usage_error() -> None:
 
 # --- read --------------------------------------------------------------------------------------
 
-def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi) -> None:
+def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi)
-    result = run_cli("read", "--nvidia-smi", str(fake))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -214,6 +224,12 @@ def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi) -> None:
     assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") == 1
     assert value(parsed, "mig_exporter_read_errors_total", source="nvidia-smi") == 0
     assert value(parsed, "mig_exporter_read_problems", source="nvidia-smi") == 0
+    # No engine on this host: every preset is counted, at an explicit 0.
+    assert value(parsed, "mig_exporter_host_pid_namespace") == 1
+    assert {d["engine"]: value(parsed, "mig_exporter_engine_processes", **d)
+            for d in label_sets(parsed, "mig_exporter_engine_processes")} == {
+        "llama.cpp": 0, "ollama": 0, "vllm": 0, "sglang": 0, "tgi": 0, "triton": 0, "tensorrt-llm": 0}
+    assert label_sets(parsed, "mig_exporter_engine_memory_used_bytes") == []
     assert value(parsed, "mig_exporter_build_info", version="0.1.0") == 1
     assert f"reading through nvidia-smi ({fake}, timeout 10s): {fake} found" in result.stderr
 
@@ -236,6 +252,11 @@ def test_read_demo_prints_the_demo_series() -> None:
     assert value(parsed, "mig_exporter_read_success", source="demo") == 1
     assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") is None
     assert re.search(r"level=INFO .*demo", result.stderr)
+    # The demo's host: two llama-servers on the GPU, one asked for -ngl 99 on none.
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="50102") == 20480 * MIB
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="52040") == 0
+    assert value(parsed, "mig_exporter_engine_info", pid="52040", index="") == 1
+    assert value(parsed, "mig_exporter_engine_processes", engine="llama.cpp") == 3
 
 
 def test_read_output_writes_the_file_atomically(tmp_path: Path) -> None:
@@ -303,9 +324,9 @@ def test_read_against_a_failing_nvidia_smi_exits_1_but_prints_read_success_0(fak
     assert "Traceback" not in result.stderr
 
 
-def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi) -> None:
+def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi, list_mode="fail")
-    result = run_cli("read", "--nvidia-smi", str(fake))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -347,6 +368,74 @@ def test_read_auto_with_neither_nvml_nor_nvidia_smi_names_both_reasons(tmp_path:
 
 
 # --- every option from the environment ---------------------------------------------------------
+
+# --- engines: --config.file and --proc.root -----------------------------------------------------
+
+ENGINES_CONFIG = """\
+# Only our own server and llama.cpp.
+engines:
+  presets:
+    ollama: false
+    vllm: false
+    sglang: false
+    tgi: false
+    triton: false
+    tensorrt-llm: false
+  rules:
+    - name: memhog
+      exe: memhog
+"""
+
+
+def test_read_with_a_config_file_and_a_proc_root(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(ENGINES_CONFIG)
+    proc = h100_host_proc(tmp_path / "proc")
+    result = run_cli("read", "--nvidia-smi", str(h100_fake(fake_nvidia_smi)), "--config.file", str(config),
+                     "--proc.root", str(proc))
+
+    assert result.returncode == 0, result.stderr
+    parsed = samples(result.stdout)
+    assert {d["engine"]: value(parsed, "mig_exporter_engine_processes", **d)
+            for d in label_sets(parsed, "mig_exporter_engine_processes")} == {"memhog": 2, "llama.cpp": 0}
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21180") == 2296 * MIB
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21181") == 1272 * MIB
+    assert value(parsed, "mig_exporter_engine_info", pid="21181", comm="memhog", index="1000") == 1
+    assert re.search(r"level=INFO .*watching engines: memhog, llama.cpp \(/proc: .*/proc\)", result.stderr)
+
+
+def test_config_file_and_proc_root_from_the_environment(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(ENGINES_CONFIG)
+    proc = h100_host_proc(tmp_path / "proc")
+    result = run_cli("read", "--nvidia-smi", str(h100_fake(fake_nvidia_smi)),
+                     env=cli_env(MIG_EXPORTER_CONFIG_FILE=str(config), MIG_EXPORTER_PROC_ROOT=str(proc)))
+
+    assert result.returncode == 0, result.stderr
+    assert value(samples(result.stdout), "mig_exporter_engine_processes", engine="memhog") == 2
+
+
+def test_a_bad_config_file_gives_every_problem_one_line_each(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yml"
+    config.write_text("engines:\n  presets: {vllm: maybe}\n  rules:\n    - name: x\n      cmdline: ['(']\n")
+    for command in (["read", "--demo"], ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]):
+        result = run_cli(*command, "--config.file", str(config))
+
+        assert result.returncode == 1
+        errors = [line for line in result.stderr.splitlines() if line.startswith("mig-exporter: error:")]
+        assert errors == [
+            f"mig-exporter: error: {config}: engines.presets.vllm: must be true or false, got str",
+            f"mig-exporter: error: {config}: engines.rules[0].cmdline[0]: not a valid regular expression "
+            "(missing ), unterminated subpattern at position 0): '('",
+        ]
+        assert "listening" not in result.stderr
+
+
+def test_a_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    result = run_cli("read", "--demo", "--config.file", str(tmp_path / "none.yml"))
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{tmp_path}/none.yml: cannot read: No such file or directory"
+
 
 def test_nvidia_smi_from_the_environment(fake_nvidia_smi: FakeSmi) -> None:
     fake = h100_fake(fake_nvidia_smi)
@@ -400,6 +489,8 @@ def test_log_level_from_the_environment() -> None:
     ("MIG_EXPORTER_LOG_LEVEL", "--log-level", ["read", "--demo"]),
     ("MIG_EXPORTER_WEB_TIMEOUT_OFFSET", "--web.timeout-offset", ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
     ("MIG_EXPORTER_WEB_LISTEN_ADDRESS", "--web.listen-address", ["serve", "--demo"]),
+    ("MIG_EXPORTER_PROBE_MAX_CONCURRENT", "--probe.max-concurrent",
+     ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
 ])
 def test_a_bad_value_in_the_environment_is_a_usage_error(variable: str, option: str, args: list[str]) -> None:
     # Refusing the value proves the variable is read.
@@ -552,3 +643,184 @@ def _running_in_groups(pgids: list[int], within_s: float) -> list[tuple[int, int
         if not running or time.monotonic() > deadline:
             return running
         time.sleep(0.05)
+
+
+# --- the config file: serve --config.file, SIGHUP, check-config --------------------------------
+
+BAD_CONFIG = """\
+probe_targets:
+  gpu-a:
+    command: nvidia-smi
+  '../etc':
+    command: [nvidia-smi]
+  gpu-b:
+    command: [nvidia-smi]
+    timeout: forever
+"""
+BAD_CONFIG_ERRORS = [
+    "probe_targets.gpu-a.command: must be a list of arguments (no shell is used), e.g. ['nvidia-smi']",
+    "probe_targets.'../etc': not a valid target name "
+    "(a letter or digit, then letters, digits, '_', '.' or '-'; at most 64 characters)",
+    "probe_targets.gpu-b.timeout: 'forever' is not a duration (write it like 500ms, 5s or 1m30s)",
+]
+
+
+def probe_config(path: Path, **targets: Path) -> Path:
+    path.write_text("probe_targets:\n" + "".join(
+        f"  {name}:\n    command: ['{fake}']\n    timeout: 5s\n" for name, fake in targets.items()))
+    return path
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The error lines of a failed command, without their prefix; nothing else but log lines."""
+    other = [line for line in stderr.splitlines() if line.strip() and not line.startswith("ts=")]
+    assert all(line.startswith("mig-exporter: error: ") for line in other), other
+    return [line.removeprefix("mig-exporter: error: ") for line in other]
+
+
+def wait_for_log(server: Server, text: str, after: int = 0, timeout_s: float = 10) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in server.log[after:]:
+            if text in line:
+                return line
+        time.sleep(0.02)
+    raise AssertionError(f"no log line with {text!r}: {server.log}")
+
+
+def test_serve_with_a_bad_config_prints_every_error_and_exits_1(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
+    config = tmp_path / "mig.yml"
+    config.write_text(BAD_CONFIG)
+    fake = h100_fake(fake_nvidia_smi)
+    result = run_cli("serve", "--web.listen-address", "127.0.0.1:0", "--nvidia-smi", str(fake),
+                     "--config.file", str(config))
+
+    assert result.returncode == 1
+    assert error_lines(result.stderr) == [f"{config}: {error}" for error in BAD_CONFIG_ERRORS]
+    assert "listening" not in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (fake.parent / "calls.log").exists()
+
+
+def test_serve_with_a_missing_config_file_is_a_one_line_error(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yml"
+    result = run_cli("serve", "--demo", "--web.listen-address", "127.0.0.1:0",
+                     env=cli_env(MIG_EXPORTER_CONFIG_FILE=str(missing)))
+
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{missing}: cannot read: No such file or directory"
+
+
+def test_serve_probes_the_targets_of_the_config_file_from_the_environment(
+    tmp_path: Path, fake_nvidia_smi: FakeSmi
+) -> None:
+    config = probe_config(tmp_path / "mig.yml", gpu_a=h100_fake(fake_nvidia_smi))
+    env = cli_env(MIG_EXPORTER_CONFIG_FILE=str(config), MIG_EXPORTER_PROBE_MAX_CONCURRENT="2")
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo", env=env) as server:
+        status, body = server.get("/probe?target=gpu_a")
+        assert status == 200
+        parsed = samples(body)
+        assert value(parsed, "probe_success") == 1
+        assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1002") == 7493 * MIB
+        status, body = server.get("/metrics")
+        assert value(samples(body), "mig_exporter_probes_total", target="gpu_a") == 1
+        assert server.get("/probe?target=/bin/sh")[0] == 400
+    assert any(f"loaded {config}: 1 probe target (gpu_a); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, "
+               "tensorrt-llm; at most 2 probes at once" in line for line in server.log)
+
+
+def test_sighup_reloads_the_config_and_a_bad_one_is_refused(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
+    fake_a, fake_b = h100_fake(fake_nvidia_smi), h100_fake(fake_nvidia_smi)
+    config = probe_config(tmp_path / "mig.yml", gpu_a=fake_a)
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo", "--config.file", str(config)) as server:
+        assert server.get("/probe?target=gpu_b")[0] == 400
+
+        probe_config(config, gpu_a=fake_a, gpu_b=fake_b)
+        mark = len(server.log)
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for_log(server, f"reloaded {config}: 2 probe targets (gpu_a, gpu_b); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm", mark)
+        status, body = server.get("/probe?target=gpu_b")
+        assert status == 200 and value(samples(body), "probe_success") == 1
+
+        config.write_text(BAD_CONFIG)
+        mark = len(server.log)
+        server.proc.send_signal(signal.SIGHUP)
+        line = wait_for_log(server, "kept the previous config", mark)
+        assert "level=ERROR" in line and all(error in line for error in BAD_CONFIG_ERRORS)
+        assert server.get("/probe?target=gpu_b")[0] == 200
+        assert value(samples(server.get("/metrics")[1]), "mig_exporter_config_last_reload_successful") == 0
+        assert server.proc.poll() is None
+    assert not any("Traceback" in line for line in server.log)
+
+
+def test_sighup_without_a_config_file_keeps_serving() -> None:
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo") as server:
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for_log(server, "no --config.file, nothing to reload")
+        assert server.get("/metrics")[0] == 200
+
+
+def test_check_config_of_a_good_file(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi)
+    config = tmp_path / "mig.yml"
+    config.write_text(f"probe_targets:\n  gpu-a: {{command: ['{fake}']}}\n"
+                      "  remote: {command: [no-such-ssh-here, gpu-07, nvidia-smi], timeout: 3s}\n")
+    result = run_cli("check-config", str(config))
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{config}: ok: 2 probe targets (gpu-a, remote); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm\n"
+    # Checked on this host, a command that is missing here is worth a warning, not a failure.
+    assert result.stderr == (f"mig-exporter: warning: {config}: probe_targets.remote: "
+                             "no-such-ssh-here: not found on PATH (on this host)\n")
+    assert not (fake.parent / "calls.log").exists(), "check-config must not run the targets"
+
+
+def test_check_config_of_a_bad_file_prints_every_error_and_exits_1(tmp_path: Path) -> None:
+    config = tmp_path / "mig.yml"
+    config.write_text(BAD_CONFIG)
+    result = run_cli("check-config", str(config))
+
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert error_lines(result.stderr) == [f"{config}: {error}" for error in BAD_CONFIG_ERRORS]
+
+
+@pytest.mark.parametrize("content, error", [
+    (None, "cannot read: No such file or directory"),
+    ("probe_targets: [\n", "line 2, column 1: not valid YAML: expected the node content, but found '<stream end>'"),
+])
+def test_check_config_of_an_unreadable_file(tmp_path: Path, content: str | None, error: str) -> None:
+    config = tmp_path / "mig.yml"
+    if content is not None:
+        config.write_text(content)
+    result = run_cli("check-config", str(config))
+
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{config}: {error}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_read_leaves_no_nvidia_smi_behind(fake_nvidia_smi: FakeSmi, sig) -> None:
+    fake = h100_fake(fake_nvidia_smi, mode="hang", list_mode="hang")
+    calls_log = fake.parent / "calls.log"
+    pgids: list[int] = []
+    proc = subprocess.Popen([sys.executable, "-m", "mig_exporter", "read", "--nvidia-smi", str(fake),
+                             "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(_lines(calls_log)) < 2:
+            time.sleep(0.02)
+        pgids = [int(line.split(" ", 1)[0]) for line in _lines(calls_log)]
+        assert len(pgids) == 2, "the read never started nvidia-smi"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=5) != 0
+        assert _running_in_groups(pgids, within_s=1.0) == []
+        assert b"Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -168,3 +168,11 @@ def test_no_two_samples_share_a_name_and_labels(name):
             key = (s.name, tuple(sorted(s.labels.items())))
             assert key not in seen
             seen.add(key)
+
+
+def test_a_repeating_bug_logs_its_traceback_once(caplog):
+    scraper = Scraper(_Fixed(error=ZeroDivisionError("boom")))
+    for _ in range(3):
+        scraper.families()
+    assert caplog.text.count("Traceback") == 1
+    assert caplog.text.count("read from nvidia-smi failed: unexpected ZeroDivisionError: boom") == 3

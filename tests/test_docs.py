@@ -1,4 +1,4 @@
-"""docs/metrics.md and the code agree; the README gives its two commands."""
+"""docs/metrics.md and the code agree, for /metrics and /probe; the README gives its two commands."""
 
 from __future__ import annotations
 
@@ -6,9 +6,15 @@ import re
 
 from conftest import REPO, scenario
 
+from mig_exporter.attribution import EngineWatch
+from mig_exporter.config import ProbeTarget, parse_config
+from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import CommandFailed
-from mig_exporter.scrape import Scraper
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.probe import ProbeResult, Prober
+from mig_exporter.procfs import ProcfsSource
+from mig_exporter.scrape import ReadOutcome, Scraper
+from mig_exporter.source_demo import DemoProcs, DemoSource
+from proc_tree import CONTAINER_NS, make_proc
 
 SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved", "a100-mig-pending",
              "na-memory"]
@@ -32,32 +38,81 @@ class _Source:
         return ""
 
 
-def _documented() -> dict[str, tuple[str, set[str]]]:
+def _documented(section: str = "/metrics") -> dict[str, tuple[str, set[str]]]:
+    """The metric table of docs/metrics.md: the main one (``/metrics``), or the one under the
+    ``## /probe`` heading."""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    main, _, probe = text.partition("\n## /probe\n")
     rows = {}
-    for line in (REPO / "docs" / "metrics.md").read_text().splitlines():
-        m = re.match(r"^\| `(mig_exporter_[a-z_]+)` \| (\w+) \| ([^|]*) \|", line)
+    for line in (probe if section == "/probe" else main).splitlines():
+        m = re.match(r"^\| `([a-z_]+)` \| (\w+) \| ([^|]*) \|", line)
         if m:
             labels = set(re.findall(r"`([a-z_]+)`", m.group(3)))
             rows[m.group(1)] = (m.group(2), labels)
     return rows
 
 
-def _emitted() -> dict[str, tuple[str, set[str]]]:
-    """Every family the code emits over all scenarios, a failed read and the demo."""
-    sources = [_Source(scenario(name)) for name in SCENARIOS]
-    sources += [DemoSource(), _Source(error=CommandFailed("nvidia-smi: exit status 9"))]
+def _kinds(families) -> dict[str, tuple[str, set[str]]]:
     found: dict[str, tuple[str, set[str]]] = {}
-    for source in sources:
-        for family in Scraper(source).families():
-            name = family.name + ("_total" if family.type == "counter" else "")
-            labels = {k for s in family.samples for k in s.labels}
-            kind, seen = found.get(name, (family.type, set()))
-            found[name] = (kind, seen | labels)
+    for family in families:
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {k for s in family.samples for k in s.labels}
+        kind, seen = found.get(name, (family.type, set()))
+        found[name] = (kind, seen | labels)
     return found
 
 
-def test_every_emitted_metric_is_documented_with_its_type_and_labels():
-    assert _emitted() == _documented()
+def _prober() -> Prober:
+    config = parse_config("probe_targets:\n  gpu-a: {command: [nvidia-smi]}\n", "mig.yml")
+    return Prober(config, config_file="mig.yml")
+
+
+def _emitted(tmp_path) -> dict[str, tuple[str, set[str]]]:
+    """Every family /metrics emits over all scenarios, a failed read and the
+    demo, with and without engines (the demo's host, a /proc outside the host
+    namespace, a failed GPU read beside a readable /proc), and with a config
+    file, the probe counters."""
+    failing = _Source(error=CommandFailed("nvidia-smi: exit status 9"))
+    scrapers = [Scraper(_Source(scenario(name))) for name in SCENARIOS]
+    scrapers += [Scraper(DemoSource()), Scraper(failing)]
+    container = str(make_proc(tmp_path / "container", [], namespace=CONTAINER_NS))
+    scrapers += [
+        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
+        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, ProcfsSource(container))),
+        Scraper(failing, EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
+    ]
+    families = [f for scraper in scrapers for f in scraper.families()]
+    return _kinds([*families, *_prober().families()])
+
+
+def _emitted_by_probe() -> dict[str, tuple[str, set[str]]]:
+    """Every family /probe emits over all scenarios and a failed read."""
+    target = ProbeTarget("gpu-a", ("nvidia-smi",))
+    outcomes = [ReadOutcome(scenario(name), 0.2) for name in SCENARIOS]
+    outcomes.append(ReadOutcome(None, 0.2, "nvidia-smi: exit status 9"))
+    return _kinds([f for outcome in outcomes for f in ProbeResult(target, outcome, 0.2).collect()])
+
+
+def test_every_emitted_metric_is_documented_with_its_type_and_labels(tmp_path):
+    assert _emitted(tmp_path) == _documented()
+
+
+def test_every_probe_metric_is_documented_and_the_rest_are_those_of_metrics():
+    emitted = _emitted_by_probe()
+    own = {name: kind for name, kind in emitted.items() if name.startswith("probe_")}
+    assert own == _documented("/probe")
+    shared = {name: kind for name, kind in emitted.items() if not name.startswith("probe_")}
+    assert shared == {name: _documented()[name] for name in shared}
+    assert {name.split("_")[2] for name in shared} == {"device", "process", "card"}
+
+
+def test_the_config_examples_in_the_docs_are_valid():
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "probe.md").read_text(), re.S)
+    blocks += re.findall(r"```yaml\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    configs = [b for b in blocks if "probe_targets:" in b]
+    assert len(configs) == 2, "docs/probe.md and the README each show a config file"
+    for text in configs:
+        assert parse_config(text).probe_targets
 
 
 def test_readme_first_screen_gives_the_two_commands():

@@ -153,7 +153,7 @@ def _card_as_nvidia_smi_reads_it(index: int) -> CardReading:
 def test_scenario_matches_its_nvidia_smi_fixture(nvml, name):
     xml_path, listing_path = FIXTURE_FILES[name]
     report = parse_query_xml(xml_path.read_bytes())
-    cards, problems = apply_listing(report.cards, parse_list(listing_path.read_bytes()))
+    cards, problems = apply_listing(report.cards, parse_list(listing_path.read_bytes()).gpus)
     assert problems == ()
     fake = nvml(name)
 

@@ -7,6 +7,10 @@ Prometheus' HTTP API what it stored: the values must be the scenario's, and
 Prometheus must have seen no scrape error. Prometheus negotiates OpenMetrics,
 so this also covers that encoding end to end.
 
+The ``/probe`` test runs the scrape config of docs/probe.md, with the
+blackbox-style relabelling, as the document gives it except for addresses and
+intervals.
+
 Without the ``prometheus`` binary these tests are skipped, except under CI
 (``CI`` set), where they fail.
 """
@@ -32,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MIB, fixture_bytes
+from conftest import MIB, REPO, fixture_bytes
 
 pytestmark = pytest.mark.prometheus
 
@@ -118,10 +123,11 @@ class Exporter:
 
 
 @contextmanager
-def exporter(nvidia_smi: Path, cwd: Path) -> Iterator[Exporter]:
+def exporter(nvidia_smi: Path | None, cwd: Path, *args: str) -> Iterator[Exporter]:
+    """``serve`` over the fake nvidia-smi, or over the demo when it is None."""
+    source = ["--demo"] if nvidia_smi is None else ["--nvidia-smi", str(nvidia_smi)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "mig_exporter", "serve",
-         "--web.listen-address", f"{HOST}:0", "--nvidia-smi", str(nvidia_smi)],
+        [sys.executable, "-m", "mig_exporter", "serve", "--web.listen-address", f"{HOST}:0", *source, *args],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd,
     )
     try:
@@ -157,18 +163,23 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus(target: str, tmp_path: Path) -> Iterator[Prometheus]:
+def prometheus(target: str, tmp_path: Path, config_text: str | None = None,
+               rule_files: tuple[Path, ...] = ()) -> Iterator[Prometheus]:
+    """Prometheus scraping ``target`` with a one-second interval (evaluating
+    ``rule_files``), or running ``config_text``."""
     binary = _prometheus_binary()
     config = tmp_path / "prometheus.yml"
-    config.write_text(
+    config.write_text(config_text or (
         "global:\n"
         "  scrape_interval: 1s\n"
         "  scrape_timeout: 1s\n"
-        "scrape_configs:\n"
+        "  evaluation_interval: 1s\n"
+        + (f"rule_files: [{', '.join(repr(str(f)) for f in rule_files)}]\n" if rule_files else "")
+        + "scrape_configs:\n"
         f"  - job_name: {JOB}\n"
         "    static_configs:\n"
         f"      - targets: ['{target}']\n"
-    )
+    ))
     port = _free_port()
     log_path = tmp_path / "prometheus.log"
     with open(log_path, "wb") as log_file:
@@ -293,3 +304,133 @@ def test_prometheus_sees_a_failed_read_as_data(fake_nvidia_smi, tmp_path):
         assert "couldn't communicate with the NVIDIA driver" in exp.log.text()
         assert "Traceback" not in exp.log.text()
     assert exp.process.returncode == 0, exp.log.text()
+
+
+# --- /probe with the documented relabelling ------------------------------------------------------
+
+BLACKBOX_RELABELLING = [
+    {"source_labels": ["__address__"], "target_label": "__param_target"},
+    {"source_labels": ["__param_target"], "target_label": "instance"},
+    {"target_label": "__address__", "replacement": "gpu-node-1:10064"},
+]
+
+
+def documented_probe_scrape_config() -> dict:
+    """The one Prometheus config in docs/probe.md."""
+    text = (REPO / "docs" / "probe.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "scrape_configs:" in b]
+    assert len(blocks) == 1, f"expected one scrape config in docs/probe.md, found {len(blocks)}"
+    return yaml.safe_load(blocks[0])
+
+
+def test_prometheus_probes_named_targets_with_the_documented_relabelling(fake_nvidia_smi, tmp_path):
+    _prometheus_binary()
+    config = documented_probe_scrape_config()
+    (job,) = config["scrape_configs"]
+    assert job["metrics_path"] == "/probe"
+    assert job["relabel_configs"] == BLACKBOX_RELABELLING, "docs/probe.md lost the blackbox-style relabelling"
+    (static,) = job["static_configs"]
+    names = static["targets"]
+    assert names == ["driver-root", "host", "gpu-07"]
+
+    # The documented names, each backed by a fake: two good nodes and one whose driver is gone.
+    fakes = {
+        "driver-root": fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"),
+                                       fixture_bytes("h100-mig-processes.L.txt")),
+        "host": fake_nvidia_smi(fixture_bytes("a100-mig-pending.xml"), fixture_bytes("a100-mig-pending.L.txt")),
+        "gpu-07": fake_nvidia_smi(mode="fail", list_mode="fail"),
+    }
+    exporter_config = tmp_path / "mig-exporter.yml"
+    exporter_config.write_text("probe_targets:\n" + "".join(
+        f"  {name}:\n    command: ['{fake}']\n" for name, fake in fakes.items()))
+    local = fake_nvidia_smi(mode="fail", list_mode="fail")  # /metrics' own nvidia-smi, not scraped here
+
+    with exporter(local, tmp_path, "--config.file", str(exporter_config)) as exp:
+        # Only the addresses and the intervals change; the relabelling runs as documented.
+        job["relabel_configs"][2]["replacement"] = exp.address
+        job["scrape_interval"] = job["scrape_timeout"] = "1s"
+        with prometheus("", tmp_path, yaml.safe_dump(config)) as prom:
+            targets = {name: _target_after_scrapes(prom, name) for name in names}
+            for name, target in targets.items():
+                assert target["health"] == "up", target
+                assert target["lastError"] == "", target
+                assert target["labels"] == {"instance": name, "job": job["job_name"]}
+                assert target["scrapeUrl"] == f"http://{exp.address}/probe?target={name}"
+
+            assert _value(prom, 'probe_success{instance="driver-root"}') == 1
+            assert _value(prom, 'probe_success{instance="host"}') == 1
+            assert _value(prom, 'probe_success{instance="gpu-07"}') == 0
+            assert _value(prom, 'count(up{job="mig-exporter-probe"} == 1)') == 3
+
+            assert _value(prom, 'count(mig_exporter_device_info{instance="driver-root"})') == 4
+            assert _value(prom, 'mig_exporter_device_memory_used_bytes{instance="driver-root",index="1002"}') \
+                == 7493 * MIB
+            assert _value(prom, 'mig_exporter_device_memory_used_bytes{instance="host",index="0"}') == 5371854848
+            assert prom.query('mig_exporter_device_info{instance="gpu-07"}') == []
+            (process,) = prom.query('mig_exporter_process_memory_used_bytes{pid="21198"}')
+            assert process["metric"] == {
+                "__name__": "mig_exporter_process_memory_used_bytes",
+                "card": "0",
+                "index": "1002",
+                "mig_profile": "1g.10gb",
+                "pid": "21198",
+                "instance": "driver-root",
+                "job": "mig-exporter-probe",
+            }
+            (process,) = prom.query('mig_exporter_process_info{instance="host"}')
+            assert process["metric"]["pid"] == "900" and process["metric"]["index"] == "0"
+
+            problems = _ingestion_problems(prom)
+            assert problems, "Prometheus exposed none of its ingestion counters"
+            assert {k: v for k, v in problems.items() if v} == {}
+
+        with urllib.request.urlopen(f"http://{exp.address}/metrics", timeout=5) as r:
+            own = {(s.name, s.labels.get("target")): s.value
+                   for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+        assert own[("mig_exporter_probes_total", "driver-root")] >= 2
+        assert own[("mig_exporter_probe_failures_total", "driver-root")] == 0
+        assert own[("mig_exporter_probe_failures_total", "gpu-07")] == own[("mig_exporter_probes_total", "gpu-07")] >= 2
+        assert "Traceback" not in exp.log.text()
+    assert exp.process.returncode == 0, exp.log.text()
+    # The one read of /metrics' own nvidia-smi is the test's fetch above: Prometheus scraped only /probe.
+    runs = sorted(line.split(" ", 1)[1] for line in (local.parent / "calls.log").read_text().splitlines())
+    assert runs == ["-L", "-q -x"]
+
+
+def test_prometheus_evaluates_the_rules_on_the_demo(tmp_path):
+    """The demo's host runs a llama-server asked for -ngl 99 that is on no
+    GPU's list: with deploy/prometheus/alerts.yml loaded, a real Prometheus
+    puts EngineHoldsNoGPUMemory in pending for it (firing takes 2 minutes)
+    and for nothing else, and the recording rules hold the demo's values."""
+    _prometheus_binary()
+    alerts_file = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
+    with exporter(None, tmp_path) as exp, prometheus(exp.address, tmp_path, rule_files=(alerts_file,)) as prom:
+        target = _target_after_scrapes(prom, exp.address)
+        assert target["health"] == "up", target
+        deadline = time.monotonic() + STARTUP_S
+        active: list[dict] = []
+        while time.monotonic() < deadline:
+            active = prom.get("/api/v1/alerts")["alerts"]
+            recorded = prom.query("instance_engine:mig_exporter_engine_memory_used_bytes:sum")
+            if active and recorded:
+                break
+            time.sleep(0.2)
+        assert [(a["labels"]["alertname"], a["state"]) for a in active] == [("EngineHoldsNoGPUMemory", "pending")]
+        labels = active[0]["labels"]
+        assert {k: labels[k] for k in ("engine", "pid", "comm", "severity", "instance")} == {
+            "engine": "llama.cpp", "pid": "52040", "comm": "llama-server", "severity": "warning",
+            "instance": exp.address,
+        }
+        assert active[0]["annotations"]["summary"] == (
+            f"llama.cpp process 52040 (llama-server) on {exp.address} holds no GPU memory")
+
+        engines = {r["metric"]["engine"]: float(r["value"][1]) for r in
+                   prom.query("instance_engine:mig_exporter_engine_memory_used_bytes:sum")}
+        assert engines == {"llama.cpp": (11520 + 20480) * MIB, "vllm": 9216 * MIB}
+        assert _value(prom, "instance_engine:mig_exporter_engine_processes_without_gpu_memory:count") == 1
+        cards = {r["metric"]["card"]: float(r["value"][1]) for r in
+                 prom.query("instance_card:mig_exporter_device_memory_used_bytes:sum")}
+        assert cards == {"0": (11663 + 9251 + 13) * MIB, "1": 22110 * MIB}
+        rule_health = [r["health"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]]
+        assert rule_health == ["ok"] * 11
+        assert "Traceback" not in exp.log.text()

@@ -28,9 +28,11 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
+from mig_exporter.attribution import EngineWatch
+from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import ReadError
 from mig_exporter.scrape import ScrapeCollector, Scraper, Source
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_demo import DemoProcs, DemoSource
 from mig_exporter.source_smi import NvidiaSmiSource
 
 from conftest import MIB, fixture_bytes
@@ -86,6 +88,7 @@ class Case:
     devices: int
     # (sample name, labels that must match, value); None means the sample is absent.
     expect: list[tuple[str, dict[str, str], float | None]] = field(default_factory=list)
+    engines: Callable[[], EngineWatch] | None = None  # watch engines beside the read
 
 
 def _smi(scenario: str) -> Callable[..., Source]:
@@ -115,6 +118,24 @@ CASES: dict[str, Case] = {
             ("mig_exporter_card_utilization_ratio", {"card": "0"}, None),
             ("mig_exporter_card_mig_instances", {"card": "0"}, 3),
         ],
+    ),
+    "demo-engines": Case(
+        lambda fake: DemoSource(),
+        "demo",
+        True,
+        4,
+        [
+            ("mig_exporter_host_pid_namespace", {}, 1),
+            ("mig_exporter_engine_processes", {"engine": "llama.cpp"}, 3),
+            ("mig_exporter_engine_processes", {"engine": "ollama"}, 0),
+            ("mig_exporter_engine_memory_used_bytes", {"engine": "llama.cpp", "pid": "52040"}, 0),
+            ("mig_exporter_engine_memory_used_bytes", {"engine": "llama.cpp", "pid": "50102"}, 20480 * MIB),
+            ("mig_exporter_engine_memory_used_bytes", {"engine": "vllm", "pid": "51860"}, 9216 * MIB),
+            ("mig_exporter_engine_memory_used_bytes", {"pid": "52311"}, None),  # -ngl 0: no engine
+            ("mig_exporter_engine_info", {"pid": "52040", "index": "", "comm": "llama-server"}, 1),
+            ("mig_exporter_engine_info", {"pid": "51860", "index": "1001", "comm": "vllm"}, 1),
+        ],
+        engines=lambda: EngineWatch(DEFAULT_SETTINGS, DemoProcs()),
     ),
     "h100-mig-processes": Case(
         _smi("h100-mig-processes"),
@@ -215,7 +236,8 @@ def case(request, fake_nvidia_smi) -> tuple[Case, CollectorRegistry]:
     """A case and a fresh registry that reads its source at every render."""
     c = CASES[request.param]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ScrapeCollector(Scraper(c.source(fake_nvidia_smi)), READ_TIMEOUT_S))
+    engines = c.engines() if c.engines else None
+    registry.register(ScrapeCollector(Scraper(c.source(fake_nvidia_smi), engines), READ_TIMEOUT_S))
     return c, registry
 
 

@@ -62,7 +62,9 @@ def test_real_query_xml(name):
 @pytest.mark.parametrize("name", sorted(LIST_FACTS))
 def test_real_list(name):
     facts = LIST_FACTS[name]
-    gpus = parse_list((REAL_CORPUS / name).read_bytes())
+    listing = parse_list((REAL_CORPUS / name).read_bytes())
+    assert listing.skipped == ()
+    gpus = listing.gpus
     assert len(gpus) == facts["gpus"]
     assert sum(len(g.mig_devices) for g in gpus) == facts["mig_devices"]
     assert tuple(g.name for g in gpus) == facts["gpu_names"]

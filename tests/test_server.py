@@ -131,7 +131,12 @@ def test_landing_page_names_version_source_and_links(serve):
 def test_unknown_paths_and_methods(serve):
     url = serve(DemoSource())
     assert _get(url + "/nope")[0] == 404
-    assert _get(url + "/metrics", method="POST")[0] == 501
+    # POST exists for /-/reload alone; elsewhere it is a method the path does not allow.
+    status, headers, _ = _get(url + "/metrics", method="POST")
+    assert (status, headers["Allow"]) == (405, "GET, HEAD")
+    status, headers, _ = _get(url + "/-/reload")
+    assert (status, headers["Allow"]) == (405, "POST")
+    assert _get(url + "/metrics", method="PUT")[0] == 501
     status, headers, body = _get(url + "/metrics", method="HEAD")
     assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
 
@@ -162,3 +167,57 @@ def test_listen_address(address, expected):
 def test_bad_listen_address(address):
     with pytest.raises(ValueError):
         parse_listen_address(address)
+
+
+def test_gzip_follows_accept_encoding_q_values_and_varies(serve):
+    url = serve(DemoSource())
+    assert _get(url + "/metrics", {"Accept-Encoding": "gzip;q=0, identity"})[1].get("Content-Encoding") is None
+    status, headers, body = _get(url + "/metrics", {"Accept-Encoding": "GZIP;q=0.5"})
+    assert headers["Content-Encoding"] == "gzip" and b"mig_exporter_build_info" in gzip.decompress(body)
+    assert headers["Vary"] == "Accept-Encoding"
+
+
+def test_keep_alive_stays_in_step_after_a_get_with_a_body(serve):
+    import http.client
+
+    url = serve(DemoSource())
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/-/healthy", body=b"unexpected body")
+    first = conn.getresponse()
+    assert (first.status, first.read()) == (200, b"Healthy\n")
+    conn.request("GET", "/-/healthy")
+    second = conn.getresponse()
+    assert (second.status, second.read()) == (200, b"Healthy\n")
+    conn.close()
+
+
+def test_idle_connections_are_closed_and_resets_log_no_traceback(serve, capfd):
+    import socket
+
+    from mig_exporter.server import _Handler
+
+    assert _Handler.timeout == 30
+    url = serve(DemoSource())
+    host, port = url.removeprefix("http://").split(":")
+    for _ in range(5):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()  # RST while the answer is being written
+    time.sleep(0.3)
+    assert _get(url + "/-/healthy")[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_fifty_concurrent_scrapes_cause_one_nvidia_smi_run(serve, fake_nvidia_smi):
+    smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"),
+                          delay_s=0.5)
+    url = serve(NvidiaSmiSource(str(smi)))
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        results = list(pool.map(lambda _: _get(url + "/metrics"), range(50)))
+    assert [r[0] for r in results] == [200] * 50
+    assert all(_value(r[2], "mig_exporter_read_success", {}) == 1 for r in results)
+    runs = [line.split(" ", 1)[1] for line in (smi.parent / "calls.log").read_text().splitlines()]
+    # Requests that arrive after the first read has ended may start a second one.
+    assert runs.count("-q -x") <= 2 and runs.count("-q -x") == runs.count("-L")

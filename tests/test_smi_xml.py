@@ -109,7 +109,7 @@ def test_zero_gpus_is_an_empty_report_not_an_error():
         (b"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.", "not well-formed"),
         (b'<?xml version="1.0" ?><nvidia_smi_log><gpu>', "not well-formed"),
         (b"<html><body>hello</body></html>", "expected <nvidia_smi_log>"),
-        (b'\x89PNG\r\n\x1a\n\x00\x00', "not well-formed"),
+        (b'\x89PNG\r\n\x1a\n\x00\x00', "not UTF-8"),
     ],
 )
 def test_garbage_and_truncation_raise_parse_error(data, message):
@@ -153,3 +153,42 @@ def test_external_dtd_is_neither_fetched_nor_loaded(tmp_path):
     net = (b'<?xml version="1.0" ?><!DOCTYPE nvidia_smi_log SYSTEM "http://127.0.0.1:9/nvsmi_device_v12.dtd">'
            b"<nvidia_smi_log><driver_version>550.2</driver_version></nvidia_smi_log>")
     assert parse_query_xml(net).driver_version == "550.2"
+
+
+def test_a_process_name_that_is_not_utf8_costs_only_its_own_text():
+    data = fixture_bytes("h100-mig-processes.xml").replace(
+        b"<process_name>./gpu_burn</process_name>", b"<process_name>/opt/\xff\xfe/gpu\x01burn</process_name>")
+    report = parse_query_xml(data)
+    names = {p.pid: p.name for p in report.cards[0].processes}
+    assert names[21198] == "/opt/\ufffd\ufffd/gpu\ufffdburn"
+    assert names[21180] == "/root/tools/memhog"
+    assert report.problems == ("1 process name(s) held bytes that are not UTF-8 text; read with replacements",)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_documents_in_other_encodings_are_refused(tmp_path, encoding):
+    secret = tmp_path / "secret"
+    secret.write_text("TOPSECRET")
+    xxe = (f'<?xml version="1.0" encoding="{encoding}"?><!DOCTYPE nvidia_smi_log [<!ENTITY x SYSTEM "file://{secret}">]>'
+           "<nvidia_smi_log><driver_version>&x;</driver_version></nvidia_smi_log>").encode(encoding)
+    with pytest.raises(ParseError, match="not UTF-8"):
+        parse_query_xml(xxe)
+
+
+def test_the_parser_itself_expands_no_entity_even_past_the_pre_check():
+    """Defence in depth: the lxml parser is configured not to resolve entities,
+    whatever the byte-level check lets through."""
+    from mig_exporter.smi_xml import _parser
+    from lxml import etree
+
+    doc = b'<!DOCTYPE r [<!ENTITY a "expanded">]><r><v>&a;</v></r>'
+    root = etree.fromstring(doc, _parser())
+    assert root.findtext("v") in (None, "")
+
+
+@pytest.mark.parametrize("pid", ["\u00b2", "\u0663", "99999999999", "4194304"])
+def test_pids_that_linux_cannot_have_are_skipped(pid):
+    gpu = f"<processes><process_info><pid>{pid}</pid><type>C</type><used_memory>1 MiB</used_memory></process_info></processes>"
+    report = parse_query_xml(_log(gpu))
+    assert report.cards[0].processes == () and report.cards[0].error is None
+    assert len(report.problems) == 1

@@ -216,3 +216,40 @@ def test_source_auto_takes_nvml_where_the_library_loads(fake_nvml_lib):
     assert result.exit_code == 0
     assert 'mig_exporter_read_success{source="nvml"} 1.0' in result.stdout
     assert 'mig_exporter_device_memory_used_bytes{card="0",index="1002",mig_profile="1g.10gb"} 7.856979968e+09' in result.stdout
+
+
+def test_a_process_name_that_is_not_utf8_does_not_fail_the_read(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    odd = dataclasses.replace(base, process_names={**base.process_names, 21198: "/opt/\udcff\udcfe/llama-server"})
+    fake = fake_nvml_lib(odd)
+    snapshot = NvmlSource().read()
+    names = {p.pid: p.name for p in snapshot.processes}
+    assert names[21198] == "/opt/\ufffd\ufffd/llama-server"
+    assert names[21180] == "/root/tools/memhog"
+    assert fake.exceptions == []
+
+
+def test_garbled_process_lists_never_export_garbage_memory(fake_nvml_lib):
+    bad = dataclasses.replace(
+        SCENARIOS["h100-mig-processes"](),
+        r535_struct_mismatch=True,
+        missing_functions=frozenset({"nvmlDeviceGetComputeRunningProcesses_v2"}),
+    )
+    fake_nvml_lib(bad)
+    snapshot = NvmlSource().read()
+    assert all(p.used_bytes is None for p in snapshot.processes)
+
+
+def test_a_hung_readiness_check_answers_at_its_deadline(fake_nvml_lib):
+    fake = fake_nvml_lib("a100-mig-pending")
+    source = NvmlSource(timeout_s=0.5)
+    release = threading.Event()
+    keep = _hang(fake, "nvmlInitWithFlags", release, (ctypes.c_uint,))
+    try:
+        started = time.monotonic()
+        ok, reason = source.ready()
+        assert not ok and "did not finish within 0.5s" in reason
+        assert time.monotonic() - started < 2.0
+    finally:
+        release.set()
+    del keep

@@ -5,12 +5,13 @@ the ones in tests/fixtures/nvidia-smi/README.md."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import MIB, FakeSmi, fixture_bytes
+from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind
 from mig_exporter.errors import (
     CommandFailed,
     CommandNotFound,
@@ -31,47 +32,6 @@ DRIVER_ERROR = "NVIDIA-SMI has failed because it couldn't communicate with the N
 
 def fake_for(fake_nvidia_smi: FakeSmi, name: str, **kwargs) -> Path:
     return fake_nvidia_smi(xml=fixture_bytes(f"{name}.xml"), listing=fixture_bytes(f"{name}.L.txt"), **kwargs)
-
-
-def calls(fake: Path) -> list[tuple[int, str]]:
-    """(pid, arguments) of each run of the fake, from its calls.log."""
-    log = fake.parent / "calls.log"
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        pid, _, args = line.partition(" ")
-        out.append((int(pid), args))
-    return out
-
-
-def _proc_stats() -> list[tuple[int, str, int, int]]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
-    return out
-
-
-def left_behind(pgids: list[int], within_s: float = 1.0) -> tuple[list[tuple[int, str, int]], list[int]]:
-    """Running members of the given process groups, and unreaped children of this process, after a
-    short grace for SIGKILL to land. Zombies already handed to init are not ours to reap."""
-    me = os.getpid()
-    deadline = time.monotonic() + within_s
-    while True:
-        stats = _proc_stats()
-        live = [(pid, state, pgrp) for pid, state, _, pgrp in stats if pgrp in pgids and state not in "ZX"]
-        zombies = [pid for pid, state, ppid, _ in stats if ppid == me and state == "Z"]
-        if (not live and not zombies) or time.monotonic() > deadline:
-            return live, zombies
-        time.sleep(0.02)
 
 
 def timed_read(source: NvidiaSmiSource, **kwargs) -> tuple[Snapshot | BaseException, float]:
@@ -362,6 +322,54 @@ def test_path_that_is_not_executable_is_refused(tmp_path: Path) -> None:
         NvidiaSmiSource(str(script)).resolve()
     with pytest.raises(CommandNotFound):
         NvidiaSmiSource(str(tmp_path)).resolve()  # a directory
+
+
+# --- an argv prefix: nvidia-smi through a wrapper ---------------------------------------------
+
+def test_an_argv_prefix_runs_nvidia_smi_through_the_wrapper(fake_nvidia_smi: FakeSmi, fake_wrapper) -> None:
+    fake = fake_for(fake_nvidia_smi, "h100-mig-processes")
+    wrapper = fake_wrapper(fake, fixed_args=2)
+    source = NvidiaSmiSource([str(wrapper), "--host", "gpu-07"], timeout_s=10)
+
+    snapshot = source.read()
+
+    assert [d.memory.used_bytes for d in snapshot.devices] == [
+        3594 * MIB, 17 * MIB, 7493 * MIB, 9 * MIB]
+    assert [d.profile for d in snapshot.devices] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
+    wrapped = sorted(line.split(" ", 1)[1] for line in (wrapper.parent / "wrapper.log").read_text().splitlines())
+    assert wrapped == ["--host gpu-07 -L", "--host gpu-07 -q -x"]
+    assert sorted(args for _, args in calls(fake)) == ["-L", "-q -x"]
+    assert source.describe() == f"nvidia-smi ({wrapper} --host gpu-07, timeout 10s)"
+
+
+def test_the_first_element_of_a_prefix_is_looked_up_on_path(fake_nvidia_smi: FakeSmi) -> None:
+    fake = fake_for(fake_nvidia_smi, "a100-mig-pending")
+    source = NvidiaSmiSource(["sh", str(fake)], timeout_s=10)
+
+    assert source.resolve_command() == (shutil.which("sh"), str(fake))
+    assert [d.index for d in source.read().devices] == [0]
+    assert NvidiaSmiSource(["no-such-wrapper-here", str(fake)]).ready() == (
+        False, "no-such-wrapper-here: not found on PATH")
+
+
+def test_a_hung_wrapper_is_killed_with_everything_it_started(fake_nvidia_smi: FakeSmi, fake_wrapper) -> None:
+    fake = fake_for(fake_nvidia_smi, "h100-mig-processes", mode="hang", list_mode="hang")
+    wrapper = fake_wrapper(fake, fixed_args=1)
+    result, elapsed = timed_read(NvidiaSmiSource([str(wrapper), "gpu-07"], timeout_s=1.0))
+
+    assert isinstance(result, CommandTimeout), result
+    assert elapsed < 1.0 + 1.0
+    # Each wrapper leads its own process group: the fake under it and the fake's sleeps go with it.
+    pgids = [int(line.split()[0]) for line in (wrapper.parent / "wrapper.log").read_text().splitlines()]
+    assert len(pgids) == 2 and len(calls(fake)) == 2
+    live, zombies = left_behind(pgids)
+    assert live == [], f"left running: {live}"
+    assert zombies == []
+
+
+def test_an_empty_prefix_is_refused() -> None:
+    with pytest.raises(ValueError):
+        NvidiaSmiSource([])
 
 
 # --- the read's budget -------------------------------------------------------------------------

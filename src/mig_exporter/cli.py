@@ -1,4 +1,4 @@
-"""The ``mig-exporter`` command: ``serve`` and ``read``.
+"""The ``mig-exporter`` command: ``serve``, ``read`` and ``check-config``.
 
 Every option can also be set from the environment: ``--timeout`` from
 ``MIG_EXPORTER_TIMEOUT``, ``--web.listen-address`` from
@@ -7,6 +7,7 @@ Every option can also be set from the environment: ``--timeout`` from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -22,12 +23,19 @@ from click.core import ParameterSource
 from prometheus_client import CollectorRegistry, generate_latest
 
 from mig_exporter import __version__
+from mig_exporter.attribution import EngineWatch
 from mig_exporter.command import kill_running
+from mig_exporter.config import EMPTY, Config, ConfigError, load_config
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
+from mig_exporter.engines import EngineSettings
+from mig_exporter.errors import CommandError
+from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
+from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
+from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import ScrapeCollector, Scraper, Source
 from mig_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from mig_exporter.source_auto import AutoSource
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.source_demo import DemoProcs, DemoSource
 from mig_exporter.source_nvml import NvmlSource
 from mig_exporter.source_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
 
@@ -56,13 +64,37 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True, envvar=_env("TIMEOUT"), show_envvar=True,
                      help="Seconds a read may take; at the deadline the command's process group is killed."),
         click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
-                     help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100)."),
+                     help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100, and "
+                          "its host's processes) instead of a GPU and /proc."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
                      show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity."),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--config.file", "config_file", type=click.Path(dir_okay=False), default=None,
+                     envvar=_env("CONFIG_FILE"), show_envvar=True,
+                     help="YAML config file: probe_targets: (the commands /probe may run, serve only; "
+                          "docs/probe.md) and engines: (which processes are inference engines; docs/engines.md; "
+                          "without it every preset is on). serve reloads it on SIGHUP and POST /-/reload."),
+        click.option("--proc.root", "proc_root", metavar="DIR", default=DEFAULT_PROC_ROOT, show_default=True,
+                     envvar=_env("PROC_ROOT"), show_envvar=True,
+                     help="The /proc to read processes from, e.g. /host/proc in a container that mounts the host's."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineWatch:
+    """Which processes are engines, read from /proc or the demo's processes."""
+    watch = EngineWatch(settings, DemoProcs() if demo else ProcfsSource(proc_root))
+    log.info("watching %s", watch.describe())
+    return watch
 
 
 def _setup_logging(level: str) -> None:
@@ -115,7 +147,7 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: errors are one line on stderr and a non-zero exit (2 for usage, 1 otherwise)."""
+    """Entry point: errors are one line each on stderr and a non-zero exit (2 for usage, 1 otherwise)."""
     try:
         cli.main(args=argv, prog_name="mig-exporter", standalone_mode=False)
     except click.UsageError as e:
@@ -123,30 +155,51 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"mig-exporter: error: {e.format_message()} (see '{command} --help')", err=True)
         sys.exit(2)
     except click.ClickException as e:
-        click.echo(f"mig-exporter: error: {e.format_message()}", err=True)
+        for line in e.format_message().splitlines():  # a bad config file: one line per error
+            click.echo(f"mig-exporter: error: {line}", err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         sys.exit(1)
 
 
+def _load_config(path: str) -> Config:
+    """The config file, or a ClickException listing every error in it."""
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        raise click.ClickException("\n".join(f"{e.source}: {error}" for error in e.errors)) from None
+
+
 @cli.command()
 @_source_options
+@_engine_options
 @click.option("--web.listen-address", "listen_address", default=DEFAULT_LISTEN_ADDRESS, show_default=True,
               envvar=_env("WEB_LISTEN_ADDRESS"), show_envvar=True, help="HOST:PORT to serve on.")
 @click.option("--web.timeout-offset", "timeout_offset", type=click.FloatRange(min=0), default=0.5,
               show_default=True, envvar=_env("WEB_TIMEOUT_OFFSET"), show_envvar=True,
               help="Seconds kept back from Prometheus' scrape timeout so the answer arrives in time.")
-def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, listen_address: str,
-          timeout_offset: float) -> None:
-    """Serve /metrics; every scrape reads the GPUs afresh."""
+@click.option("--probe.max-concurrent", "max_concurrent", type=click.IntRange(min=1, max=1024),
+              default=DEFAULT_MAX_CONCURRENT, show_default=True, envvar=_env("PROBE_MAX_CONCURRENT"),
+              show_envvar=True, help="Probes that may run at once; beyond that /probe answers 503 at once.")
+def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
+          proc_root: str, listen_address: str, timeout_offset: float, max_concurrent: int) -> None:
+    """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     _setup_logging(log_level)
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--web.listen-address") from None
+    config = _load_config(config_file) if config_file else EMPTY
+    engines = _make_engine_watch(config.engines, proc_root, demo)
+    prober = None
+    if config_file is not None:
+        prober = Prober(config, max_concurrent=max_concurrent, default_timeout_s=timeout, config_file=config_file,
+                        on_reload=lambda new: setattr(engines, "settings", new.engines))
+        log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(chosen), timeout_s=timeout, timeout_offset_s=timeout_offset)
+        server = ExporterServer(address, Scraper(chosen, engines), timeout_s=timeout, timeout_offset_s=timeout_offset,
+                                prober=prober)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
 
@@ -154,8 +207,17 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         log.info("received %s, shutting down", signal.Signals(signum).name)
         threading.Thread(target=server.shutdown, daemon=True).start()
 
+    def reload(_signum: int, _frame: object) -> None:
+        if prober is None:
+            log.info("received SIGHUP; no --config.file, nothing to reload")
+            return
+        log.info("received SIGHUP, reloading %s", config_file)
+        # Off the signal handler: reloading takes locks the interrupted code may hold.
+        threading.Thread(target=prober.reload, name="reload", daemon=True).start()
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, reload)
     log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.url, chosen.describe())
     with server:
         server.serve_forever()
@@ -165,22 +227,38 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         log.info("killed %d command(s) still running at shutdown", killed)
 
 
+@cli.command("check-config")
+@click.argument("config_file", metavar="FILE")
+def check_config(config_file: str) -> None:
+    """Check a config file: print every error and exit 1, or a summary and exit 0."""
+    config = _load_config(config_file)
+    click.echo(f"{config_file}: ok: {config.summary()}")
+    # Not errors: the file may be checked on another host than the one that runs it.
+    for target in config.probe_targets.values():
+        try:
+            NvidiaSmiSource(target.command).resolve()
+        except CommandError as e:
+            click.echo(f"mig-exporter: warning: {config_file}: probe_targets.{target.name}: {e} (on this host)",
+                       err=True)
+
+
 @cli.command()
 @_source_options
+@_engine_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
-def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, output: str | None) -> None:
+def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
+         proc_root: str, output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     _setup_logging(log_level)
-    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True))
+    config = _load_config(config_file) if config_file else EMPTY
+    engines = _make_engine_watch(config.engines, proc_root, demo)
+    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True), engines)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ScrapeCollector(scraper, timeout))
-    previous = signal.signal(signal.SIGTERM, _kill_and_exit)
-    try:
+    with _signals_kill_commands():
         text = generate_latest(registry)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if output is None:
         sys.stdout.buffer.write(text)
         sys.stdout.buffer.flush()
@@ -214,11 +292,12 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     _setup_logging(log_level)
     nvml = NvmlSource(timeout_s=timeout)
     smi = NvidiaSmiSource(nvidia_smi, timeout)
-    report = diagnose(
-        timed_read("nvml", nvml.read),
-        timed_read("nvidia-smi", smi.read),
-        slow_threshold_s=slow_threshold,
-    )
+    with _signals_kill_commands():
+        report = diagnose(
+            timed_read("nvml", nvml.read),
+            timed_read("nvidia-smi", smi.read),
+            slow_threshold_s=slow_threshold,
+        )
     if output_format == "json":
         click.echo(json.dumps(as_json(report), indent=2))
     else:
@@ -226,8 +305,20 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     sys.exit(1 if report.findings else 0)
 
 
+@contextlib.contextmanager
+def _signals_kill_commands() -> Iterator[None]:
+    """Reads run in worker threads: SIGTERM or SIGINT must take their commands
+    down explicitly, or those outlive us in their own sessions."""
+    previous = {sig: signal.signal(sig, _kill_and_exit) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _kill_and_exit(signum: int, _frame: object) -> None:
-    """SIGTERM during a read: take the read's commands down with us."""
+    """SIGTERM or SIGINT during a read: take the read's commands down with us."""
     kill_running()
     sys.exit(128 + signum)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mig_exporter.snapshot import Device, Snapshot
+from mig_exporter.snapshot import Device, EngineReading, Snapshot
 
 DEVICE_LABELS = ["index", "card", "mig_profile"]
 PROCESS_LABELS = [*DEVICE_LABELS, "pid"]
@@ -165,6 +165,58 @@ def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
     yield from (info, ok, mig_mode, instances, temperature, power, utilization)
 
 
+def engine_families(reading: EngineReading) -> Iterator[Metric]:
+    """Engine families for one /proc read (docs/engines.md). Sample output (demo)::
+
+        mig_exporter_host_pid_namespace 1.0
+        mig_exporter_engine_processes{engine="llama.cpp"} 3.0
+        mig_exporter_engine_memory_used_bytes{engine="llama.cpp",pid="52040"} 0.0
+        mig_exporter_engine_info{comm="llama-server",engine="llama.cpp",index="",pid="52040"} 1.0
+    """
+    if reading.host_pid_namespace is not None:
+        namespace = GaugeMetricFamily(
+            "mig_exporter_host_pid_namespace",
+            "1 when the exporter and its /proc root are in the host's PID namespace, whose PIDs the driver lists; "
+            "0 otherwise, and then engine metrics are left out.",
+        )
+        namespace.add_metric([], 1 if reading.host_pid_namespace else 0)
+        yield namespace
+    if reading.processes is None:
+        return
+    count = GaugeMetricFamily(
+        "mig_exporter_engine_processes",
+        "Inference-engine processes running (top-most matches), with an explicit 0 for every engine switched on.",
+        labels=["engine"],
+    )
+    counts = dict.fromkeys(reading.engines, 0)
+    for e in reading.processes:
+        counts[e.engine] = counts.get(e.engine, 0) + 1
+    for engine, n in counts.items():
+        count.add_metric([engine], n)
+    yield count
+    if not reading.placed:
+        return  # the GPU read failed: where the engines are is unknown, not "nowhere"
+    used = GaugeMetricFamily(
+        "mig_exporter_engine_memory_used_bytes",
+        "Device memory the engine process, its threads and its descendants hold on all devices, in bytes; "
+        "0 means it is on no GPU's process list (it runs on the CPU).",
+        labels=["engine", "pid"],
+    )
+    info = GaugeMetricFamily(
+        "mig_exporter_engine_info",
+        "An engine process and a device it holds memory on; index is empty when it is on none.",
+        labels=["engine", "pid", "comm", "index"],
+    )
+    for e in reading.processes:
+        pid = str(e.pid)
+        if e.used_bytes is not None:
+            used.add_metric([e.engine, pid], e.used_bytes)
+        for index in e.device_indexes or (None,):
+            info.add_metric([e.engine, pid, e.comm, _int_label(index)], 1)
+    yield used
+    yield info
+
+
 def read_families(
     source: str,
     *,
@@ -189,7 +241,7 @@ def read_families(
     found = GaugeMetricFamily(
         "mig_exporter_read_problems",
         "Problems in the last read that did not fail it (an unreadable card or value, a failed nvidia-smi -L, "
-        "a process on no instance); each is logged.",
+        "a process on no instance, an unreadable /proc or one outside the host PID namespace); each is logged.",
         labels=labels,
     )
     found.add_metric([source], problems)

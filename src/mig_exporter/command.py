@@ -76,10 +76,13 @@ def run_command(
     try:
         stdout = bytearray()
         stderr = bytearray()
-        outcome = _collect(proc, deadline, stdout, stderr, max_output_bytes, cancel)
-        if outcome == "eof":
-            outcome = _wait_exited(proc, deadline, cancel)
-        _kill_group(proc)
+        try:
+            outcome = _collect(proc, deadline, stdout, stderr, max_output_bytes, cancel)
+            if outcome == "eof":
+                outcome = _wait_exited(proc, deadline, cancel)
+        finally:
+            # Also on KeyboardInterrupt or SystemExit: never leave the group behind.
+            _kill_group(proc)
         elapsed = time.monotonic() - started
         if outcome == "timeout":
             raise CommandTimeout(f"{shown}: timed out after {elapsed:.1f}s; process group killed")

@@ -63,6 +63,8 @@ def timed_read(source: str, read: Callable[[], Snapshot]) -> PathReading:
         snapshot = read()
     except ReadError as e:
         return PathReading(source, None, str(e), time.monotonic() - started)
+    except Exception as e:  # doctor reports a broken path; it does not crash on one
+        return PathReading(source, None, f"unexpected {type(e).__name__}: {e}", time.monotonic() - started)
     return PathReading(source, snapshot, None, time.monotonic() - started)
 
 
@@ -247,8 +249,7 @@ def render_text(report: Report) -> str:
 def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
     card = next(c for c in snapshot.cards if c.index == index)
     mode = "no MIG support" if card.mig_current is None else (
-        f"MIG current {'enabled' if card.mig_current else 'disabled'}, "
-        f"pending {'enabled' if card.mig_pending else 'disabled'}"
+        f"MIG current {_mode(card.mig_current)}, pending {_mode(card.mig_pending)}"
     )
     head = f"card {card.index}: {card.name or 'unknown'} {card.uuid or ''} {card.pci_bus_id or ''} - {mode}"
     if card.mig_instances is not None:
@@ -263,6 +264,10 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
         for p in snapshot.processes_on(d.index):
             lines.append(f"    pid {p.pid} {p.type} {p.name or '?'} {_mib(p.used_bytes)}")
     return lines
+
+
+def _mode(enabled: bool | None) -> str:
+    return "unknown" if enabled is None else ("enabled" if enabled else "disabled")
 
 
 def as_json(report: Report) -> dict:

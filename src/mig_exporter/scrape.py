@@ -3,6 +3,8 @@ the collector what to map.
 
 A failed read is data, not an exception: the scrape still answers, with
 ``mig_exporter_read_success 0``, and the reason goes to the log as one line.
+With engines watched, /proc is read in the same read, just before the GPUs,
+so every engine process seen existed when the driver was asked.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from typing import Protocol
 from prometheus_client.core import Metric
 
 from mig_exporter import __version__
-from mig_exporter.collector import read_families, snapshot_families
+from mig_exporter.attribution import EngineWatch
+from mig_exporter.collector import engine_families, read_families, snapshot_families
 from mig_exporter.errors import ReadError
-from mig_exporter.snapshot import Snapshot
+from mig_exporter.procfs import ProcTable
+from mig_exporter.snapshot import EngineReading, Snapshot
 
 log = logging.getLogger("mig_exporter")
 
@@ -41,10 +45,15 @@ class ReadOutcome:
     snapshot: Snapshot | None
     duration_s: float
     error: str | None = None
+    engines: EngineReading | None = None
 
     @property
     def success(self) -> bool:
         return self.snapshot is not None
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return (self.snapshot.problems if self.snapshot else ()) + (self.engines.problems if self.engines else ())
 
 
 class Scraper:
@@ -53,11 +62,14 @@ class Scraper:
     Thread-safe: concurrent scrapes each read; only the counters are shared.
     """
 
-    def __init__(self, source: Source) -> None:
+    def __init__(self, source: Source, engines: EngineWatch | None = None, name: str | None = None) -> None:
         self.source = source
+        self.name = name or source.name  # what the log calls this read path
+        self.engines = engines
         self._lock = threading.Lock()
         self._errors_total = 0
-        self._known_problems: frozenset[str] = frozenset()
+        self._known_problems: dict[str, frozenset[str]] = {}
+        self._logged_bugs: set[str] = set()
 
     @property
     def errors_total(self) -> int:
@@ -66,35 +78,76 @@ class Scraper:
 
     def read(self, timeout_s: float | None = None) -> ReadOutcome:
         started = time.monotonic()
+        procs = self._read_procs()
         try:
             snapshot = self.source.read(timeout_s)
         except ReadError as e:
-            return self._failed(started, str(e))
+            return self._failed(started, str(e), self._engines(procs, None))
         except Exception as e:  # a bug must not take the scrape down; say where
-            log.exception("read from %s failed unexpectedly", self.source.name)
-            return self._failed(started, f"unexpected {type(e).__name__}: {e}")
+            self._log_bug(f"read from {self.name} failed unexpectedly", e)
+            return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None))
+        engines = self._engines(procs, snapshot)
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
-        return ReadOutcome(snapshot, duration)
+        if engines is not None:
+            self._log_problems(engines.problems, "engines")
+        return ReadOutcome(snapshot, duration, engines=engines)
 
-    def _failed(self, started: float, reason: str) -> ReadOutcome:
+    def _read_procs(self) -> tuple[ProcTable | None, str | None] | None:
+        if self.engines is None:
+            return None
+        try:
+            return self.engines.read_procs()
+        except Exception as e:  # a bug in the /proc read costs the engine metrics, not the scrape
+            self._log_bug("reading processes failed unexpectedly", e)
+            return None, f"reading processes failed: unexpected {type(e).__name__}: {e}"
+
+    def _engines(
+        self, procs: tuple[ProcTable | None, str | None] | None, snapshot: Snapshot | None
+    ) -> EngineReading | None:
+        if self.engines is None or procs is None:
+            return None
+        try:
+            return self.engines.reading(*procs, snapshot)
+        except Exception as e:
+            self._log_bug("attributing GPU memory to engines failed unexpectedly", e)
+            problem = f"engine attribution failed: unexpected {type(e).__name__}: {e}"
+            return EngineReading((), None, None, False, (problem,))
+
+    def _failed(self, started: float, reason: str, engines: EngineReading | None = None) -> ReadOutcome:
         with self._lock:
             self._errors_total += 1
-        log.warning("read from %s failed: %s", self.source.name, reason)
-        return ReadOutcome(None, time.monotonic() - started, reason)
+        log.warning("read from %s failed: %s", self.name, reason)
+        outcome = ReadOutcome(None, time.monotonic() - started, reason, engines)
+        if engines is not None:
+            self._log_problems(engines.problems, "engines")
+        return outcome
 
-    def _log_problems(self, problems: Iterable[str]) -> None:
+    def _log_bug(self, what: str, error: Exception) -> None:
+        """The traceback once per distinct fault; afterwards the failed-read
+        line alone, so a fault that repeats at every scrape cannot flood the log."""
+        key = f"{what}: {type(error).__name__}: {error}"
+        with self._lock:
+            first = key not in self._logged_bugs
+            self._logged_bugs.add(key)
+        if first:
+            log.error("%s (traceback shown once)", what, exc_info=error)
+
+    def _log_problems(self, problems: Iterable[str], kind: str = "gpu") -> None:
         """Log a problem once when it appears and once when it clears, not at
-        every scrape: a card that stays broken would otherwise flood the log."""
+        every scrape: a card that stays broken would otherwise flood the log.
+        GPU and engine problems are kept apart, so a failed GPU read (which
+        has no GPU problems to report) does not log theirs as cleared."""
         current = frozenset(problems)
         with self._lock:
-            new = current - self._known_problems
-            cleared = self._known_problems - current
-            self._known_problems = current
+            known = self._known_problems.get(kind, frozenset())
+            new = current - known
+            cleared = known - current
+            self._known_problems[kind] = current
         for problem in sorted(new):
-            log.warning("read from %s: %s", self.source.name, problem)
+            log.warning("read from %s: %s", self.name, problem)
         for problem in sorted(cleared):
-            log.info("read from %s: cleared: %s", self.source.name, problem)
+            log.info("read from %s: cleared: %s", self.name, problem)
 
     def families(self, timeout_s: float | None = None) -> list[Metric]:
         """Read once and map the outcome to metric families."""
@@ -102,7 +155,7 @@ class Scraper:
         try:
             return list(self.families_for(outcome))
         except Exception as e:  # a mapping bug still answers, as a failed read
-            log.exception("mapping the read from %s failed", self.source.name)
+            self._log_bug(f"mapping the read from {self.name} failed", e)
             with self._lock:
                 self._errors_total += 1
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
@@ -111,12 +164,14 @@ class Scraper:
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:
             yield from snapshot_families(outcome.snapshot)
+        if outcome.engines is not None:
+            yield from engine_families(outcome.engines)
         yield from read_families(
             self.source.name,
             success=outcome.success,
             duration_s=outcome.duration_s,
             errors_total=self.errors_total,
-            problems=len(outcome.snapshot.problems) if outcome.snapshot else 0,
+            problems=len(outcome.problems),
             version=__version__,
         )
 

@@ -1,8 +1,10 @@
-"""HTTP: ``/`` (landing page), ``/metrics``, ``/-/healthy`` and ``/-/ready``.
+"""HTTP: ``/`` (landing page), ``/metrics``, ``/probe``, ``/-/healthy``,
+``/-/ready`` and ``POST /-/reload``.
 
 Every scrape reads the source afresh; scrapes are served concurrently, one
 thread each. A failed read still answers 200 with ``read_success 0``; no
-request ever gets a traceback.
+request ever gets a traceback. ``/probe`` and ``/-/reload`` exist when serve
+has a config file (``probe.py``).
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import gzip
 import html
 import logging
 import socket
+import sys
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 
 from mig_exporter import __version__
+from mig_exporter.probe import BadProbeRequest, ProbeBusy, Prober
 from mig_exporter.scrape import Scraper
 
 log = logging.getLogger("mig_exporter.http")
@@ -26,6 +31,25 @@ log = logging.getLogger("mig_exporter.http")
 DEFAULT_PORT = 10064
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
 SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
+MIN_BUDGET_S = 0.1
+_MAX_DISCARDED_BODY = 64 * 1024
+_TEXT = "text/plain; charset=utf-8"
+_PATHS = ("/", "/metrics", "/probe", "/-/healthy", "/-/ready", "/-/reload")
+
+
+def read_budget(limit_s: float, header: str | None, offset_s: float) -> float:
+    """A read's budget: ``limit_s``, or Prometheus' scrape timeout (the
+    header) less ``offset_s`` when that is shorter, so the answer arrives
+    before Prometheus gives up."""
+    if header:
+        try:
+            offered = float(header) - offset_s
+        except ValueError:
+            return limit_s
+        if offered > 0:
+            return min(limit_s, offered)
+        return min(limit_s, MIN_BUDGET_S)
+    return limit_s
 
 
 class _Families:
@@ -38,9 +62,36 @@ class _Families:
         return self._families
 
 
+def _accepts_gzip(header: str) -> bool:
+    """Whether Accept-Encoding admits gzip (``gzip;q=0`` refuses it)."""
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        if name.strip().lower() in ("gzip", "*"):
+            q = params.strip().lower()
+            if q.startswith("q="):
+                try:
+                    return float(q[2:]) > 0
+                except ValueError:
+                    return False
+            return True
+    return False
+
+
 class ExporterServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # socketserver's default backlog of 5 drops connections when many probes
+    # arrive at once; the client then retries only after a second.
+    request_queue_size = 128
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """One log line, not socketserver's traceback on stderr: a client that
+        hangs up mid-answer is routine."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.debug("connection from %s ended: %s", client_address, error)
+        else:
+            log.error("request from %s failed", client_address, exc_info=error)
 
     def __init__(
         self,
@@ -49,10 +100,12 @@ class ExporterServer(ThreadingHTTPServer):
         *,
         timeout_s: float,
         timeout_offset_s: float = 0.5,
+        prober: Prober | None = None,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.scraper = scraper
+        self.prober = prober
         self.timeout_s = timeout_s
         self.timeout_offset_s = timeout_offset_s
         super().__init__(address, _Handler)
@@ -66,65 +119,129 @@ class ExporterServer(ThreadingHTTPServer):
     def scrape_timeout(self, header: str | None) -> float:
         """The read's budget: ``--timeout``, or Prometheus' scrape timeout less
         the offset when that is shorter, so the answer arrives in time."""
-        if header:
-            try:
-                offered = float(header) - self.timeout_offset_s
-            except ValueError:
-                return self.timeout_s
-            if offered > 0:
-                return min(self.timeout_s, offered)
-            return min(self.timeout_s, 0.1)
-        return self.timeout_s
+        return read_budget(self.timeout_s, header, self.timeout_offset_s)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: ExporterServer
     server_version = f"mig-exporter/{__version__}"
     protocol_version = "HTTP/1.1"
+    # An idle or half-open connection is dropped after this many seconds
+    # instead of holding a thread for ever.
+    timeout = 30
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._dispatch(send_body=True)
+        self._discard_body()
+        self._dispatch("GET")
 
     def do_HEAD(self) -> None:  # noqa: N802
-        self._dispatch(send_body=False)
+        self._discard_body()
+        self._dispatch("HEAD")
 
-    def _dispatch(self, send_body: bool) -> None:
+    def do_POST(self) -> None:  # noqa: N802
+        self._discard_body()
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        send_body = method != "HEAD"
         try:
-            path = urlsplit(self.path).path
-            if path == "/metrics":
+            url = urlsplit(self.path)
+            path = url.path
+            allowed = ("POST",) if path == "/-/reload" else ("GET", "HEAD")
+            if path not in _PATHS:
+                self._send(404, b"Not found\n", _TEXT, send_body)
+            elif method not in allowed:
+                allow = ", ".join(allowed)
+                self._send(405, f"Method not allowed: use {allow}\n".encode(), _TEXT, send_body, {"Allow": allow})
+            elif path == "/metrics":
                 self._metrics(send_body)
+            elif path == "/probe":
+                self._probe(url.query, send_body)
+            elif path == "/-/reload":
+                self._reload()
             elif path == "/":
                 self._landing(send_body)
             elif path == "/-/healthy":
-                self._send(200, b"Healthy\n", "text/plain; charset=utf-8", send_body)
-            elif path == "/-/ready":
+                self._send(200, b"Healthy\n", _TEXT, send_body)
+            else:  # /-/ready
                 ok, reason = self.server.scraper.source.ready()
                 body = f"{'Ready' if ok else 'Not ready'}: {reason}\n".encode()
-                self._send(200 if ok else 503, body, "text/plain; charset=utf-8", send_body)
-            else:
-                self._send(404, b"Not found\n", "text/plain; charset=utf-8", send_body)
+                self._send(200 if ok else 503, body, _TEXT, send_body)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away; nothing to answer
         except Exception:
             log.exception("request %s failed", self.path)
             try:
-                self._send(503, b"Request failed; see the exporter's log\n", "text/plain; charset=utf-8", send_body)
+                self._send(503, b"Request failed; see the exporter's log\n", _TEXT, send_body)
             except OSError:
                 pass
 
     def _metrics(self, send_body: bool) -> None:
         timeout = self.server.scrape_timeout(self.headers.get(SCRAPE_TIMEOUT_HEADER))
         families = self.server.scraper.families(timeout)
+        if self.server.prober is not None:
+            families.extend(self.server.prober.families())
+        self._send_exposition(_Families(families), send_body)
+
+    def _probe(self, query: str, send_body: bool) -> None:
+        prober = self.server.prober
+        if prober is None:
+            self._send(400, b"no probe targets: serve was started without --config.file\n", _TEXT, send_body)
+            return
+        try:
+            target = prober.target_for_query(query)
+        except BadProbeRequest as e:
+            self._send(400, f"{e}\n".encode(), _TEXT, send_body)
+            return
+        header = self.headers.get(SCRAPE_TIMEOUT_HEADER)
+        budget = read_budget(prober.timeout_for(target), header, self.server.timeout_offset_s)
+        try:
+            result = prober.probe(target, budget)
+        except ProbeBusy as e:
+            self._send(503, f"{e}; try again later\n".encode(), _TEXT, send_body)
+            return
+        self._send_exposition(result.registry(), send_body)
+
+    def _reload(self) -> None:
+        prober = self.server.prober
+        if prober is None:
+            self._send(400, b"no config file to reload: serve was started without --config.file\n", _TEXT, True)
+            return
+        ok, message = prober.reload()
+        self._send(200 if ok else 400, f"{message}\n".encode(), _TEXT, True)
+
+    def _send_exposition(self, registry: CollectorRegistry | _Families, send_body: bool) -> None:
         encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-        body = encoder(_Families(families))
-        extra = {}
-        if "gzip" in self.headers.get("Accept-Encoding", ""):
+        body = encoder(registry)
+        extra = {"Vary": "Accept-Encoding"}
+        if _accepts_gzip(self.headers.get("Accept-Encoding", "")):
             body = gzip.compress(body, compresslevel=6)
             extra["Content-Encoding"] = "gzip"
         self._send(200, body, content_type, send_body, extra)
 
+    def _discard_body(self) -> None:
+        """Read a request's body (none is expected) so the connection stays in
+        step; one too large or chunked closes the connection instead."""
+        length = self.headers.get("Content-Length", "0").strip()
+        if length.isdigit() and int(length) <= _MAX_DISCARDED_BODY and "Transfer-Encoding" not in self.headers:
+            self.rfile.read(int(length))
+        else:
+            self.close_connection = True
+
     def _landing(self, send_body: bool) -> None:
         source = html.escape(self.server.scraper.source.describe())
+        probes = ""
+        prober = self.server.prober
+        if prober is not None:
+            config = prober.config
+            links = "".join(
+                f'<li><a href="/probe?target={html.escape(name)}">/probe?target={html.escape(name)}</a></li>\n'
+                for name in config.probe_targets
+            )
+            probes = (
+                f"<p>Probe targets from {html.escape(config.source)} "
+                f"(at most {prober.max_concurrent} probes at once):</p>\n<ul>\n{links or '<li>none</li>'}\n</ul>\n"
+            )
         page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>mig-exporter</title></head>
 <body>
@@ -136,7 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
 <li><a href="/-/healthy">/-/healthy</a></li>
 <li><a href="/-/ready">/-/ready</a></li>
 </ul>
-</body></html>
+{probes}</body></html>
 """
         self._send(200, page.encode(), "text/html; charset=utf-8", send_body)
 

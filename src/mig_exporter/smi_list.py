@@ -43,11 +43,26 @@ class ListedGpu:
     mig_devices: tuple[ListedMig, ...] = ()
 
 
-def parse_list(text: str | bytes) -> tuple[ListedGpu, ...]:
-    """Parse ``nvidia-smi -L``. Raises ``ParseError`` on a line it cannot place."""
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """``nvidia-smi -L``: the GPUs it lists, and the lines it could not place."""
+
+    gpus: tuple[ListedGpu, ...]
+    skipped: tuple[str, ...] = ()
+
+
+def parse_list(text: str | bytes) -> Listing:
+    """Parse ``nvidia-smi -L``.
+
+    A line that is neither a GPU nor a MIG line (nvidia-smi interleaves its
+    errors, "Unable to determine the device handle for GPU ...") is skipped
+    and reported, so it cannot cost the other cards their profiles. Output
+    without a single GPU line but with other text raises ``ParseError``.
+    """
     if isinstance(text, bytes | bytearray):
         text = bytes(text).decode("utf-8", errors="replace")
     gpus: list[ListedGpu] = []
+    skipped: list[str] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or _NOTHING_FOUND.match(line.strip()):
             continue
@@ -61,8 +76,10 @@ def parse_list(text: str | bytes) -> tuple[ListedGpu, ...]:
             entry = ListedMig(int(mig.group(2)), mig.group(1), mig.group(3))
             gpus[-1] = dataclasses.replace(last, mig_devices=(*last.mig_devices, entry))
             continue
-        raise ParseError(f"nvidia-smi -L line {number} is not a GPU or MIG line: {line.strip()[:80]!r}")
-    return tuple(gpus)
+        skipped.append(f"nvidia-smi -L line {number} is not a GPU or MIG line: {line.strip()[:80]!r}")
+    if skipped and not gpus:
+        raise ParseError(skipped[0])
+    return Listing(tuple(gpus), tuple(skipped))
 
 
 def apply_listing(

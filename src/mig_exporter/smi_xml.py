@@ -6,9 +6,10 @@ Read from every driver from 352 (DTD v7) to 595 (v13), Linux and Windows,
 vGPU guests, and MIG on and off.
 
 The parser is hardened: no DTD is loaded (nvidia-smi names
-``nvsmi_device_vNN.dtd``), nothing is fetched, no entity is expanded, and a
-document that declares entities is refused outright — nvidia-smi never does,
-even with ``--dtd``, so such input is hostile or not nvidia-smi's.
+``nvsmi_device_vNN.dtd``), nothing is fetched and no entity is expanded. On
+top of that, an ASCII/UTF-8 document that declares entities is refused before
+parsing (nvidia-smi never does, even with ``--dtd``), and so is a document in
+another encoding (UTF-16), which nvidia-smi never writes either.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ UNKNOWN_TEXTS = frozenset({
 _UNITS_TO_BYTES = {"b": 1, "kib": 1024, "mib": MIB, "gib": 1024 * MIB}
 _NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z%/()]*)\s*$")
 _ENTITY_DECLARATION = re.compile(rb"<!ENTITY", re.IGNORECASE)
+_DIGITS = re.compile(r"^[0-9]{1,10}$")
+_PROCESS_NAME = re.compile(rb"(<process_name>)(.*?)(</process_name>)", re.S)
+# Characters XML 1.0 forbids, which a process name may still carry.
+_XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+# Linux never hands out a pid at or above 2^22 (PID_MAX_LIMIT).
+PID_MAX_LIMIT = 4_194_304
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,20 +74,32 @@ def parse_query_xml(data: bytes) -> QueryReport:
     """Parse the whole report. Raises ``ParseError`` for anything that is not one."""
     if not isinstance(data, bytes | bytearray):
         raise ParseError("nvidia-smi -q -x output must be bytes")
+    if b"\x00" in data[:4096]:
+        # UTF-16/32: nvidia-smi writes ASCII; such input would also slip past
+        # the byte-level entity check below.
+        raise ParseError("nvidia-smi -q -x output is not UTF-8 (NUL bytes)")
     if _ENTITY_DECLARATION.search(data):
         raise ParseError("nvidia-smi -q -x output declares XML entities; refused (nvidia-smi never does)")
+    problems: list[str] = []
     try:
-        root = etree.fromstring(bytes(data), _parser())
+        root = _parse(bytes(data))
     except etree.XMLSyntaxError as e:
-        raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
-    except ValueError as e:  # e.g. an encoding declaration lxml cannot honour
-        raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
+        # nvidia-smi has been seen writing raw bytes of a process's name that
+        # are not UTF-8, or control characters; one such name must not cost
+        # the whole read. Repair process names only, then try once more.
+        repaired, count = _repair_process_names(bytes(data))
+        if not count:
+            raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
+        try:
+            root = _parse(repaired)
+        except etree.XMLSyntaxError:
+            raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
+        problems.append(f"{count} process name(s) held bytes that are not UTF-8 text; read with replacements")
     if root is None or root.tag != "nvidia_smi_log":
         tag = getattr(root, "tag", None)
         raise ParseError(f"nvidia-smi -q -x output has root <{tag}>, expected <nvidia_smi_log>")
 
     cards: list[CardReading] = []
-    problems: list[str] = []
     for index, gpu in enumerate(root.iterfind("gpu")):
         card_problems: list[str] = []
         try:
@@ -95,6 +114,30 @@ def parse_query_xml(data: bytes) -> QueryReport:
         cards=tuple(cards),
         problems=tuple(problems),
     )
+
+
+def _parse(data: bytes) -> etree._Element:
+    try:
+        return etree.fromstring(data, _parser())
+    except ValueError as e:  # e.g. an encoding declaration lxml cannot honour
+        raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
+
+
+def _repair_process_names(data: bytes) -> tuple[bytes, int]:
+    """Process names decoded leniently, stripped of characters XML forbids and
+    escaped again; returns the document and how many names changed."""
+    changed = 0
+
+    def repair(m: re.Match[bytes]) -> bytes:
+        nonlocal changed
+        raw = m.group(2)
+        text = _XML_ILLEGAL.sub("\ufffd", raw.decode("utf-8", errors="replace"))
+        fixed = text.encode("utf-8")
+        if fixed != raw:
+            changed += 1
+        return m.group(1) + fixed + m.group(3)
+
+    return _PROCESS_NAME.sub(repair, data), changed
 
 
 def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardReading:
@@ -116,8 +159,8 @@ def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardRead
     processes: list[ProcessReading] = []
     for el in gpu.iterfind("processes/process_info"):
         pid_text = _raw_text(el, "pid")
-        pid = int(pid_text) if pid_text.isdigit() else 0
-        if pid <= 0:
+        pid = int(pid_text) if _DIGITS.match(pid_text) else 0
+        if not 0 < pid < PID_MAX_LIMIT:
             problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
             continue
         processes.append(ProcessReading(

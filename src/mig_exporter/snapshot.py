@@ -158,3 +158,40 @@ class Snapshot:
 
     def processes_on(self, index: int) -> tuple[Process, ...]:
         return tuple(p for p in self.processes if p.device_index == index)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProcess:
+    """An inference-engine process: the top-most process an engine rule
+    matched, with every descendant (matched or not) folded into it.
+
+    ``used_bytes`` is what its pid, its threads' ids and its descendants'
+    pids and thread ids hold, summed over all devices: 0 when none of them is
+    on any GPU's process list, ``None`` when unknown (the driver said N/A for
+    one of them). ``device_indexes`` are the placement indexes they are on.
+    """
+
+    engine: str
+    pid: int
+    comm: str
+    used_bytes: int | None
+    device_indexes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReading:
+    """What the /proc read beside the GPU snapshot found.
+
+    ``engines`` are the engines switched on (each is counted, with an explicit
+    0). ``host_pid_namespace`` is ``None`` when /proc could not be read.
+    ``processes`` is ``None`` when engines cannot be told apart from processes
+    on the CPU: /proc unreadable, or not the host's PID namespace (the driver
+    lists host PIDs). ``placed`` is False when the GPU read failed, so where
+    the engines are is unknown. ``problems`` are lines for the log.
+    """
+
+    engines: tuple[str, ...]
+    host_pid_namespace: bool | None
+    processes: tuple[EngineProcess, ...] | None
+    placed: bool
+    problems: tuple[str, ...] = ()

@@ -31,19 +31,26 @@ class AutoSource:
         return self._chosen.name if self._chosen is not None else "auto"
 
     def choose(self) -> NvmlSource | NvidiaSmiSource:
-        """The source to read from; raises ``ReadError`` naming why neither works."""
+        """The source to read from; raises ``ReadError`` naming why neither works.
+
+        The checks run outside the lock: each has its own deadline, and a hung
+        driver must not hold every other scrape behind it."""
+        chosen = self._chosen
+        if chosen is not None:
+            return chosen
+        nvml_ok, nvml_reason = self.nvml.ready()
+        if nvml_ok:
+            chosen = self.nvml
+        else:
+            smi_ok, smi_reason = self.smi.ready()
+            if not smi_ok:
+                raise ReadError(f"no source: {nvml_reason}; {smi_reason}")
+            chosen = self.smi
         with self._lock:
-            if self._chosen is not None:
-                return self._chosen
-            nvml_ok, nvml_reason = self.nvml.ready()
-            if nvml_ok:
-                self._chosen = self.nvml
-            else:
-                smi_ok, smi_reason = self.smi.ready()
-                if not smi_ok:
-                    raise ReadError(f"no source: {nvml_reason}; {smi_reason}")
-                log.info("NVML unavailable (%s); falling back to nvidia-smi", nvml_reason)
-                self._chosen = self.smi
+            if self._chosen is None:
+                if chosen is self.smi:
+                    log.info("NVML unavailable (%s); falling back to nvidia-smi", nvml_reason)
+                self._chosen = chosen
             return self._chosen
 
     def ready(self) -> tuple[bool, str]:

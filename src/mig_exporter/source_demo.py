@@ -3,13 +3,17 @@
 A newcomer without a GPU sees real series: an A100 in MIG mode with three
 instances and their processes, and a whole A100 with a Vulkan (type G)
 llama-server on it. The outputs are hand-written in the exact form of
-``nvidia-smi -q -x`` and ``nvidia-smi -L``.
+``nvidia-smi -q -x`` and ``nvidia-smi -L``. Beside them, the host's
+processes (``samples/demo-proc.json``, /proc's own file contents) show the
+engine metrics, including a llama-server that runs on the CPU.
 """
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 
+from mig_exporter.procfs import PidNamespace, ProcTable, parse_process
 from mig_exporter.source_smi import snapshot_from_smi
 from mig_exporter.snapshot import Snapshot
 
@@ -31,3 +35,26 @@ class DemoSource:
 
     def read(self, timeout_s: float | None = None) -> Snapshot:
         return snapshot_from_smi(sample_bytes("demo.xml"), sample_bytes("demo.L.txt"))
+
+
+class DemoProcs:
+    """The demo host's /proc, parsed afresh at each read by the /proc parsers."""
+
+    root = "demo"
+
+    def describe(self) -> str:
+        return "bundled demo processes"
+
+    def _document(self) -> dict:
+        return json.loads(sample_bytes("demo-proc.json"))
+
+    def read_namespace(self) -> PidNamespace:
+        return PidNamespace(self.root, self._document()["self_pid_namespace"])
+
+    def read(self) -> ProcTable:
+        doc = self._document()
+        entries = [
+            parse_process(p["stat"].encode(), p["cmdline"].encode(), p["exe"], p["tasks"])
+            for p in doc["processes"]
+        ]
+        return ProcTable(PidNamespace(self.root, doc["self_pid_namespace"]), {e.pid: e for e in entries})

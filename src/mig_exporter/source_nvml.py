@@ -12,13 +12,12 @@ placement rules, so a dashboard cannot tell which path fed it except by the
 - memory: ``GetMemoryInfo`` v2 where the driver has it, for ``reserved``
   (``fb_memory_usage``);
 - processes: compute, graphics and MPS lists on each MIG handle, or on the
-  card (``processes/process_info``), v3 with fallbacks to v2 and v1.
+  card (``processes/process_info``), v3 with a fallback to v2.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 import pynvml
@@ -26,6 +25,7 @@ import pynvml
 from mig_exporter.errors import ReadError
 from mig_exporter.nvml import Nvml, NvmlCallError, NvmlUnavailable, error_name
 from mig_exporter.placement import place
+from mig_exporter.singleflight import SingleFlight
 from mig_exporter.snapshot import CardReading, Memory, MigInstance, ProcessReading, Snapshot
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -52,15 +52,19 @@ class NvmlSource:
     def __init__(self, nvml: Nvml | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.nvml = nvml or Nvml()
         self.timeout_s = timeout_s
-        # An NVML call can hang in the driver. Each read runs in a daemon thread
-        # (a hung one must not block the exporter's exit) and the caller waits
-        # only until its deadline. A read already in flight is joined rather
-        # than started again, so concurrent scrapes share it and a hung call
-        # never piles up threads.
-        self._inflight: tuple[threading.Thread, dict[str, Any]] | None = None
-        self._lock = threading.Lock()
+        # An NVML call can hang in the driver: reads and readiness checks run
+        # through single-flight daemon threads, so a caller answers at its
+        # deadline, concurrent callers share one pass, and threads never pile up.
+        self._reads: SingleFlight[Snapshot] = SingleFlight("NVML read", "nvml-read")
+        self._checks: SingleFlight[tuple[bool, str]] = SingleFlight("NVML readiness check", "nvml-ready")
 
     def ready(self) -> tuple[bool, str]:
+        try:
+            return self._checks.run(self._check, self.timeout_s)
+        except ReadError as e:
+            return False, str(e)
+
+    def _check(self) -> tuple[bool, str]:
         try:
             self.nvml.ensure()
             count = self.nvml.call(pynvml.nvmlDeviceGetCount)
@@ -73,25 +77,7 @@ class NvmlSource:
 
     def read(self, timeout_s: float | None = None) -> Snapshot:
         budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
-        with self._lock:
-            if self._inflight is None or not self._inflight[0].is_alive():
-                outcome: dict[str, Any] = {}
-                thread = threading.Thread(target=self._run, args=(outcome,), name="nvml-read", daemon=True)
-                thread.start()
-                self._inflight = (thread, outcome)
-            thread, outcome = self._inflight
-        thread.join(budget)
-        if "snapshot" in outcome:
-            return outcome["snapshot"]
-        if "error" in outcome:
-            raise outcome["error"]
-        raise ReadError(f"NVML read did not finish within {budget:.1f}s (a driver call hung)")
-
-    def _run(self, outcome: dict[str, Any]) -> None:
-        try:
-            outcome["snapshot"] = self.read_now()
-        except BaseException as e:  # handed to every caller waiting on this read
-            outcome["error"] = e
+        return self._reads.run(self.read_now, budget)
 
     def read_now(self) -> Snapshot:
         """One read, in the calling thread."""
@@ -190,55 +176,64 @@ class NvmlSource:
         listed in several of them into one process of type C+G or M+C."""
         found: list[ProcessReading] = []
         names: dict[int, str] = {}
+        readable = False
         for letter, functions in _PROCESS_LISTS:
-            for entry in self._process_list(handle, functions, where, problems):
-                pid = int(entry.pid)
+            listed = self._process_list(handle, functions, where, problems)
+            if listed is None:
+                continue
+            readable = True
+            for pid, used in listed:
                 if pid not in names:
                     names[pid] = self._process_name(pid)
-                found.append(ProcessReading(
-                    pid=pid,
-                    type=letter,
-                    name=names[pid],
-                    used_bytes=entry.usedGpuMemory,
-                    gpu_instance_id=gi,
-                    compute_instance_id=ci,
-                ))
+                found.append(ProcessReading(pid=pid, type=letter, name=names[pid], used_bytes=used,
+                                            gpu_instance_id=gi, compute_instance_id=ci))
+        if not readable:
+            # pynvml reaches the process lists only through their _v2 and _v3
+            # symbols; a driver with neither would show every device as idle.
+            problems.append(f"{where}: this driver's NVML has no process list pynvml can call; "
+                            "processes unknown (use --source nvidia-smi)")
         return found
 
-    def _process_list(self, handle: Any, functions: tuple[str, ...], where: str, problems: list[str]) -> list[Any]:
-        """The newest variant the driver has; a list with impossible pids (the
-        R535 v2/v3 struct mismatch) is retried with the older variant, and any
-        impossible pid left is dropped, never exported."""
+    def _process_list(self, handle: Any, functions: tuple[str, ...], where: str,
+                      problems: list[str]) -> list[tuple[int, int | None]] | None:
+        """(pid, used bytes) from the newest variant the driver has, or ``None``
+        when it has none. A list holding an impossible pid (the R535 v2/v3 struct
+        mismatch) is read again with the older variant; if every variant is
+        garbled, the impossible pids are dropped and the memory of the rest is
+        unknown: the same garbling made it garbage too."""
         nv = self.nvml
-        last_bad: list[Any] = []
+        garbled: list[Any] | None = None
         for name in functions:
             function = getattr(pynvml, name, None)
             if function is None:
                 continue
             try:
-                entries = nv.call(function, handle)
+                entries = list(nv.call(function, handle))
             except NvmlCallError as e:
                 if e.unsupported:
                     continue
                 raise
-            bad = [p for p in entries if not 0 < int(p.pid) < _PID_MAX_LIMIT]
-            if not bad:
-                return list(entries)
-            last_bad = list(entries)
-        if last_bad:
-            good = [p for p in last_bad if 0 < int(p.pid) < _PID_MAX_LIMIT]
-            problems.append(
-                f"{where}: {len(last_bad) - len(good)} process entries with impossible pids dropped "
-                "(NVML process struct version mismatch)"
-            )
-            return good
-        return []
+            if all(_possible_pid(p.pid) for p in entries):
+                return [(int(p.pid), p.usedGpuMemory) for p in entries]
+            garbled = entries
+        if garbled is None:
+            return None
+        kept = [(int(p.pid), None) for p in garbled if _possible_pid(p.pid)]
+        problems.append(
+            f"{where}: {len(garbled) - len(kept)} process entries with impossible pids dropped and the memory of "
+            f"{len(kept)} unknown (NVML process struct version mismatch)"
+        )
+        return kept
 
     def _process_name(self, pid: int) -> str:
         try:
             return _text(self.nvml.call(pynvml.nvmlSystemGetProcessName, pid)) or ""
         except NvmlCallError:
             return ""  # exited since it was listed, or not ours to see
+
+
+def _possible_pid(pid: object) -> bool:
+    return isinstance(pid, int) and 0 < pid < _PID_MAX_LIMIT
 
 
 def _profile(mig_name: str | None) -> str | None:

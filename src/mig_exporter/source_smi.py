@@ -4,24 +4,34 @@ The full ``-q -x`` query is used rather than ``--query-compute-apps``, which
 lists compute processes only: a Vulkan llama.cpp is a graphics process and
 would read as on no GPU at all. ``-L`` runs beside it, in parallel, because
 only it names MIG profiles and MIG UUIDs.
+
+The binary may also be an argv prefix, for an nvidia-smi reached through a
+wrapper: ``["chroot", "/host", "nvidia-smi"]`` runs
+``chroot /host nvidia-smi -q -x`` (the probe targets of ``config.py``).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 
 from mig_exporter.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, run_command
 from mig_exporter.errors import CommandError, CommandNotFound, ReadError
 from mig_exporter.placement import place
+from mig_exporter.singleflight import SingleFlight
 from mig_exporter.smi_list import apply_listing, parse_list
 from mig_exporter.smi_xml import parse_query_xml
 from mig_exporter.snapshot import Snapshot
 
 DEFAULT_BINARY = "nvidia-smi"
 DEFAULT_TIMEOUT_S = 10.0
+# The commands are killed at the read's deadline and answer a few ms later;
+# wait that long for their own error rather than a generic timeout.
+_KILL_GRACE_S = 0.1
 
 
 def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_error: str | None = None) -> Snapshot:
@@ -33,7 +43,9 @@ def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_err
     cards = report.cards
     if listing is not None:
         try:
-            cards, join_problems = apply_listing(cards, parse_list(listing))
+            parsed = parse_list(listing)
+            cards, join_problems = apply_listing(cards, parsed.gpus)
+            problems.extend(parsed.skipped)
             problems.extend(join_problems)
         except ReadError as e:
             problems.append(str(e))
@@ -43,23 +55,32 @@ def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_err
 
 
 class NvidiaSmiSource:
-    """Reads through an nvidia-smi binary, at each call."""
+    """Reads through an nvidia-smi binary, at each call.
+
+    ``binary`` is the binary (a path, or a name looked up on PATH), or an argv
+    prefix whose first element is one: the read appends ``-q -x`` and ``-L``.
+    """
 
     name = "nvidia-smi"
 
     def __init__(
         self,
-        binary: str = DEFAULT_BINARY,
+        binary: str | Sequence[str] = DEFAULT_BINARY,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> None:
-        self.binary = binary
+        self.command: tuple[str, ...] = (binary,) if isinstance(binary, str) else tuple(binary)
+        if not self.command or not all(isinstance(arg, str) for arg in self.command):
+            raise ValueError(f"not an argv prefix: {self.command!r}")
+        self.binary = self.command[0]
         self.timeout_s = timeout_s
         self.max_output_bytes = max_output_bytes
+        self._reads: SingleFlight[Snapshot] = SingleFlight(f"{shlex.join(self.command)} read", "nvidia-smi-read")
 
     def resolve(self) -> str:
-        """The binary's path. Looked up at each read, so a driver installed
-        after start-up is picked up without a restart."""
+        """The binary's path (the first element of an argv prefix). Looked up
+        at each read, so a driver installed after start-up is picked up
+        without a restart."""
         if os.sep in self.binary:
             if os.path.isfile(self.binary) and os.access(self.binary, os.X_OK):
                 return self.binary
@@ -69,6 +90,10 @@ class NvidiaSmiSource:
             raise CommandNotFound(f"{self.binary}: not found on PATH")
         return found
 
+    def resolve_command(self) -> tuple[str, ...]:
+        """The argv prefix with its binary resolved."""
+        return (self.resolve(), *self.command[1:])
+
     def ready(self) -> tuple[bool, str]:
         try:
             return True, f"{self.resolve()} found"
@@ -76,12 +101,18 @@ class NvidiaSmiSource:
             return False, str(e)
 
     def describe(self) -> str:
-        return f"nvidia-smi ({self.binary}, timeout {self.timeout_s:g}s)"
+        return f"nvidia-smi ({shlex.join(self.command)}, timeout {self.timeout_s:g}s)"
 
     def read(self, timeout_s: float | None = None) -> Snapshot:
+        """One read; a read already in flight is joined, not run again, so
+        concurrent scrapes cause one nvidia-smi run."""
         budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        return self._reads.run(lambda: self.read_now(budget), budget, grace_s=_KILL_GRACE_S)
+
+    def read_now(self, budget: float) -> Snapshot:
+        """One read in the calling thread, within ``budget`` seconds."""
         deadline = time.monotonic() + budget
-        binary = self.resolve()
+        prefix = self.resolve_command()
 
         # -L runs in parallel with -q -x so a read costs the slower of the two.
         listing: dict[str, object] = {}
@@ -89,14 +120,14 @@ class NvidiaSmiSource:
 
         def run_listing() -> None:
             try:
-                listing["result"] = run_command([binary, "-L"], budget, self.max_output_bytes, cancel)
+                listing["result"] = run_command([*prefix, "-L"], budget, self.max_output_bytes, cancel)
             except CommandError as e:
                 listing["error"] = f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {e}"
 
         worker = threading.Thread(target=run_listing, name="nvidia-smi-L", daemon=True)
         worker.start()
         try:
-            query = run_command([binary, "-q", "-x"], budget, self.max_output_bytes)
+            query = run_command([*prefix, "-q", "-x"], budget, self.max_output_bytes)
         except BaseException:
             cancel.set()  # the read has failed; -L is no longer wanted
             raise

@@ -1,0 +1,139 @@
+"""Attributing GPU memory to engine processes: a fabricated /proc tree, read
+by the real reader, against the GPU lists of the demo and fixture scenarios."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from conftest import MIB, scenario
+from mig_exporter.attribution import EngineWatch, engine_reading
+from mig_exporter.engines import DEFAULT_SETTINGS, parse_engines
+from mig_exporter.procfs import ProcfsSource
+from mig_exporter.snapshot import EngineProcess, EngineReading
+from mig_exporter.source_demo import DemoProcs, DemoSource
+from proc_tree import CONTAINER_NS, Proc, make_proc
+
+LLAMA = ["/usr/local/bin/llama-server", "-m", "/models/q.gguf", "-ngl", "99"]
+ENGINES = DEFAULT_SETTINGS.engines
+
+
+def demo_gpu():
+    """The demo's GPU lists: 48213 on 1000 (11520 MiB), 51877 on 1001 (9216 MiB),
+    50102 (type G, 20480 MiB) and 50318 (1620 MiB) on card 1."""
+    return DemoSource().read()
+
+
+def read(root: Path, snapshot, settings=DEFAULT_SETTINGS) -> EngineReading:
+    watch = EngineWatch(settings, ProcfsSource(str(root)))
+    return watch.reading(*watch.read_procs(), snapshot)
+
+
+def test_memory_of_the_pid_its_threads_and_its_descendants(tmp_path):
+    root = make_proc(tmp_path / "proc", [
+        Proc(48213, "llama-server", LLAMA, exe="/usr/local/bin/llama-server"),  # on 1000 itself
+        Proc(50300, "llama-server", LLAMA, threads=[50318]),  # a thread of it is on card 1
+        Proc(51860, "vllm", ["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "Qwen/Qwen2.5-1.5B-Instruct"]),
+        Proc(51877, "VLLM::EngineCor", ["VLLM::EngineCore"], ppid=51860),  # its child holds the model
+        Proc(52040, "llama-server", LLAMA),  # on no list: on the CPU
+        Proc(60000, "python3", ["/usr/bin/python3", "train.py"]),  # not an engine
+    ])
+    assert read(root, demo_gpu()) == EngineReading(
+        engines=ENGINES,
+        host_pid_namespace=True,
+        processes=(
+            EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),
+            EngineProcess("llama.cpp", 50300, "llama-server", 1620 * MIB, (1,)),
+            EngineProcess("llama.cpp", 52040, "llama-server", 0, ()),
+            EngineProcess("vllm", 51860, "vllm", 9216 * MIB, (1001,)),
+        ),
+        placed=True,
+    )
+
+
+def test_a_matched_descendant_is_folded_into_the_top_most_engine(tmp_path):
+    """TGI's launcher starts shards that match too: one engine, holding what
+    both shards hold on two devices, not three engines."""
+    server = ["/opt/conda/bin/python3.11", "/opt/conda/bin/text-generation-server", "serve", "m"]
+    root = make_proc(tmp_path / "proc", [
+        Proc(9000, "text-generation", ["text-generation-launcher", "--model-id", "m", "--num-shard", "2"],
+             exe="/usr/local/bin/text-generation-launcher"),
+        Proc(48213, "text-generation", server, ppid=9000),
+        Proc(50102, "text-generation", server, ppid=9000),
+        Proc(50500, "llama-server", LLAMA, ppid=50102),  # a matched grandchild of another engine
+    ])
+    reading = read(root, demo_gpu())
+    assert reading.processes == (EngineProcess("tgi", 9000, "text-generation", (11520 + 20480) * MIB, (1, 1000)),)
+
+
+def test_zombies_are_not_engines(tmp_path):
+    root = make_proc(tmp_path / "proc", [
+        Proc(48213, "llama-server", LLAMA),
+        Proc(52040, "llama-server", [], state="Z"),
+    ])
+    assert [e.pid for e in read(root, demo_gpu()).processes] == [48213]
+
+
+def test_a_failed_gpu_read_still_counts_engines_but_places_none(tmp_path):
+    root = make_proc(tmp_path / "proc", [Proc(48213, "llama-server", LLAMA)])
+    assert read(root, None) == EngineReading(
+        ENGINES, True, (EngineProcess("llama.cpp", 48213, "llama-server", None, ()),), placed=False)
+
+
+def test_memory_the_driver_does_not_know_is_unknown_not_zero(tmp_path):
+    # na-memory: pids 4242 (C) and 4243 (G) on card 0, used memory N/A.
+    root = make_proc(tmp_path / "proc", [Proc(4243, "llama-server", LLAMA)], self_pid=4000)
+    reading = read(root, scenario("na-memory"))
+    assert reading.processes == (EngineProcess("llama.cpp", 4243, "llama-server", None, (0,)),)
+
+
+def test_outside_the_host_namespace_no_engine_is_reported(tmp_path):
+    root = make_proc(tmp_path / "proc", [Proc(52040, "llama-server", LLAMA)], namespace=CONTAINER_NS)
+    reading = read(root, demo_gpu())
+    assert (reading.host_pid_namespace, reading.processes, reading.placed) == (False, None, True)
+    assert len(reading.problems) == 1
+    assert "is pid:[4026532513], not the host's pid:[4026531836]" in reading.problems[0]
+
+
+def test_an_unreadable_proc_leaves_everything_out(tmp_path):
+    reading = read(tmp_path / "missing", demo_gpu())
+    assert reading == EngineReading(ENGINES, None, None, True, (f"cannot read {tmp_path}/missing: "
+                                                                 "No such file or directory",))
+
+
+def test_with_no_engine_switched_on_only_the_namespace_is_read(tmp_path):
+    settings, _ = parse_engines({"presets": False})
+    root = make_proc(tmp_path / "proc", [Proc(52040, "llama-server", LLAMA)])
+    assert read(root, demo_gpu(), settings) == EngineReading((), True, None, True)
+
+
+def test_a_driver_listing_none_of_our_pids_leaves_engines_out(tmp_path):
+    """The driver lists 21180, 21181 and 21198; this /proc has none of them."""
+    root = make_proc(tmp_path / "proc", [Proc(52040, "llama-server", LLAMA)])
+    reading = read(root, scenario("h100-mig-processes"))
+    assert (reading.host_pid_namespace, reading.processes) == (True, None)
+    assert reading.problems == (
+        f"none of the 3 process(es) the driver lists (pid 21180, 21181, 21198) is in {root}; "
+        "engine metrics are left out of this read",)
+
+
+def test_a_driver_listing_no_process_is_no_mismatch(tmp_path):
+    """No process on any GPU is the plain case of every engine on the CPU."""
+    root = make_proc(tmp_path / "proc", [Proc(52040, "llama-server", LLAMA)])
+    idle = replace(scenario("a100-mig-nothing-carved"), processes=())
+    assert read(root, idle).processes == (EngineProcess("llama.cpp", 52040, "llama-server", 0, ()),)
+
+
+def test_the_demo_host():
+    watch = EngineWatch(DEFAULT_SETTINGS, DemoProcs())
+    assert engine_reading(DEFAULT_SETTINGS, *watch.read_procs(), demo_gpu()).processes == (
+        EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),
+        EngineProcess("llama.cpp", 50102, "llama-server", 20480 * MIB, (1,)),
+        EngineProcess("llama.cpp", 52040, "llama-server", 0, ()),
+        EngineProcess("vllm", 51860, "vllm", 9216 * MIB, (1001,)),
+    )
+
+
+def test_an_unreadable_proc_with_no_engine_is_no_problem_and_no_namespace(tmp_path):
+    settings, _ = parse_engines({"presets": False})
+    assert read(tmp_path / "missing", demo_gpu(), settings) == EngineReading((), None, None, True)

@@ -1,0 +1,164 @@
+"""The config file: what it accepts, and every error reported at once, one line each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mig_exporter.config import ConfigError, ProbeTarget, load_config, parse_config, parse_duration
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text, "mig.yml")
+    assert all("\n" not in e for e in raised.value.errors)
+    return list(raised.value.errors)
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("5s", 5.0), ("500ms", 0.5), ("1m", 60.0), ("1m30s", 90.0), ("2m5s250ms", 125.25), ("1h", 3600.0),
+    ("10ms", 0.01), ("0s", 0.0),
+])
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "5", "1.5s", "5x", "s", "5 s", "-5s", "5S", "30s1m", "1d", "ms", " 5s"])
+def test_not_durations(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a duration"):
+        parse_duration(text)
+
+
+def test_a_config_with_targets() -> None:
+    config = parse_config(
+        "probe_targets:\n"
+        "  driver-root:\n"
+        "    command: [/run/nvidia/driver/usr/bin/nvidia-smi]\n"
+        "    timeout: 5s\n"
+        "  host:\n"
+        "    command: [chroot, /host, nvidia-smi]\n"
+        "  gpu-07.lab_2:\n"
+        "    command: ['ssh', 'gpu-07', 'nvidia-smi']\n"
+        "    timeout: 1m\n",
+        "mig.yml",
+    )
+    assert dict(config.probe_targets) == {
+        "driver-root": ProbeTarget("driver-root", ("/run/nvidia/driver/usr/bin/nvidia-smi",), 5.0),
+        "host": ProbeTarget("host", ("chroot", "/host", "nvidia-smi"), None),
+        "gpu-07.lab_2": ProbeTarget("gpu-07.lab_2", ("ssh", "gpu-07", "nvidia-smi"), 60.0),
+    }
+    assert config.source == "mig.yml"
+    with pytest.raises(TypeError):
+        config.probe_targets["new"] = config.probe_targets["host"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("text", ["", "# nothing yet\n", "probe_targets:\n", "probe_targets: {}\n"])
+def test_a_config_without_targets_is_valid(text: str) -> None:
+    assert dict(parse_config(text).probe_targets) == {}
+
+
+def test_every_error_is_reported_at_once() -> None:
+    errors = errors_of(
+        "probe_targets:\n"
+        "  good:\n"
+        "    command: [/usr/bin/nvidia-smi]\n"
+        "  shell:\n"
+        "    command: ssh gpu-07 nvidia-smi\n"
+        "  number:\n"
+        "    command: [timeout, 5, nvidia-smi]\n"
+        "    timeout: 5\n"
+        "  relative:\n"
+        "    command: [./nvidia-smi]\n"
+        "    timeout: 20m\n"
+        "  typo:\n"
+        "    comand: [nvidia-smi]\n"
+        "  empty:\n"
+        "    command: []\n"
+        "    timeout: fast\n"
+        "  '../etc':\n"
+        "    command: [nvidia-smi]\n"
+        "  not-a-mapping: [nvidia-smi]\n"
+        "  blank-arg:\n"
+        "    command: [nvidia-smi, '']\n"
+        "  good:\n"
+        "    command: [/usr/bin/nvidia-smi]\n"
+        "scrape_interval: 15s\n"
+    )
+    assert errors == [
+        "line 22: key good is given twice (first on line 2)",
+        "scrape_interval: unknown setting (known: probe_targets, engines)",
+        "probe_targets.shell.command: must be a list of arguments (no shell is used), "
+        "e.g. ['ssh', 'gpu-07', 'nvidia-smi']",
+        "probe_targets.number.command[1]: 5 is a number; quote it to make it a string",
+        "probe_targets.number.timeout: must be a duration such as 5s or 500ms, not a number (write 5s)",
+        "probe_targets.relative.command[0]: './nvidia-smi' is a relative path; "
+        "give an absolute path or a name looked up on PATH",
+        "probe_targets.relative.timeout: 20m is out of range (100ms to 10m)",
+        "probe_targets.typo.comand: unknown setting (known: command, timeout)",
+        "probe_targets.typo.command: missing; give the argv to run, e.g. [/usr/bin/nvidia-smi]",
+        "probe_targets.empty.command: must be a non-empty list of arguments, not a list",
+        "probe_targets.empty.timeout: 'fast' is not a duration (write it like 500ms, 5s or 1m30s)",
+        "probe_targets.'../etc': not a valid target name "
+        "(a letter or digit, then letters, digits, '_', '.' or '-'; at most 64 characters)",
+        "probe_targets.not-a-mapping: must be a mapping with command (and optionally timeout), not a list",
+        "probe_targets.blank-arg.command[1]: empty argument",
+    ]
+
+
+@pytest.mark.parametrize("name", ["a", "gpu-07", "GPU_7.lab", "0", "x" * 64, "driver-root.v2"])
+def test_valid_target_names(name: str) -> None:
+    assert list(parse_config(f"probe_targets:\n  '{name}': {{command: [nvidia-smi]}}\n").probe_targets) == [name]
+
+
+@pytest.mark.parametrize("name", [
+    "x" * 65, "-rf", ".hidden", "_x", "a b", "a/b", "/usr/bin/nvidia-smi", "../x", "a;b", "$(id)", "a\\u00e9",
+    "\\u0430", "a\\x00", "a\\n", "",
+])
+def test_invalid_target_names(name: str) -> None:
+    (error,) = errors_of(f'probe_targets:\n  "{name}": {{command: [nvidia-smi]}}\n')
+    assert error.startswith("probe_targets.") and "not a valid target name" in error
+
+
+def test_a_non_string_name_is_refused() -> None:
+    # YAML reads 007 as the number 7: the name the user meant would be lost.
+    assert errors_of("probe_targets:\n  007: {command: [nvidia-smi]}\n") == [
+        "probe_targets.7: the name is a number; quote it to make it a string"
+    ]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("probe_targets: [a, b]\n", "probe_targets: must be a mapping of target names to targets, not a list"),
+    ("- probe_targets\n", "the file must be a mapping with probe_targets and engines, not a list"),
+    ("just text\n", "the file must be a mapping with probe_targets and engines, not a string"),
+    ("probe_targets:\n  a: {command: [\"nvidia\\0smi\"]}\n", "probe_targets.a.command[0]: contains a NUL character"),
+    ("probe_targets:\n  a: {command: [nvidia-smi], timeout: 50ms}\n",
+     "probe_targets.a.timeout: 50ms is out of range (100ms to 10m)"),
+])
+def test_shape_errors(text: str, error: str) -> None:
+    assert errors_of(text) == [error]
+
+
+def test_yaml_syntax_error_names_the_line() -> None:
+    (error,) = errors_of("probe_targets:\n  a:\n    command: [nvidia-smi\n")
+    assert error.startswith("line 4, column 1: not valid YAML: ")
+
+
+def test_yaml_tags_that_build_objects_are_refused() -> None:
+    (error,) = errors_of("probe_targets: !!python/object/apply:os.system [id]\n")
+    assert "not valid YAML" in error
+
+
+def test_load_config_reads_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "mig.yml"
+    path.write_text("probe_targets:\n  a:\n    command: [nvidia-smi]\n    timeout: 2s\n")
+    config = load_config(path)
+    assert dict(config.probe_targets) == {"a": ProbeTarget("a", ("nvidia-smi",), 2.0)}
+    assert config.source == str(path)
+
+
+def test_load_config_of_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_config(tmp_path / "missing.yml")
+    assert raised.value.errors == ("cannot read: No such file or directory",)
+    assert str(raised.value) == f"{tmp_path / 'missing.yml'}: cannot read: No such file or directory"

@@ -1,0 +1,180 @@
+"""The /proc reader: parsing the kernel's file formats, reading fabricated
+trees in those formats and the real /proc, and telling the host's PID
+namespace apart from a container's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from mig_exporter.procfs import (
+    HOST_PID_NAMESPACE,
+    PidNamespace,
+    ProcError,
+    ProcfsSource,
+    parse_cmdline,
+    parse_exe_link,
+    parse_stat,
+)
+from proc_tree import CONTAINER_NS, Proc, make_proc, stat_line
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+def test_stat_name_with_spaces_and_parentheses():
+    line = stat_line(31337, "my (odd) name) x", "R", 4242, 3).encode()
+    assert parse_stat(line) == (31337, "my (odd) name) x", "R", 4242)
+
+
+def test_stat_of_a_kernel_thread_as_captured():
+    # /proc/2/stat on the machine these tests were written on (Linux 6.18).
+    line = (b"2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 25 0 0 18446744073709551615 0 0 0 0 0 "
+            b"0 0 2147483647 0 1 0 0 0 1 0 0 0 0 0 0 0 0 0 0 0 0 0\n")
+    assert parse_stat(line) == (2, "kthreadd", "S", 0)
+
+
+def test_stat_of_this_process_from_the_real_proc():
+    pid, comm, state, ppid = parse_stat(Path("/proc/self/stat").read_bytes())
+    assert (pid, ppid) == (os.getpid(), os.getppid())
+    assert comm == Path("/proc/self/comm").read_text().rstrip("\n")
+    assert state == "R"  # it is reading its own stat
+
+
+@pytest.mark.parametrize("bad", [b"", b"garbage", b"12 (x", b"(x) S 1", b"12 (x)"])
+def test_malformed_stat_is_a_value_error(bad):
+    with pytest.raises(ValueError):
+        parse_stat(bad)
+
+
+def test_cmdline_is_nul_separated_and_terminated():
+    raw = b"/usr/local/bin/llama-server\0-m\0/models/a b.gguf\0-ngl\0" + b"99\0"
+    assert parse_cmdline(raw) == ("/usr/local/bin/llama-server", "-m", "/models/a b.gguf", "-ngl", "99")
+
+
+def test_cmdline_of_a_kernel_thread_is_empty():
+    assert parse_cmdline(b"") == ()
+
+
+def test_cmdline_rewritten_by_setproctitle_is_one_argument():
+    # vLLM's EngineCore after setproctitle: one string, padded.
+    assert parse_cmdline(b"VLLM::EngineCore" + b" " * 40) == ("VLLM::EngineCore",)
+
+
+def test_cmdline_keeps_undecodable_bytes():
+    assert parse_cmdline(b"/opt/\xff/llama-server\0-ngl\0") == ("/opt/\udcff/llama-server", "-ngl")
+
+
+def test_a_replaced_binary_is_still_its_program():
+    assert parse_exe_link("/usr/local/bin/llama-server (deleted)") == "/usr/local/bin/llama-server"
+    assert parse_exe_link("/usr/bin/python3.12") == "/usr/bin/python3.12"
+
+
+# --- reading fabricated trees --------------------------------------------------------------------
+
+
+def tree(tmp_path: Path, namespace: str = HOST_PID_NAMESPACE) -> Path:
+    return make_proc(tmp_path / "proc", [
+        Proc(48213, "llama-server", ["/usr/local/bin/llama-server", "-m", "/m.gguf", "-ngl", "99"],
+             exe="/usr/local/bin/llama-server (deleted)", threads=[48214, 48215]),
+        Proc(7001, "python3", ["/usr/bin/python3", "/usr/local/bin/vllm", "serve", "Qwen/Qwen2.5-1.5B"],
+             exe=None),  # exe unreadable (EACCES): the name falls back to argv[0]
+        Proc(7002, "VLLM::EngineCor", ["VLLM::EngineCore"], ppid=7001, exe="/usr/bin/python3.12"),
+        Proc(666, "llama-server", [], state="Z", exe=None),
+    ], namespace=namespace)
+
+
+def test_reads_every_process_with_its_parent_name_exe_and_threads(tmp_path):
+    table = ProcfsSource(str(tree(tmp_path))).read()
+    assert sorted(table.processes) == [1, 2, 666, 4242, 7001, 7002, 48213]
+    llama = table.processes[48213]
+    assert (llama.ppid, llama.comm, llama.state) == (1, "llama-server", "S")
+    assert llama.exe == "/usr/local/bin/llama-server"
+    assert llama.exe_name == "llama-server"
+    assert llama.cmdline == ("/usr/local/bin/llama-server", "-m", "/m.gguf", "-ngl", "99")
+    assert llama.thread_ids == (48213, 48214, 48215)
+    vllm = table.processes[7001]
+    assert vllm.exe is None and vllm.exe_name == "python3" and vllm.exe_path == "/usr/bin/python3"
+    assert table.processes[7002].ppid == 7001
+    assert table.processes[2].cmdline == () and table.processes[2].exe is None
+    assert not table.processes[666].alive and llama.alive
+    assert table.namespace == PidNamespace(str(tmp_path / "proc"), HOST_PID_NAMESPACE)
+    assert table.namespace.is_host
+
+
+def test_a_process_that_exits_mid_read_is_skipped(tmp_path):
+    root = tree(tmp_path)
+    (root / "7002" / "stat").unlink()  # gone between listing and reading its stat
+    (root / "48213" / "cmdline").unlink()  # gone between its stat and its cmdline
+    shutil.rmtree(root / "7001" / "task")  # gone before its threads were listed
+    table = ProcfsSource(str(root)).read()
+    assert 7002 not in table.processes
+    assert 48213 not in table.processes
+    assert table.processes[7001].thread_ids == (7001,)
+
+
+def test_an_unreadable_stat_is_skipped(tmp_path):
+    root = tree(tmp_path)
+    (root / "7001" / "stat").write_bytes(b"not a stat line")
+    assert 7001 not in ProcfsSource(str(root)).read().processes
+
+
+def test_a_missing_root_is_a_proc_error(tmp_path):
+    with pytest.raises(ProcError, match=r"cannot read .*/nowhere: No such file or directory"):
+        ProcfsSource(str(tmp_path / "nowhere")).read()
+
+
+# --- the PID namespace ---------------------------------------------------------------------------
+
+
+def test_a_container_namespace_is_not_the_host(tmp_path):
+    namespace = ProcfsSource(str(tree(tmp_path, CONTAINER_NS))).read_namespace()
+    assert namespace.own == CONTAINER_NS
+    assert not namespace.is_host
+    assert "pid:[4026532513], not the host's pid:[4026531836]" in namespace.reason()
+    assert "hostPID: true" in namespace.reason()
+
+
+def test_a_root_we_are_not_visible_in_is_not_the_host(tmp_path):
+    root = tree(tmp_path)
+    (root / "self").unlink()  # a /proc of a namespace we are not in: self resolves to nothing
+    namespace = ProcfsSource(str(root)).read_namespace()
+    assert namespace.own is None and not namespace.is_host
+    assert namespace.reason().startswith(f"cannot read {root}/self/ns/pid")
+
+
+def test_the_real_proc_namespace_is_the_one_the_kernel_shows():
+    namespace = ProcfsSource("/proc").read_namespace()
+    assert namespace.own == os.readlink("/proc/self/ns/pid")
+    assert namespace.is_host == (os.readlink("/proc/self/ns/pid") == "pid:[4026531836]")
+
+
+# --- the real /proc ------------------------------------------------------------------------------
+
+
+def test_reads_this_process_and_its_threads_from_the_real_proc():
+    started, stop = threading.Event(), threading.Event()
+    native: list[int] = []
+
+    def worker():
+        native.append(threading.get_native_id())
+        started.set()
+        stop.wait(10)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(10)
+        table = ProcfsSource("/proc").read()
+    finally:
+        stop.set()
+        thread.join(10)
+    me = table.processes[os.getpid()]
+    assert me.ppid == os.getppid()
+    assert me.exe == os.path.realpath(f"/proc/{os.getpid()}/exe")
+    assert me.cmdline == tuple(Path("/proc/self/cmdline").read_bytes().decode().split("\0")[:-1])
+    assert os.getpid() in me.thread_ids and native[0] in me.thread_ids
+    assert table.processes[os.getppid()].pid == os.getppid()
