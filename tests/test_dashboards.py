@@ -1,0 +1,110 @@
+"""The Grafana dashboards: generated JSON up to date, well formed, every query
+valid PromQL (promtool), naming only documented metrics, never double counting."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from conftest import REPO
+
+GRAFANA = REPO / "dashboards" / "grafana"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("generate_dashboards", GRAFANA / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dashboards() -> dict[str, dict]:
+    return {name: json.loads((GRAFANA / name).read_text()) for name in _generator().DASHBOARDS}
+
+
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    """(dashboard, panel title, expr) for every query of every panel."""
+    return [(name, panel["title"], t["expr"])
+            for name, d in _dashboards().items() for panel in d["panels"] for t in panel.get("targets", [])]
+
+
+def concrete(expr: str) -> str:
+    """The query as Grafana sends it with every variable at "All"."""
+    return expr.replace("$node", ".*").replace("$card", ".*").replace("$__rate_interval", "1m")
+
+
+def test_committed_json_is_what_the_generator_makes():
+    gen = _generator()
+    for name, build in gen.DASHBOARDS.items():
+        assert (GRAFANA / name).read_text() == gen.render(build), f"run dashboards/grafana/generate.py ({name})"
+
+
+@pytest.mark.parametrize("name", ["overview.json", "node.json"])
+def test_dashboard_structure(name):
+    d = _dashboards()[name]
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = [v["name"] for v in d["templating"]["list"]]
+    assert variables[:2] == ["datasource", "node"]
+    if name == "node.json":
+        assert "card" in variables
+    cells = set()
+    for panel in d["panels"]:
+        g = panel["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps another panel"
+                cells.add((x, y))
+        assert panel["targets"], panel["title"]
+        for t in panel["targets"]:
+            assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
+def test_overview_has_the_panels_users_asked_for():
+    titles = {p["title"] for p in _dashboards()["overview.json"]["panels"]}
+    assert {"Memory used by card and GPU instance", "MIG layout", "Top processes by GPU memory",
+            "Engines holding no GPU memory", "Read failures"} <= titles
+    node_titles = {p["title"] for p in _dashboards()["node.json"]["panels"]}
+    assert {"Memory used by device", "Processes", "Cards"} <= node_titles
+
+
+def test_every_query_is_valid_promql(tmp_path):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed")
+        pytest.skip("promtool is not installed")
+    rules = {"groups": [{"name": "dashboard-queries", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": concrete(expr)} for i, (_, _, expr) in enumerate(dashboard_queries())
+    ]}]}
+    path = tmp_path / "queries.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_queries_name_only_documented_metrics():
+    documented = set(re.findall(r"^\| `(mig_exporter_[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text(), re.M))
+    for dash, title, expr in dashboard_queries():
+        for metric in re.findall(r"\bmig_exporter_[a-z_]+", expr):
+            assert metric in documented, f"{dash} / {title}: {metric} is not in docs/metrics.md"
+
+
+def test_no_query_adds_up_memory_shared_by_compute_instances():
+    for dash, title, expr in dashboard_queries():
+        if "device_memory" in expr and re.search(r"\bsum\b", expr):
+            assert "max by (instance, card, gpu_instance)" in expr, f"{dash} / {title} double counts: {expr}"
+
+
+def test_provisioning_files_are_grafana_provisioning():
+    dashboards = yaml.safe_load((GRAFANA / "provisioning" / "dashboards.yaml").read_text())
+    assert dashboards["apiVersion"] == 1 and dashboards["providers"][0]["type"] == "file"
+    sources = yaml.safe_load((GRAFANA / "provisioning" / "datasources.yaml").read_text())
+    assert sources["datasources"][0]["type"] == "prometheus"

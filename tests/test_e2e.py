@@ -1,0 +1,139 @@
+"""End to end: a real Prometheus (Debian's) scrapes the exporter's /metrics,
+fed by the fake nvidia-smi and a fabricated /proc, and its /probe with the
+blackbox-style relabelling, with the shipped alert rules loaded. Every
+dashboard panel's query must return data, and EngineHoldsNoGPUMemory must go
+pending for the engine left off every GPU's list."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import MIB, REPO, SAMPLES
+from test_dashboards import concrete, dashboard_queries
+from test_prometheus import (
+    STARTUP_S,
+    _prometheus_binary,
+    _target_after_scrapes,
+    _value,
+    exporter,
+    prometheus,
+)
+
+pytestmark = pytest.mark.prometheus
+ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
+
+
+def fabricated_proc(root: Path) -> Path:
+    """The demo host's processes (samples/demo-proc.json) as a real /proc tree:
+    llama-servers 48213 and 50102 on the GPU lists, a vLLM (51860) whose child
+    51877 holds its memory, and llama-server 52040, asked for -ngl 99, on none."""
+    demo = json.loads((SAMPLES / "demo-proc.json").read_text())
+    for p in demo["processes"]:
+        pid = p["stat"].split(" ", 1)[0]
+        d = root / pid
+        (d / "task").mkdir(parents=True)
+        (d / "ns").mkdir()
+        (d / "stat").write_text(p["stat"] + "\n")
+        (d / "cmdline").write_text(p["cmdline"])
+        if p["exe"] is not None:
+            os.symlink(p["exe"], d / "exe")
+        os.symlink(demo["self_pid_namespace"], d / "ns" / "pid")
+        for tid in p["tasks"]:
+            (d / "task" / str(tid)).mkdir()
+    os.symlink(str(demo["self"]), root / "self")
+    return root
+
+
+def _rules_with_short_for(tmp_path: Path) -> Path:
+    """The shipped rules with EngineHoldsNoGPUMemory's `for:` cut to 2s, so it
+    can go pending and fire within the test."""
+    rules = yaml.safe_load(ALERTS.read_text())
+    found = False
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "EngineHoldsNoGPUMemory":
+                rule["for"] = "2s"
+                found = True
+    assert found
+    path = tmp_path / "alerts.yml"
+    path.write_text(yaml.safe_dump(rules))
+    return path
+
+
+def _wait(what, check, timeout_s: float = STARTUP_S):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.25)
+
+
+def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvidia_smi, tmp_path):
+    _prometheus_binary()
+    smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
+    proc = fabricated_proc(tmp_path / "proc")
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(f"probe_targets:\n  gpu-node-2:\n    command: ['{smi}']\n")
+    rules = _rules_with_short_for(tmp_path)
+
+    with exporter(smi, tmp_path, "--proc.root", str(proc), "--config.file", str(config)) as exp:
+        scrape_config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [
+                {"job_name": "mig-exporter", "static_configs": [{"targets": [exp.address]}]},
+                {"job_name": "mig-exporter-probe", "metrics_path": "/probe",
+                 "static_configs": [{"targets": ["gpu-node-2"]}],
+                 "relabel_configs": [
+                     {"source_labels": ["__address__"], "target_label": "__param_target"},
+                     {"source_labels": ["__param_target"], "target_label": "instance"},
+                     {"target_label": "__address__", "replacement": exp.address},
+                 ]},
+            ],
+        }
+        with prometheus("", tmp_path, yaml.safe_dump(scrape_config)) as prom:
+            assert _target_after_scrapes(prom, exp.address)["health"] == "up"
+            assert _target_after_scrapes(prom, "gpu-node-2")["health"] == "up"
+
+            # Devices and processes, from /metrics and through /probe.
+            for instance in (exp.address, "gpu-node-2"):
+                sel = f'instance="{instance}"'
+                assert _value(prom, f'mig_exporter_device_memory_used_bytes{{{sel},index="1000"}}') == 11663 * MIB
+                assert _value(prom, f'mig_exporter_device_memory_total_bytes{{{sel},index="1002"}}') == 9728 * MIB
+                assert _value(prom, f'mig_exporter_device_memory_used_bytes{{{sel},index="1"}}') == 22110 * MIB
+                assert _value(prom, f'mig_exporter_process_memory_used_bytes{{{sel},pid="50102"}}') == 20480 * MIB
+                assert _value(prom, f'count(mig_exporter_device_info{{{sel}}})') == 4
+            assert _value(prom, 'probe_success{instance="gpu-node-2"}') == 1
+
+            # The engines, from the fabricated /proc.
+            sel = f'instance="{exp.address}"'
+            assert _value(prom, f'mig_exporter_engine_memory_used_bytes{{{sel},pid="52040"}}') == 0
+            assert _value(prom, f'mig_exporter_engine_memory_used_bytes{{{sel},pid="51860"}}') == 9216 * MIB
+            assert _value(prom, f'mig_exporter_host_pid_namespace{{{sel}}}') == 1
+
+            # Every query of every dashboard panel returns data.
+            empty = [(dash, title) for dash, title, expr in dashboard_queries() if not prom.query(concrete(expr))]
+            assert empty == []
+
+            # The rules load, and the engine on no GPU's list goes pending, then fires.
+            health = {r["name"]: r["health"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]}
+            assert health and set(health.values()) == {"ok"}, health
+            alerts = _wait("alert", lambda: [a for a in prom.get("/api/v1/alerts")["alerts"]
+                                             if a["labels"]["alertname"] == "EngineHoldsNoGPUMemory"
+                                             and a["state"] == "firing"])
+            assert [(a["labels"]["pid"], a["labels"]["engine"]) for a in alerts] == [("52040", "llama.cpp")]
+        assert "Traceback" not in exp.log.text()
+
+
+def test_dashboard_queries_are_the_ones_checked():
+    """The e2e test reads the panels from the committed dashboards."""
+    queries = dashboard_queries()
+    assert len(queries) >= 20
+    assert any(re.search(r"engine_memory_used_bytes", expr) for _, _, expr in queries)

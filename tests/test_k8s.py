@@ -1,0 +1,166 @@
+"""deploy/k8s: the kustomization rendered as kubectl would, core kinds checked
+with kubernetes-validate --strict (offline), the Prometheus Operator objects
+checked for structure, and the DaemonSet carrying what a GPU node needs."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from conftest import REPO
+
+from mig_exporter.config import parse_config
+
+K8S = REPO / "deploy" / "k8s"
+CORE_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service"}
+CLUSTER_SCOPED = {"Namespace"}
+
+
+def render(path=K8S) -> list[dict]:
+    """The kustomization's resources with its namespace and labels applied
+    (the subset of kustomize this kustomization uses)."""
+    kustomization = yaml.safe_load((path / "kustomization.yaml").read_text())
+    assert set(kustomization) <= {"apiVersion", "kind", "namespace", "labels", "resources", "components"}, \
+        "the renderer handles only these kustomize fields; extend it with the kustomization"
+    docs = []
+    for resource in kustomization["resources"]:
+        for doc in yaml.safe_load_all((path / resource).read_text()):
+            if doc is None:
+                continue
+            if doc["kind"] not in CLUSTER_SCOPED:
+                doc["metadata"]["namespace"] = kustomization["namespace"]
+            for entry in kustomization.get("labels", []):
+                doc["metadata"].setdefault("labels", {}).update(entry["pairs"])
+            docs.append(doc)
+    return docs
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    out = {}
+    for doc in docs:
+        assert doc["kind"] not in out, f"two {doc['kind']} objects"
+        out[doc["kind"]] = doc
+    return out
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed")
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def test_every_resource_is_rendered_once():
+    kinds = by_kind(render())
+    assert set(kinds) == CORE_KINDS | {"ServiceMonitor", "PrometheusRule"}
+    assert all(d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "mig-exporter" for d in kinds.values())
+    assert {d["metadata"].get("namespace") for k, d in kinds.items() if k != "Namespace"} == {"mig-exporter"}
+
+
+def test_core_kinds_pass_kubernetes_validate_strict(tmp_path):
+    tool = _tool("kubernetes-validate")
+    for doc in render():
+        if doc["kind"] not in CORE_KINDS:
+            continue
+        path = tmp_path / f"{doc['kind'].lower()}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        result = subprocess.run([tool, "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{doc['kind']}: {result.stdout}{result.stderr}"
+
+
+def test_kubernetes_validate_rejects_a_broken_daemonset(tmp_path):
+    """The check above can fail: a misspelt field is an error under --strict."""
+    tool = _tool("kubernetes-validate")
+    daemonset = copy.deepcopy(by_kind(render())["DaemonSet"])
+    daemonset["spec"]["template"]["spec"]["hostPid"] = True
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(daemonset))
+    result = subprocess.run([tool, "--strict", "--quiet", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+
+
+def test_the_daemonset_has_what_a_gpu_node_needs():
+    kinds = by_kind(render())
+    pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0] == {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert "runtimeClassName" not in pod, "optional: the runtimeclass-nvidia component adds it"
+    (container,) = pod["containers"]
+    assert container["args"][0] == "serve"
+    assert "--proc.root=/host/proc" in container["args"]
+    assert "--config.file=/etc/mig-exporter/config.yaml" in container["args"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility",
+                   "NVIDIA_MIG_MONITOR_DEVICES": "all"}
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/-/ready"
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["host-proc"] == {"name": "host-proc", "mountPath": "/host/proc", "readOnly": True}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["host-proc"]["hostPath"]["path"] == "/proc"
+    assert volumes["config"]["configMap"]["name"] == kinds["ConfigMap"]["metadata"]["name"]
+    assert pod["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
+
+
+def test_the_namespace_allows_host_pid():
+    namespace = by_kind(render())["Namespace"]
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+
+
+def test_the_configmap_holds_a_valid_config():
+    config = parse_config(by_kind(render())["ConfigMap"]["data"]["config.yaml"], "configmap.yaml")
+    assert "koboldcpp" in config.engines.engines
+    assert config.probe_targets["driver-root"].command == ("/run/nvidia/driver/usr/bin/nvidia-smi",)
+
+
+def test_service_and_servicemonitor_point_at_the_pods_metrics_port():
+    kinds = by_kind(render())
+    pod_labels = kinds["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
+    service = kinds["Service"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = service["spec"]["ports"]
+    container_ports = {p["name"]: p["containerPort"] for p in kinds["DaemonSet"]["spec"]["template"]["spec"]
+                       ["containers"][0]["ports"]}
+    assert port["targetPort"] == "metrics" and container_ports["metrics"] == 10064
+    monitor = kinds["ServiceMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "relabelings"}
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
+
+
+def test_the_prometheus_rule_is_an_operator_object():
+    rule = by_kind(render())["PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule["spec"]) == {"groups"}
+    for group in rule["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules"}
+        for r in group["rules"]:
+            assert ("alert" in r) != ("record" in r) and "expr" in r
+
+
+def test_the_runtimeclass_component_patches_the_daemonset():
+    component = yaml.safe_load((K8S / "components" / "runtimeclass-nvidia" / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    (patch,) = component["patches"]
+    assert patch["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
+    (op,) = yaml.safe_load(patch["patch"])
+    assert op == {"op": "add", "path": "/spec/template/spec/runtimeClassName", "value": "nvidia"}
+    daemonset = by_kind(render())["DaemonSet"]
+    assert daemonset["metadata"]["name"] == "mig-exporter"
+    assert "spec" in daemonset and "template" in daemonset["spec"]
