@@ -181,3 +181,33 @@ def python() -> str:
 
 # A fake libnvidia-ml beneath pynvml's real ctypes layer (tests/fake_nvml.py).
 from fake_nvml import fake_nvml_lib  # noqa: E402,F401  (registers the fixture)
+
+
+@pytest.fixture(scope="session")
+def podresources_pb(tmp_path_factory):
+    """The pod-resources messages, compiled from our proto by grpcio-tools."""
+    from fake_kubelet import compile_proto
+
+    return compile_proto(tmp_path_factory.mktemp("podresources-pb"))
+
+
+@pytest.fixture
+def fake_kubelet(podresources_pb):
+    """Start fake kubelets: ``fake_kubelet(pods)`` serves pod-resources List on
+    a unix socket (``.socket_path``) until the test ends."""
+    import shutil as _shutil
+
+    from fake_kubelet import FakeKubelet, short_socket_dir
+
+    started = []
+
+    def start(pods=None):
+        directory = short_socket_dir()
+        kubelet = FakeKubelet(podresources_pb, os.path.join(directory, "kubelet.sock"), pods)
+        started.append((kubelet, directory))
+        return kubelet
+
+    yield start
+    for kubelet, directory in started:
+        kubelet.stop()
+        _shutil.rmtree(directory, ignore_errors=True)

@@ -2,8 +2,9 @@
 
 Not a mock of the reader: the exporter reads these with the same code that
 reads /proc. Each process gets ``stat`` (52 fields, the name in parentheses),
-``cmdline`` (NUL-separated and NUL-terminated), ``comm``, ``status``, an
-``exe`` link, ``task/<tid>/`` directories and an ``ns/pid`` link. ``self``
+``cmdline`` (NUL-separated and NUL-terminated), ``comm``, ``status``,
+``cgroup`` (a host process's by default), an ``exe`` link, ``task/<tid>/``
+directories and an ``ns/pid`` link. ``self``
 links to the exporter's own pid, as on a real /proc. Links to nowhere are
 fine: readlink reads their text, exactly as it reads /proc's magic links.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 HOST_NS = "pid:[4026531836]"
 CONTAINER_NS = "pid:[4026532513]"
+HOST_CGROUP = "0::/system.slice/sshd.service\n"
 
 
 @dataclass
@@ -27,6 +29,7 @@ class Proc:
     exe: str | None = None  # None: the link is absent (a kernel thread, or unreadable)
     state: str = "S"
     threads: list[int] = field(default_factory=list)  # extra thread ids besides pid
+    cgroup: str = HOST_CGROUP  # /proc/PID/cgroup's contents
 
 
 def stat_line(pid: int, comm: str, state: str, ppid: int, threads: int) -> str:
@@ -73,6 +76,7 @@ def make_proc(root: Path, processes: list[Proc], *, self_pid: int = 4242, namesp
         (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in p.cmdline))
         (d / "comm").write_text(p.comm + "\n")
         (d / "status").write_text(status_text(p))
+        (d / "cgroup").write_text(p.cgroup)
         if p.exe is not None:
             os.symlink(p.exe, d / "exe")
         os.symlink(namespace, d / "ns" / "pid")

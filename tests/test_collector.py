@@ -56,7 +56,9 @@ def test_mig_node_series():
     assert get("mig_exporter_device_processes", dev) == 1
     assert get("mig_exporter_device_processes", {"index": "1001", "card": "0", "mig_profile": "2g.20gb"}) == 0
     assert get("mig_exporter_process_memory_used_bytes", {**dev, "pid": "21198"}) == 7484 * MIB
-    assert get("mig_exporter_process_info", {**dev, "pid": "21198", "process_name": "./gpu_burn", "process_type": "C"}) == 1
+    outside_kubernetes = {"namespace": "", "pod": "", "container": "", "container_id": ""}
+    assert get("mig_exporter_process_info", {**dev, "pid": "21198", "process_name": "./gpu_burn", "process_type": "C",
+                                             **outside_kubernetes}) == 1
     assert get("mig_exporter_device_info", {
         **dev, "uuid": "MIG-ae36563d-8b6d-5a25-a43a-846eb31e7ea4", "gpu_instance": "9", "compute_instance": "0",
         "class": "h100-80g-mig-1g.10gb", "name": "NVIDIA H100 80GB HBM3 MIG 1g.10gb"}) == 1

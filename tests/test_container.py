@@ -121,6 +121,15 @@ def test_demo_read_prints_the_series(container):
     out = result.stdout
     assert 'mig_exporter_read_success{source="demo"} 1.0' in out
     assert 'mig_exporter_device_memory_used_bytes{card="0",index="1000",mig_profile="3g.40gb"} 1.2229541888e+10' in out
-    assert ('mig_exporter_process_info{card="1",index="1",mig_profile="",pid="50102",'
-            'process_name="/usr/local/bin/llama-server",process_type="G"} 1.0') in out
+    assert ('mig_exporter_process_info{card="1",container="",container_id="",index="1",mig_profile="",'
+            'namespace="",pid="50102",pod="",process_name="/usr/local/bin/llama-server",process_type="G"} 1.0') in out
+
+
+def test_the_image_can_speak_to_the_kubelet(container):
+    """grpcio, which the kubelet pod-resources client needs, is installed and loads; protobuf is not needed."""
+    result = _run(container, "python", "-c",
+                  "import grpc, importlib.util; print(grpc.__version__, importlib.util.find_spec('google'))")
+    assert result.returncode == 0, result.stderr
+    version, protobuf = result.stdout.split()
+    assert version.split(".")[0] == "1" and protobuf == "None"
     assert _run(container, "id", "-u").stdout.strip() == "65534"

@@ -14,7 +14,11 @@ from mig_exporter.probe import ProbeResult, Prober
 from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import ReadOutcome, Scraper
 from mig_exporter.source_demo import DemoProcs, DemoSource
+from kube_node import PODS, make_kubelet_logs
+from mig_exporter.podresources import PodResourcesClient
+from mig_exporter.pods import PodWatch
 from proc_tree import CONTAINER_NS, make_proc
+from test_pods import demo_proc
 
 SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved", "a100-mig-pending",
              "na-memory"]
@@ -67,11 +71,12 @@ def _prober() -> Prober:
     return Prober(config, config_file="mig.yml")
 
 
-def _emitted(tmp_path) -> dict[str, tuple[str, set[str]]]:
+def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
     """Every family /metrics emits over all scenarios, a failed read and the
     demo, with and without engines (the demo's host, a /proc outside the host
-    namespace, a failed GPU read beside a readable /proc), and with a config
-    file, the probe counters."""
+    namespace, a failed GPU read beside a readable /proc), with pods (the
+    Kubernetes node of kube_node.py), and with a config file, the probe
+    counters."""
     failing = _Source(error=CommandFailed("nvidia-smi: exit status 9"))
     scrapers = [Scraper(_Source(scenario(name))) for name in SCENARIOS]
     scrapers += [Scraper(DemoSource()), Scraper(failing)]
@@ -80,6 +85,8 @@ def _emitted(tmp_path) -> dict[str, tuple[str, set[str]]]:
         Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
         Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, ProcfsSource(container))),
         Scraper(failing, EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
+        Scraper(DemoSource(), pods=PodWatch(str(demo_proc(tmp_path / "node")), PodResourcesClient(kubelet.socket_path),
+                                            str(make_kubelet_logs(tmp_path / "log")))),
     ]
     families = [f for scraper in scrapers for f in scraper.families()]
     return _kinds([*families, *_prober().families()])
@@ -93,8 +100,8 @@ def _emitted_by_probe() -> dict[str, tuple[str, set[str]]]:
     return _kinds([f for outcome in outcomes for f in ProbeResult(target, outcome, 0.2).collect()])
 
 
-def test_every_emitted_metric_is_documented_with_its_type_and_labels(tmp_path):
-    assert _emitted(tmp_path) == _documented()
+def test_every_emitted_metric_is_documented_with_its_type_and_labels(tmp_path, fake_kubelet):
+    assert _emitted(tmp_path, fake_kubelet(PODS)) == _documented()
 
 
 def test_every_probe_metric_is_documented_and_the_rest_are_those_of_metrics():

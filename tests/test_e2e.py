@@ -1,13 +1,13 @@
 """End to end: a real Prometheus (Debian's) scrapes the exporter's /metrics,
-fed by the fake nvidia-smi and a fabricated /proc, and its /probe with the
-blackbox-style relabelling, with the shipped alert rules loaded. Every
-dashboard panel's query must return data, and EngineHoldsNoGPUMemory must go
-pending for the engine left off every GPU's list."""
+fed by the fake nvidia-smi, a fabricated /proc and the Kubernetes node of
+kube_node.py (cgroups, the kubelet's log directories, a fake kubelet), and
+its /probe with the blackbox-style relabelling, with the shipped alert rules
+loaded. Every dashboard panel's query must return data, EngineHoldsNoGPUMemory
+must fire for the engine left off every GPU's list, and the allocation alerts
+for the notebook on a card it was not given and the MIG device nobody uses."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import time
 from pathlib import Path
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import MIB, REPO, SAMPLES
+from kube_node import PODS, make_kubelet_logs
 from test_dashboards import concrete, dashboard_queries
 from test_prometheus import (
     STARTUP_S,
@@ -24,43 +25,26 @@ from test_prometheus import (
     exporter,
     prometheus,
 )
+from test_pods import demo_proc
 
 pytestmark = pytest.mark.prometheus
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 
 
-def fabricated_proc(root: Path) -> Path:
-    """The demo host's processes (samples/demo-proc.json) as a real /proc tree:
-    llama-servers 48213 and 50102 on the GPU lists, a vLLM (51860) whose child
-    51877 holds its memory, and llama-server 52040, asked for -ngl 99, on none."""
-    demo = json.loads((SAMPLES / "demo-proc.json").read_text())
-    for p in demo["processes"]:
-        pid = p["stat"].split(" ", 1)[0]
-        d = root / pid
-        (d / "task").mkdir(parents=True)
-        (d / "ns").mkdir()
-        (d / "stat").write_text(p["stat"] + "\n")
-        (d / "cmdline").write_text(p["cmdline"])
-        if p["exe"] is not None:
-            os.symlink(p["exe"], d / "exe")
-        os.symlink(demo["self_pid_namespace"], d / "ns" / "pid")
-        for tid in p["tasks"]:
-            (d / "task" / str(tid)).mkdir()
-    os.symlink(str(demo["self"]), root / "self")
-    return root
+SHORTENED = {"EngineHoldsNoGPUMemory", "GPUProcessOutsideAllocation", "GPUAllocatedButUnused"}
 
 
 def _rules_with_short_for(tmp_path: Path) -> Path:
-    """The shipped rules with EngineHoldsNoGPUMemory's `for:` cut to 2s, so it
-    can go pending and fire within the test."""
+    """The shipped rules with the `for:` of the alerts this node should raise
+    cut to 2s, so they can go pending and fire within the test."""
     rules = yaml.safe_load(ALERTS.read_text())
-    found = False
+    found = set()
     for group in rules["groups"]:
         for rule in group["rules"]:
-            if rule.get("alert") == "EngineHoldsNoGPUMemory":
+            if rule.get("alert") in SHORTENED:
                 rule["for"] = "2s"
-                found = True
-    assert found
+                found.add(rule["alert"])
+    assert found == SHORTENED
     path = tmp_path / "alerts.yml"
     path.write_text(yaml.safe_dump(rules))
     return path
@@ -75,15 +59,23 @@ def _wait(what, check, timeout_s: float = STARTUP_S):
         time.sleep(0.25)
 
 
-def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvidia_smi, tmp_path):
+def _firing(prom, name: str) -> list[dict]:
+    return [a for a in prom.get("/api/v1/alerts")["alerts"]
+            if a["labels"]["alertname"] == name and a["state"] == "firing"]
+
+
+def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvidia_smi, fake_kubelet, tmp_path):
     _prometheus_binary()
     smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
-    proc = fabricated_proc(tmp_path / "proc")
+    proc = demo_proc(tmp_path / "proc")
+    logs = make_kubelet_logs(tmp_path / "log")
+    kubelet = fake_kubelet(PODS)
     config = tmp_path / "mig-exporter.yml"
     config.write_text(f"probe_targets:\n  gpu-node-2:\n    command: ['{smi}']\n")
     rules = _rules_with_short_for(tmp_path)
 
-    with exporter(smi, tmp_path, "--proc.root", str(proc), "--config.file", str(config)) as exp:
+    with exporter(smi, tmp_path, "--proc.root", str(proc), "--config.file", str(config),
+                  "--kubelet.pod-resources-socket", kubelet.socket_path, "--kubelet.log-dir", str(logs)) as exp:
         scrape_config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(rules)],
@@ -118,6 +110,15 @@ def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvid
             assert _value(prom, f'mig_exporter_engine_memory_used_bytes{{{sel},pid="51860"}}') == 9216 * MIB
             assert _value(prom, f'mig_exporter_host_pid_namespace{{{sel}}}') == 1
 
+            # The pods: processes carry their pod labels, devices their allocations.
+            assert _value(prom, f'mig_exporter_process_info{{{sel},pid="48213",namespace="llm",pod="llama-0",'
+                                f'container="server"}}') == 1
+            assert _value(prom, f'mig_exporter_pod_memory_used_bytes{{{sel},namespace="notebooks",'
+                                f'pod="jupyter-alice"}}') == 1620 * MIB
+            assert _value(prom, f'count(mig_exporter_device_allocation_info{{{sel}}})') == 4
+            # /probe reads another nvidia-smi, maybe another host: no pod labels there.
+            assert _value(prom, 'count(mig_exporter_process_info{instance="gpu-node-2",pod=""})') == 4
+
             # Every query of every dashboard panel returns data.
             empty = [(dash, title) for dash, title, expr in dashboard_queries() if not prom.query(concrete(expr))]
             assert empty == []
@@ -129,6 +130,12 @@ def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvid
                                              if a["labels"]["alertname"] == "EngineHoldsNoGPUMemory"
                                              and a["state"] == "firing"])
             assert [(a["labels"]["pid"], a["labels"]["engine"]) for a in alerts] == [("52040", "llama.cpp")]
+            outside = _wait("alert", lambda: _firing(prom, "GPUProcessOutsideAllocation"))
+            assert [(a["labels"]["namespace"], a["labels"]["pod"], a["labels"]["index"]) for a in outside] == [
+                ("notebooks", "jupyter-alice", "1")]
+            unused = _wait("alert", lambda: _firing(prom, "GPUAllocatedButUnused"))
+            assert [(a["labels"]["namespace"], a["labels"]["pod"], a["labels"]["index"]) for a in unused] == [
+                ("batch", "train-7", "1002")]
         assert "Traceback" not in exp.log.text()
 
 

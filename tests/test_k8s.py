@@ -103,7 +103,9 @@ def test_the_daemonset_has_what_a_gpu_node_needs():
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]}
-    assert pod["securityContext"]["runAsNonRoot"] is True
+    # uid 0 for the kubelet's root-owned socket, and nothing else of root's: no capability, read-only mounts.
+    assert pod["securityContext"]["runAsUser"] == 0 and pod["securityContext"]["runAsNonRoot"] is False
+    assert all(m.get("readOnly") for m in container["volumeMounts"] if m["name"] != "tmp")
     assert container["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
     assert container["readinessProbe"]["httpGet"]["path"] == "/-/ready"
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
@@ -111,6 +113,16 @@ def test_the_daemonset_has_what_a_gpu_node_needs():
     assert mounts["host-proc"] == {"name": "host-proc", "mountPath": "/host/proc", "readOnly": True}
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["host-proc"]["hostPath"]["path"] == "/proc"
+    # The pod-resources socket's directory, at the path the socket flag names.
+    assert mounts["pod-resources"] == {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources",
+                                       "readOnly": True}
+    assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources"}
+    assert "--kubelet.pod-resources-socket=/var/lib/kubelet/pod-resources/kubelet.sock" in container["args"]
+    # The kubelet's log directories under the log dir the flag names.
+    assert "--kubelet.log-dir=/host/var/log" in container["args"]
+    for name, host in (("pod-logs", "/var/log/pods"), ("container-logs", "/var/log/containers")):
+        assert mounts[name] == {"name": name, "mountPath": "/host" + host, "readOnly": True}
+        assert volumes[name]["hostPath"] == {"path": host}
     assert volumes["config"]["configMap"]["name"] == kinds["ConfigMap"]["metadata"]["name"]
     assert pod["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
 
@@ -164,3 +176,35 @@ def test_the_runtimeclass_component_patches_the_daemonset():
     daemonset = by_kind(render())["DaemonSet"]
     assert daemonset["metadata"]["name"] == "mig-exporter"
     assert "spec" in daemonset and "template" in daemonset["spec"]
+
+
+def _apply(doc: dict, ops: list[dict]) -> dict:
+    """The JSON patch ops the components use (add, replace), applied as kustomize does."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] in ("add", "replace")
+        *parents, last = op["path"].lstrip("/").split("/")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            assert op["op"] == "replace" and int(last) < len(node)
+            node[int(last)] = op["value"]
+        else:
+            assert (last in node) == (op["op"] == "replace"), op
+            node[last] = op["value"]
+    return doc
+
+
+def test_the_non_root_component_runs_as_nobody_and_asks_no_kubelet():
+    component = yaml.safe_load((K8S / "components" / "non-root" / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    (patch,) = component["patches"]
+    assert patch["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
+    daemonset = _apply(by_kind(render())["DaemonSet"], yaml.safe_load(patch["patch"]))
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == 65534 and pod["securityContext"]["runAsNonRoot"] is True
+    args = pod["containers"][0]["args"]
+    assert "--kubelet.pod-resources-socket=" in args
+    assert not any(a.startswith("--kubelet.pod-resources-socket=/") for a in args)
+    assert "--kubelet.log-dir=/host/var/log" in args

@@ -57,11 +57,13 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
     assert sorted(_alert_names()) == sorted([
         "EngineHoldsNoGPUMemory", "GPUExporterReadFailing", "GPUProcessesInvisible", "GPUDeviceMemoryNearlyFull",
         "MIGCardHasNoInstances", "MIGModeChangePending", "GPUExporterNotInHostPIDNamespace",
+        "GPUProcessOutsideAllocation", "GPUAllocatedButUnused",
     ])
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     assert by_name["EngineHoldsNoGPUMemory"]["for"] == "2m"
     assert by_name["GPUExporterReadFailing"]["for"] == "5m"
     assert by_name["GPUDeviceMemoryNearlyFull"]["for"] == "10m"
+    assert by_name["GPUAllocatedButUnused"]["for"] == "30m"
     records = [r["record"] for r in _rules() if "record" in r]
     assert records == [
         "instance_engine:mig_exporter_engine_memory_used_bytes:sum",

@@ -179,10 +179,12 @@ def overview() -> dict:
         description="Each node's devices: which MIG profiles, and how full."), 24, 9)
     lay.add(table("Top processes by GPU memory", [
         target(f"topk(25, mig_exporter_process_memory_used_bytes{{{SEL}}} "
-               f"* on (instance, index, pid) group_left (process_name, process_type) "
+               f"* on (instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
                f"mig_exporter_process_info{{{SEL}}})", instant=True, fmt="table"),
     ], {"instance": "Node", "index": "Device", "mig_profile": "Profile", "pid": "PID", "process_name": "Process",
-        "process_type": "Type", "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value"), 12, 9)
+        "process_type": "Type", "namespace": "Namespace", "pod": "Pod", "container": "Container",
+        "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value",
+        description="Namespace, pod and container are empty for processes outside Kubernetes."), 12, 9)
     lay.add(table("Engines holding no GPU memory", [
         target(f"(mig_exporter_engine_info{{{SEL}}} "
                f"and on (instance, engine, pid) (mig_exporter_engine_memory_used_bytes{{{SEL}}} == 0)) "
@@ -190,6 +192,17 @@ def overview() -> dict:
     ], {"instance": "Node", "engine": "Engine", "pid": "PID", "comm": "Process"}, {},
         description="An engine told to use a GPU whose GPU backend never loaded runs on the CPU without a word: "
                     "its pid is on no GPU's process list."), 12, 9)
+    lay.add(timeseries("GPU memory by pod", [target(
+        f"topk(20, mig_exporter_pod_memory_used_bytes{{{SEL}}})", "{{namespace}}/{{pod}} {{container}}")], "bytes",
+        description="What each pod's container holds on all its devices (Kubernetes nodes only)."), 12, 8)
+    lay.add(table("GPU allocations", [
+        target(f"mig_exporter_device_allocation_info{{{SEL}}} "
+               f"* on (instance, index) group_left (mig_profile) mig_exporter_device_processes{{{SEL}}}",
+               instant=True, fmt="table"),
+    ], {"instance": "Node", "index": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
+        "container": "Container", "resource": "Resource", "Value": "Processes"}, {}, sort_by="Value",
+        description="Which pod the kubelet allocated each device to, and how many processes are on it; 0 for long "
+                    "is GPUAllocatedButUnused. A time-sliced card has a row per pod."), 12, 8)
     lay.add(timeseries("Read failures", [
         target(f"1 - mig_exporter_read_success{{{SEL}}}", "{{instance}} read failed ({{source}})", "A"),
         target(f"1 - mig_exporter_card_read_success{{{SEL}}}", "{{instance}} card {{card}} unreadable", "B"),
@@ -214,8 +227,8 @@ def node() -> dict:
         target(f"mig_exporter_process_info{{{CARD_SEL}}}", ref="A", instant=True, fmt="table"),
         target(f"mig_exporter_process_memory_used_bytes{{{CARD_SEL}}}", ref="B", instant=True, fmt="table"),
     ], {"instance": "Node", "pid": "PID", "process_name": "Name", "process_type": "Type", "card": "Card",
-        "index": "Device", "mig_profile": "Profile", "Value #B": "Memory"}, {"Value #B": "bytes"},
-        sort_by="Value #B"), 24, 9)
+        "index": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod", "container": "Container",
+        "Value #B": "Memory"}, {"Value #B": "bytes"}, sort_by="Value #B"), 24, 9)
     lay.add(table("Cards", [
         target(f"mig_exporter_card_info{{{CARD_SEL}}}", ref="A", instant=True, fmt="table"),
         target(f'mig_exporter_card_mig_mode{{{CARD_SEL}, state="current"}}', ref="B", instant=True, fmt="table"),

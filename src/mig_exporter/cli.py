@@ -29,6 +29,9 @@ from mig_exporter.config import EMPTY, Config, ConfigError, load_config
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
 from mig_exporter.engines import EngineSettings
 from mig_exporter.errors import CommandError
+from mig_exporter.podlogs import DEFAULT_LOG_DIR
+from mig_exporter.podresources import DEFAULT_SOCKET, PodResourcesClient
+from mig_exporter.pods import PodWatch
 from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
 from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
 from mig_exporter.procfs import ProcfsSource
@@ -88,6 +91,36 @@ def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _kubernetes_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--kubernetes/--no-kubernetes", "kubernetes", default=True, show_default=True,
+                     envvar=_env("KUBERNETES"), show_envvar=True,
+                     help="Attribute GPU processes to their containers and pods, and devices to the pods they are "
+                          "allocated to (docs/kubernetes.md). Off: no cgroup, kubelet or log directory is read."),
+        click.option("--kubelet.pod-resources-socket", "pod_resources_socket", metavar="PATH", default=DEFAULT_SOCKET,
+                     show_default=True, envvar=_env("KUBELET_POD_RESOURCES_SOCKET"), show_envvar=True,
+                     help="The kubelet's pod-resources socket, asked at each read which devices are allocated to "
+                          "which pod (needs uid 0: the socket is root's). Empty: do not ask."),
+        click.option("--kubelet.log-dir", "kubelet_log_dir", metavar="DIR", default=DEFAULT_LOG_DIR,
+                     show_default=True, envvar=_env("KUBELET_LOG_DIR"), show_envvar=True,
+                     help="Where the kubelet's pods/ and containers/ log directories are, whose names give each "
+                          "container's pod, namespace and name (only the names are read). Empty: no names."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _make_pod_watch(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodWatch | None:
+    """Where pods are read from, or None when switched off (and in the demo,
+    whose sample host is not a Kubernetes node)."""
+    if not kubernetes or demo:
+        return None
+    watch = PodWatch(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None)
+    log.info("watching %s", watch.describe())
+    return watch
 
 
 def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineWatch:
@@ -173,6 +206,7 @@ def _load_config(path: str) -> Config:
 @cli.command()
 @_source_options
 @_engine_options
+@_kubernetes_options
 @click.option("--web.listen-address", "listen_address", default=DEFAULT_LISTEN_ADDRESS, show_default=True,
               envvar=_env("WEB_LISTEN_ADDRESS"), show_envvar=True, help="HOST:PORT to serve on.")
 @click.option("--web.timeout-offset", "timeout_offset", type=click.FloatRange(min=0), default=0.5,
@@ -182,7 +216,8 @@ def _load_config(path: str) -> Config:
               default=DEFAULT_MAX_CONCURRENT, show_default=True, envvar=_env("PROBE_MAX_CONCURRENT"),
               show_envvar=True, help="Probes that may run at once; beyond that /probe answers 503 at once.")
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
-          proc_root: str, listen_address: str, timeout_offset: float, max_concurrent: int) -> None:
+          proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str, listen_address: str,
+          timeout_offset: float, max_concurrent: int) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     _setup_logging(log_level)
     try:
@@ -196,10 +231,11 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         prober = Prober(config, max_concurrent=max_concurrent, default_timeout_s=timeout, config_file=config_file,
                         on_reload=lambda new: setattr(engines, "settings", new.engines))
         log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
+    pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(chosen, engines), timeout_s=timeout, timeout_offset_s=timeout_offset,
-                                prober=prober)
+        server = ExporterServer(address, Scraper(chosen, engines, pods=pods), timeout_s=timeout,
+                                timeout_offset_s=timeout_offset, prober=prober)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
 
@@ -245,16 +281,19 @@ def check_config(config_file: str) -> None:
 @cli.command()
 @_source_options
 @_engine_options
+@_kubernetes_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
 def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
-         proc_root: str, output: str | None) -> None:
+         proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
+         output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     _setup_logging(log_level)
     config = _load_config(config_file) if config_file else EMPTY
     engines = _make_engine_watch(config.engines, proc_root, demo)
-    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True), engines)
+    pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
+    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True), engines, pods=pods)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ScrapeCollector(scraper, timeout))
     with _signals_kill_commands():

@@ -15,20 +15,23 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mig_exporter.snapshot import Device, EngineReading, Snapshot
+from mig_exporter.snapshot import Device, EngineReading, PodReading, ProcessPod, Snapshot
 
 DEVICE_LABELS = ["index", "card", "mig_profile"]
 PROCESS_LABELS = [*DEVICE_LABELS, "pid"]
+POD_LABELS = ["namespace", "pod", "container"]
+NO_POD = ProcessPod(0, "", "", "", "")
 
 
 def _device_labels(d: Device) -> list[str]:
     return [str(d.index), str(d.card), d.profile or ""]
 
 
-def snapshot_families(snapshot: Snapshot) -> Iterator[Metric]:
-    """Device, process and card families for one snapshot."""
+def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None) -> Iterator[Metric]:
+    """Device, process and card families for one snapshot; ``pods`` gives
+    the processes' pod labels (empty without it: /probe, not on Kubernetes)."""
     yield from _device_families(snapshot)
-    yield from _process_families(snapshot)
+    yield from _process_families(snapshot, pods)
     yield from _card_families(snapshot)
 
 
@@ -88,7 +91,7 @@ def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
     yield count
 
 
-def _process_families(snapshot: Snapshot) -> Iterator[Metric]:
+def _process_families(snapshot: Snapshot, pods: PodReading | None) -> Iterator[Metric]:
     used = GaugeMetricFamily(
         "mig_exporter_process_memory_used_bytes",
         "Device memory held by the process on the device, in bytes (left out where the driver does not say).",
@@ -96,14 +99,17 @@ def _process_families(snapshot: Snapshot) -> Iterator[Metric]:
     )
     info = GaugeMetricFamily(
         "mig_exporter_process_info",
-        "A process on a device, with its name and type (C compute, G graphics, C+G both, M+C MPS).",
-        labels=[*PROCESS_LABELS, "process_name", "process_type"],
+        "A process on a device, with its name and type (C compute, G graphics, C+G both, M+C MPS), and its "
+        "Kubernetes namespace, pod, container and container id (empty where unknown or not in one).",
+        labels=[*PROCESS_LABELS, "process_name", "process_type", *POD_LABELS, "container_id"],
     )
     devices = {d.index: d for d in snapshot.devices}
+    in_pods = pods.processes if pods is not None else {}
     for p in snapshot.processes:
         device = devices[p.device_index]
         labels = [*_device_labels(device), str(p.pid)]
-        info.add_metric([*labels, p.name, p.type], 1)
+        pod = in_pods.get(p.pid, NO_POD)
+        info.add_metric([*labels, p.name, p.type, pod.namespace, pod.pod, pod.container, pod.container_id], 1)
         if p.used_bytes is not None:
             used.add_metric(labels, p.used_bytes)
     yield used
@@ -217,6 +223,51 @@ def engine_families(reading: EngineReading) -> Iterator[Metric]:
     yield info
 
 
+def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
+    """Kubernetes families for one read (docs/kubernetes.md). Sample output::
+
+        mig_exporter_pod_resources_read_success 1.0
+        mig_exporter_device_allocation_info{container="server",index="1000",namespace="llm",pod="llama-0",resource="nvidia.com/mig-3g.40gb"} 1.0
+        mig_exporter_pod_memory_used_bytes{container="server",namespace="llm",pod="llama-0"} 1.207959552e+10
+    """
+    if reading.pod_resources_success is not None:
+        ok = GaugeMetricFamily(
+            "mig_exporter_pod_resources_read_success",
+            "1 when the kubelet's pod-resources List answered in this read, 0 when it failed (see the log); "
+            "left out where there is no socket (not on Kubernetes).",
+        )
+        ok.add_metric([], 1 if reading.pod_resources_success else 0)
+        yield ok
+    if reading.allocations is not None:
+        allocated = GaugeMetricFamily(
+            "mig_exporter_device_allocation_info",
+            "A device the kubelet allocated to a pod's container, through the extended resource named.",
+            labels=["index", *POD_LABELS, "resource"],
+        )
+        for a in reading.allocations:
+            allocated.add_metric([str(a.device_index), a.namespace, a.pod, a.container, a.resource], 1)
+        yield allocated
+    sums: dict[tuple[str, str, str], int | None] = {}
+    for p in snapshot.processes:
+        pod = reading.processes.get(p.pid)
+        if pod is None or not pod.pod:
+            continue
+        key = (pod.namespace, pod.pod, pod.container)
+        if key in sums and sums[key] is None:
+            continue
+        sums[key] = None if p.used_bytes is None else (sums.get(key) or 0) + p.used_bytes
+    used = GaugeMetricFamily(
+        "mig_exporter_pod_memory_used_bytes",
+        "Device memory the processes of a pod's container hold, summed over all devices, in bytes "
+        "(left out where the driver does not say for one of them).",
+        labels=POD_LABELS,
+    )
+    for key, value in sorted(sums.items()):
+        if value is not None:
+            used.add_metric(list(key), value)
+    yield used
+
+
 def read_families(
     source: str,
     *,
@@ -241,7 +292,8 @@ def read_families(
     found = GaugeMetricFamily(
         "mig_exporter_read_problems",
         "Problems in the last read that did not fail it (an unreadable card or value, a failed nvidia-smi -L, "
-        "a process on no instance, an unreadable /proc or one outside the host PID namespace); each is logged.",
+        "a process on no instance, an unreadable /proc or one outside the host PID namespace, a failed kubelet call); "
+        "each is logged.",
         labels=labels,
     )
     found.add_metric([source], problems)

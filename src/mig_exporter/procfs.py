@@ -1,5 +1,6 @@
 """The /proc read path: every process's name, executable, command line,
-parent and threads, and whether this /proc is the host's PID namespace.
+parent and threads, a process's cgroup file, and whether this /proc is the
+host's PID namespace.
 
 The root is configurable (``--proc.root``; ``/host/proc`` in a container that
 mounts the host's). Parsing is pure (bytes in, ``ProcEntry`` out) and apart
@@ -210,6 +211,14 @@ class ProcfsSource:
             if entry is not None:
                 processes[entry.pid] = entry
         return ProcTable(self.read_namespace(), processes)
+
+    def read_cgroup(self, pid: int) -> bytes | None:
+        """The contents of ``<root>/PID/cgroup`` (parsed by ``cgroup.py``), or
+        ``None`` when the process has gone or cannot be read."""
+        try:
+            return _read(Path(self.root, str(pid), "cgroup"))
+        except OSError:
+            return None
 
 
 def read_process(directory: Path) -> ProcEntry | None:

@@ -4,7 +4,10 @@ the collector what to map.
 A failed read is data, not an exception: the scrape still answers, with
 ``mig_exporter_read_success 0``, and the reason goes to the log as one line.
 With engines watched, /proc is read in the same read, just before the GPUs,
-so every engine process seen existed when the driver was asked.
+so every engine process seen existed when the driver was asked. With pods
+watched, the cgroups of the processes the driver listed, the kubelet's log
+directory names and its pod-resources answer are read just after the GPUs,
+within what is left of the read's budget.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from prometheus_client.core import Metric
 
 from mig_exporter import __version__
 from mig_exporter.attribution import EngineWatch
-from mig_exporter.collector import engine_families, read_families, snapshot_families
+from mig_exporter.collector import engine_families, pod_families, read_families, snapshot_families
 from mig_exporter.errors import ReadError
+from mig_exporter.pods import PodWatch
 from mig_exporter.procfs import ProcTable
-from mig_exporter.snapshot import EngineReading, Snapshot
+from mig_exporter.snapshot import EngineReading, PodReading, Snapshot
 
 log = logging.getLogger("mig_exporter")
 
@@ -46,6 +50,7 @@ class ReadOutcome:
     duration_s: float
     error: str | None = None
     engines: EngineReading | None = None
+    pods: PodReading | None = None
 
     @property
     def success(self) -> bool:
@@ -53,7 +58,8 @@ class ReadOutcome:
 
     @property
     def problems(self) -> tuple[str, ...]:
-        return (self.snapshot.problems if self.snapshot else ()) + (self.engines.problems if self.engines else ())
+        return ((self.snapshot.problems if self.snapshot else ()) + (self.engines.problems if self.engines else ())
+                + (self.pods.problems if self.pods else ()))
 
 
 class Scraper:
@@ -62,10 +68,12 @@ class Scraper:
     Thread-safe: concurrent scrapes each read; only the counters are shared.
     """
 
-    def __init__(self, source: Source, engines: EngineWatch | None = None, name: str | None = None) -> None:
+    def __init__(self, source: Source, engines: EngineWatch | None = None, name: str | None = None,
+                 pods: PodWatch | None = None) -> None:
         self.source = source
         self.name = name or source.name  # what the log calls this read path
         self.engines = engines
+        self.pods = pods
         self._lock = threading.Lock()
         self._errors_total = 0
         self._known_problems: dict[str, frozenset[str]] = {}
@@ -87,11 +95,25 @@ class Scraper:
             self._log_bug(f"read from {self.name} failed unexpectedly", e)
             return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None))
         engines = self._engines(procs, snapshot)
+        left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
+        pods = self._pods(snapshot, left_s)
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
         if engines is not None:
             self._log_problems(engines.problems, "engines")
-        return ReadOutcome(snapshot, duration, engines=engines)
+        if pods is not None:
+            self._log_problems(pods.problems, "pods")
+            self._log_problems(pods.notes, "pod notes", logging.INFO)
+        return ReadOutcome(snapshot, duration, engines=engines, pods=pods)
+
+    def _pods(self, snapshot: Snapshot, left_s: float | None) -> PodReading | None:
+        if self.pods is None:
+            return None
+        try:
+            return self.pods.read(snapshot, left_s)
+        except Exception as e:  # a bug here costs the pod labels, not the scrape
+            self._log_bug("attributing processes to pods failed unexpectedly", e)
+            return PodReading({}, None, None, (f"pod attribution failed: unexpected {type(e).__name__}: {e}",))
 
     def _read_procs(self) -> tuple[ProcTable | None, str | None] | None:
         if self.engines is None:
@@ -133,10 +155,10 @@ class Scraper:
         if first:
             log.error("%s (traceback shown once)", what, exc_info=error)
 
-    def _log_problems(self, problems: Iterable[str], kind: str = "gpu") -> None:
+    def _log_problems(self, problems: Iterable[str], kind: str = "gpu", level: int = logging.WARNING) -> None:
         """Log a problem once when it appears and once when it clears, not at
         every scrape: a card that stays broken would otherwise flood the log.
-        GPU and engine problems are kept apart, so a failed GPU read (which
+        GPU, engine and pod problems are kept apart, so a failed GPU read (which
         has no GPU problems to report) does not log theirs as cleared."""
         current = frozenset(problems)
         with self._lock:
@@ -145,7 +167,7 @@ class Scraper:
             cleared = known - current
             self._known_problems[kind] = current
         for problem in sorted(new):
-            log.warning("read from %s: %s", self.name, problem)
+            log.log(level, "read from %s: %s", self.name, problem)
         for problem in sorted(cleared):
             log.info("read from %s: cleared: %s", self.name, problem)
 
@@ -163,7 +185,9 @@ class Scraper:
 
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:
-            yield from snapshot_families(outcome.snapshot)
+            yield from snapshot_families(outcome.snapshot, outcome.pods)
+            if outcome.pods is not None:
+                yield from pod_families(outcome.pods, outcome.snapshot)
         if outcome.engines is not None:
             yield from engine_families(outcome.engines)
         yield from read_families(

@@ -195,3 +195,47 @@ class EngineReading:
     processes: tuple[EngineProcess, ...] | None
     placed: bool
     problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessPod:
+    """The container and pod of a process on a GPU's list. Each field is ""
+    when unknown: ``container_id`` outside a container, the names when the
+    kubelet's log directories do not name the container or pod."""
+
+    pid: int
+    container_id: str
+    namespace: str
+    pod: str
+    container: str
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A device (by placement index) the kubelet allocated to a container,
+    through ``resource`` (``nvidia.com/gpu``, ``nvidia.com/mig-1g.10gb``)."""
+
+    device_index: int
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodReading:
+    """What the Kubernetes read beside the GPU snapshot found (docs/kubernetes.md).
+
+    ``processes`` holds the processes on the GPU lists that run in a
+    container, by pid. ``allocations`` is ``None`` when the kubelet was not
+    asked or did not answer; ``pod_resources_success`` is ``None`` when it
+    was not asked (no socket, or switched off), else whether it answered.
+    ``problems`` count as read problems; ``notes`` are conditions logged once
+    (no socket: not on Kubernetes, or not mounted).
+    """
+
+    processes: dict[int, ProcessPod]
+    allocations: tuple[Allocation, ...] | None
+    pod_resources_success: bool | None
+    problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()

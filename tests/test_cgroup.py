@@ -1,0 +1,91 @@
+"""/proc/PID/cgroup: container id and pod UID from every layout in use
+(tests/fixtures/cgroup/README.md), and reading it through a /proc root."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mig_exporter.cgroup import CgroupIdentity, parse_cgroup, parse_path
+from mig_exporter.procfs import ProcfsSource
+from proc_tree import Proc, make_proc
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cgroup"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+UID = "0d6b5a4e-8c2f-4a4b-9a53-2f6c1d7e9b10"
+
+
+def test_every_fixture_has_its_expectation_and_every_layout_is_covered():
+    names = {p.stem for p in FIXTURES.glob("*.txt")}
+    assert names == set(EXPECTED)
+    for must in ("v1-cgroupfs", "v1-systemd", "v2-cgroupfs", "v2-systemd", "containerd", "crio", "docker",
+                 "besteffort", "burstable", "guaranteed", "private-cgroupns"):
+        assert any(must in name for name in names), must
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture(name):
+    found = parse_cgroup((FIXTURES / f"{name}.txt").read_bytes())
+    assert found == CgroupIdentity(EXPECTED[name]["container_id"], EXPECTED[name]["pod_uid"])
+
+
+def test_systemd_driver_underscores_become_dashes_and_the_scope_prefix_goes():
+    found = parse_cgroup((FIXTURES / "v1-systemd-containerd-besteffort.txt").read_bytes())
+    assert found.pod_uid == UID
+    assert found.container_id == "84ed8db46e7bedbc6d325e89e4ad6c7476a0a0560755a5c18cf0a9627644b55e"
+
+
+def test_crio_nested_container_leaf_is_the_scope_s_container():
+    found = parse_cgroup((FIXTURES / "v2-systemd-crio-besteffort-nested.txt").read_bytes())
+    assert found.pod_uid == UID and found.container_id is not None and len(found.container_id) == 64
+
+
+def test_a_private_cgroup_namespace_shows_relative_paths_and_they_still_parse():
+    text = (FIXTURES / "v2-systemd-containerd-private-cgroupns.txt").read_text()
+    assert text.startswith("0::/../../../kubepods-besteffort.slice/")
+    assert parse_cgroup(text.encode()).pod_uid == UID
+
+
+def test_host_processes_have_no_identity():
+    assert parse_cgroup((FIXTURES / "v2-host-service.txt").read_bytes()) == CgroupIdentity(None, None)
+    assert parse_cgroup((FIXTURES / "v1-host-session.txt").read_bytes()) == CgroupIdentity(None, None)
+
+
+def test_a_pod_level_cgroup_gives_the_pod_alone():
+    assert parse_path(f"/kubepods/burstable/pod{UID}") == CgroupIdentity(None, UID)
+
+
+def test_the_innermost_container_wins_and_its_pod_is_the_one_above_it():
+    outer = "a" * 64
+    inner = "b" * 64
+    path = f"/docker/{outer}/kubepods/besteffort/pod{UID}/{inner}"
+    assert parse_path(path) == CgroupIdentity(inner, UID)
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage\n", b"0::relative\n", b"\xff\xfe:\x00\n", b"1:cpu\n"])
+def test_malformed_input_gives_no_identity(data):
+    assert parse_cgroup(data) == CgroupIdentity(None, None)
+
+
+@pytest.mark.parametrize("component", [
+    "c" * 63, "c" * 65, "C" * 64, "crio-conmon-" + "c" * 64 + ".scope", "session-3.scope",
+])
+def test_what_is_not_a_container_id(component):
+    assert parse_path(f"/kubepods/pod{UID}/{component}").container_id is None
+
+
+def test_reading_through_a_proc_root(tmp_path):
+    cgroup = (FIXTURES / "v2-systemd-containerd-burstable.txt").read_text()
+    root = make_proc(tmp_path / "proc", [Proc(48213, "llama-server", ["llama-server"], cgroup=cgroup)])
+    source = ProcfsSource(str(root))
+    assert parse_cgroup(source.read_cgroup(48213)) == CgroupIdentity(
+        EXPECTED["v2-systemd-containerd-burstable"]["container_id"], UID)
+    assert source.read_cgroup(99999) is None  # gone
+
+
+def test_this_process_s_own_cgroup_file_parses():
+    """The real file of the machine running the tests is in the format, whatever it says."""
+    found = parse_cgroup(Path("/proc/self/cgroup").read_bytes())
+    assert isinstance(found, CgroupIdentity)
