@@ -99,10 +99,9 @@ def _process_families(snapshot: Snapshot) -> Iterator[Metric]:
         "A process on a device, with its name and type (C compute, G graphics, C+G both, M+C MPS).",
         labels=[*PROCESS_LABELS, "process_name", "process_type"],
     )
-    devices = {d.index: d for d in snapshot.devices}
+    device_labels = {d.index: _device_labels(d) for d in snapshot.devices}
     for p in snapshot.processes:
-        device = devices[p.device_index]
-        labels = [*_device_labels(device), str(p.pid)]
+        labels = [*device_labels[p.device_index], str(p.pid)]
         info.add_metric([*labels, p.name, p.type], 1)
         if p.used_bytes is not None:
             used.add_metric(labels, p.used_bytes)

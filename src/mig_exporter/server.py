@@ -11,14 +11,11 @@ import gzip
 import html
 import logging
 import socket
-from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder
-
 from mig_exporter import __version__
+from mig_exporter.exposition import render
 from mig_exporter.scrape import Scraper
 
 log = logging.getLogger("mig_exporter.http")
@@ -26,16 +23,6 @@ log = logging.getLogger("mig_exporter.http")
 DEFAULT_PORT = 10064
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
 SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
-
-
-class _Families:
-    """A one-shot collector over families already read, for the encoders."""
-
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> list[Metric]:
-        return self._families
 
 
 class ExporterServer(ThreadingHTTPServer):
@@ -81,6 +68,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: ExporterServer
     server_version = f"mig-exporter/{__version__}"
     protocol_version = "HTTP/1.1"
+    # The headers and the body go out in two writes; with Nagle's algorithm the
+    # body waits for the client's delayed ACK of the headers, ~40 ms a scrape.
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._dispatch(send_body=True)
@@ -115,11 +105,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _metrics(self, send_body: bool) -> None:
         timeout = self.server.scrape_timeout(self.headers.get(SCRAPE_TIMEOUT_HEADER))
         families = self.server.scraper.families(timeout)
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-        body = encoder(_Families(families))
+        body, content_type = render(families, self.headers.get("Accept", ""))
         extra = {}
         if "gzip" in self.headers.get("Accept-Encoding", ""):
-            body = gzip.compress(body, compresslevel=6)
+            # Level 1, as nginx's default: a third of level 6's time for a
+            # body ~15% larger, on a scrape that must cost next to nothing.
+            body = gzip.compress(body, compresslevel=1)
             extra["Content-Encoding"] = "gzip"
         self._send(200, body, content_type, send_body, extra)
 
