@@ -5,7 +5,9 @@ Run from the repository root::
     ./scripts/bench              # installs the bench extra into .venv, then runs this
     python -m benchmarks         # the same, in an environment you set up
     python -m benchmarks --quick # a few iterations: checks that it runs, measures nothing
-    python -m benchmarks --profile smi   # cProfile of one big-mig scrape path (smi, nvml or nvitop)
+    python -m benchmarks --profile smi   # cProfile of a big-mig path in process (smi, nvml, nvitop)
+    python -m benchmarks --profile serve # py-spy of a serving process, by stage
+    python -m benchmarks --check         # exit 1 when a target is missed
 
 For each scenario (benchmarks/scenarios.py) it measures, as medians over
 repeated runs:
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import scenarios
-from benchmarks.scenarios import BIG_MIG, BIG_WHOLE, MAIN_SHAPES, SINGLE, Shape
+from benchmarks.scenarios import BIG_MIG, MAIN_SHAPES, SINGLE, Shape
 
 import mig_exporter
 from mig_exporter.scrape import ReadOutcome, Scraper
@@ -64,8 +66,6 @@ PROMETHEUS_HEADERS = {
     "User-Agent": "Prometheus/2.42.0",
     "X-Prometheus-Scrape-Timeout-Seconds": "10",
 }
-MIB = 1024 * 1024
-
 TARGET_OVERHEAD_BIG_MIG_MS = 15.0
 TARGET_OVERHEAD_SINGLE_MS = 3.0
 TARGET_PEAK_RSS_MIB = 60.0
@@ -756,4 +756,4 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if args.check and not all_met and not settings.quick else 0
 
 
-__all__ = ["main", "BIG_MIG", "BIG_WHOLE", "SINGLE"]
+__all__ = ["main"]

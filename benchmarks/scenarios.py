@@ -1,13 +1,13 @@
 """Generated scenarios: the same machine as ``nvidia-smi -q -x`` and ``-L``
 output and as a fake-NVML scenario (tests/fake_nvml.py).
 
-The XML is built from the ``<gpu>`` section of the hand-written
-``tests/fixtures/nvidia-smi/h100-mig-processes.xml`` (the driver 550 layout,
-DTD v12, every element a real H100 report has), so the parser walks a
-document of honest size and shape, not a skeleton: each card keeps its PCI,
-ECC, clocks, power and temperature blocks, and its ``supported_clocks`` is
-the full H100 list (one memory clock, 110 graphics clocks), as nvidia-smi
-prints it. Per card only identity, mode, MIG devices, memory, readings and
+The XML is built from the ``<gpu>`` section of
+``tests/fixtures/nvidia-smi/h100-mig-processes.xml`` (hand-written in the real
+driver 550 layout, DTD v12; see that directory's README), so the parser walks
+a document of honest size and shape, not a skeleton: each card keeps its PCI,
+ECC, clocks, power, temperature and BAR1 blocks, and its ``supported_clocks``
+is a whole list (one memory clock, 110 graphics clocks) where the fixture
+shortens it. Per card only identity, mode, MIG devices, memory, readings and
 processes change.
 
 Both forms describe one machine: ``NvmlSource().read()`` on the fake equals
@@ -50,7 +50,9 @@ PROCESS_NAMES = (
     "/usr/local/bin/ollama",
     "/usr/lib/jvm/java-17-openjdk-amd64/bin/java",
 )
-SUPPORTED_GRAPHICS_CLOCKS_MHZ = tuple(range(1980, 344, -15))  # 110 clocks, as an H100 SXM lists
+# The fixture shortens supported_clocks to 8; a whole list is 1980 down to 345 MHz, 110 clocks (the
+# real A100 report in the corpus lists 81).
+SUPPORTED_GRAPHICS_CLOCKS_MHZ = tuple(range(1980, 344, -15))
 
 
 @dataclass(frozen=True)

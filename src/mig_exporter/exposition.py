@@ -2,11 +2,12 @@
 OpenMetrics, whichever the client asks for, byte for byte as prometheus_client
 writes them.
 
-prometheus_client's encoders check and escape every metric and label name,
-character by character, on every sample; on a node with hundreds of processes
-that was most of a scrape's cost (docs/performance.md). Here a line template is
-built once per sample name and label names, and a sample is one ``%`` format
-of its label values, escaped only when they hold a backslash, quote or newline.
+prometheus_client's encoders validate and escape every metric and label name
+again on every sample (OpenMetrics with a Python call per character of each
+sample name); on a node with hundreds of processes that was most of a
+scrape's cost (docs/performance.md). Here a line template is built once per
+sample name and label names, and a sample is one ``%`` format of its label
+values, escaped only when they hold a backslash, quote or newline.
 The format and Content-Type are still chosen by prometheus_client's
 ``choose_encoder``; anything outside the plain case (another metric type, a
 unit, timestamps, exemplars, a name that needs escaping, the ``dots`` or
