@@ -268,6 +268,18 @@ _SIGNATURES: dict[str, tuple[tuple[Any, ...], Any]] = {
     "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": ((_P, _P), c_int),
     "nvmlDeviceGetGpuInstanceId": ((_P, _P), c_int),
     "nvmlDeviceGetComputeInstanceId": ((_P, _P), c_int),
+    # Readings our exporter does not take but nvitop-exporter does; the
+    # benchmarks run it over this fake (benchmarks/run.py). Fixed answers, see
+    # "other readings" below.
+    "nvmlDeviceGetTemperatureV": ((_P, _P), c_int),
+    "nvmlDeviceGetClockInfo": ((_P, c_uint, _P), c_int),
+    "nvmlDeviceGetPowerManagementLimit": ((_P, _P), c_int),
+    "nvmlDeviceGetFanSpeed": ((_P, _P), c_int),
+    "nvmlDeviceGetEncoderUtilization": ((_P, _P, _P), c_int),
+    "nvmlDeviceGetDecoderUtilization": ((_P, _P, _P), c_int),
+    "nvmlDeviceGetPcieThroughput": ((_P, c_uint, _P), c_int),
+    "nvmlDeviceGetFieldValues": ((_P, c_int, _P), c_int),
+    "nvmlDeviceGetProcessUtilization": ((_P, _P, _P, c_ulonglong), c_int),
 }
 for _kind in _PROCESS_LISTS:
     for _suffix in ("", "_v2", "_v3"):
@@ -636,6 +648,85 @@ class FakeNvml:
             return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
         info.total, info.reserved, info.used, info.free = m.total_bytes, m.reserved_bytes, m.used_bytes, m.free_bytes
         return NVML_SUCCESS
+
+    # -- other readings ---------------------------------------------------
+    # The fake's choices: every card answers the same H100-like values; a MIG
+    # handle answers NVML_ERROR_NOT_SUPPORTED, as for temperature and power.
+
+    _CLOCKS_MHZ = {pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
+                   pynvml.NVML_CLOCK_VIDEO: 1755}
+    _PCIE_KB_PER_S = {pynvml.NVML_PCIE_UTIL_TX_BYTES: 412, pynvml.NVML_PCIE_UTIL_RX_BYTES: 538}
+
+    def _card_only(self, name: str, handle: int | None) -> _Target:
+        t = self._device(name, handle)
+        if t.mig:
+            raise _Fail(NVML_ERROR_NOT_SUPPORTED)
+        return t
+
+    def _nvmlDeviceGetTemperatureV(self, handle: int | None, out: int | None) -> int:
+        t = self._device("nvmlDeviceGetTemperatureV", handle)
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        reading = ctypes.cast(out, POINTER(pynvml.c_nvmlTemperature_v1_t)).contents
+        if reading.version != pynvml.nvmlTemperature_v1:
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        if reading.sensorType != pynvml.NVML_TEMPERATURE_GPU:
+            return NVML_ERROR_INVALID_ARGUMENT
+        if t.mig or t.card.temperature_c is None:
+            return NVML_ERROR_NOT_SUPPORTED
+        reading.temperature = t.card.temperature_c
+        return NVML_SUCCESS
+
+    def _nvmlDeviceGetClockInfo(self, handle: int | None, clock: int, out: int | None) -> int:
+        self._card_only("nvmlDeviceGetClockInfo", handle)
+        if clock not in self._CLOCKS_MHZ:
+            return NVML_ERROR_INVALID_ARGUMENT
+        return _write_uint(out, self._CLOCKS_MHZ[clock])
+
+    def _nvmlDeviceGetPowerManagementLimit(self, handle: int | None, out: int | None) -> int:
+        self._card_only("nvmlDeviceGetPowerManagementLimit", handle)
+        return _write_uint(out, 700_000)
+
+    def _nvmlDeviceGetFanSpeed(self, handle: int | None, out: int | None) -> int:
+        self._device("nvmlDeviceGetFanSpeed", handle)
+        return NVML_ERROR_NOT_SUPPORTED  # passively cooled data-centre boards
+
+    def _nvmlDeviceGetEncoderUtilization(self, handle: int | None, util: int | None, period: int | None) -> int:
+        self._card_only("nvmlDeviceGetEncoderUtilization", handle)
+        if period is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        _write_uint(period, 167_000)
+        return _write_uint(util, 0)
+
+    def _nvmlDeviceGetDecoderUtilization(self, handle: int | None, util: int | None, period: int | None) -> int:
+        self._card_only("nvmlDeviceGetDecoderUtilization", handle)
+        if period is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        _write_uint(period, 167_000)
+        return _write_uint(util, 0)
+
+    def _nvmlDeviceGetPcieThroughput(self, handle: int | None, counter: int, out: int | None) -> int:
+        self._card_only("nvmlDeviceGetPcieThroughput", handle)
+        if counter not in self._PCIE_KB_PER_S:
+            return NVML_ERROR_INVALID_ARGUMENT
+        return _write_uint(out, self._PCIE_KB_PER_S[counter])
+
+    def _nvmlDeviceGetFieldValues(self, handle: int | None, count: int, values: int | None) -> int:
+        # The call succeeds and each field carries its own answer: none is supported here.
+        self._device("nvmlDeviceGetFieldValues", handle)
+        if values is None or count <= 0:
+            return NVML_ERROR_INVALID_ARGUMENT
+        for entry in (pynvml.c_nvmlFieldValue_t * count).from_address(values):
+            entry.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
+        return NVML_SUCCESS
+
+    def _nvmlDeviceGetProcessUtilization(self, handle: int | None, samples: int | None, count: int | None,
+                                         since: int) -> int:
+        # NVML: NOT_FOUND when no sample was taken since ``since`` (no process ran a kernel).
+        self._card_only("nvmlDeviceGetProcessUtilization", handle)
+        if count is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        return NVML_ERROR_NOT_FOUND
 
     # -- processes --------------------------------------------------------
 

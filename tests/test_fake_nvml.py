@@ -564,3 +564,53 @@ def test_a_scenario_refuses_half_a_utilisation_reading():
     with pytest.raises(ValueError, match="MIG slots"):
         dataclasses.replace(demo().cards[0], max_mig_devices=2)
     assert isinstance(one_lost_one_no_permission().cards[2], FakeCard)
+
+
+# ---------------------------------------------------------------------------
+# Readings only other exporters take (benchmarks/ runs nvitop-exporter here)
+# ---------------------------------------------------------------------------
+
+
+def test_other_readings_answer_on_a_card_and_not_on_a_mig_device(nvml):
+    fake = nvml("demo")
+    card = handles(1)  # the whole A100
+    assert pynvml.nvmlDeviceGetTemperatureV(card, pynvml.NVML_TEMPERATURE_GPU) == 51
+    assert [pynvml.nvmlDeviceGetClockInfo(card, c) for c in (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM,
+                                                             pynvml.NVML_CLOCK_MEM, pynvml.NVML_CLOCK_VIDEO)] \
+        == [1980, 1980, 2619, 1755]
+    assert pynvml.nvmlDeviceGetPowerManagementLimit(card) == 700_000
+    assert pynvml.nvmlDeviceGetEncoderUtilization(card) == [0, 167_000]
+    assert pynvml.nvmlDeviceGetDecoderUtilization(card) == [0, 167_000]
+    assert pynvml.nvmlDeviceGetPcieThroughput(card, pynvml.NVML_PCIE_UTIL_TX_BYTES) == 412
+    assert pynvml.nvmlDeviceGetPcieThroughput(card, pynvml.NVML_PCIE_UTIL_RX_BYTES) == 538
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetFanSpeed(card)
+    with pytest.raises(pynvml.NVMLError_NotFound):  # no sample since the timestamp
+        pynvml.nvmlDeviceGetProcessUtilization(card, 0)
+    fields = pynvml.nvmlDeviceGetFieldValues(card, [pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                                                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX])
+    assert [f.nvmlReturn for f in fields] == [pynvml.NVML_ERROR_NOT_SUPPORTED] * 2
+
+    mig = mig_handles(handles(0))[0]
+    for call in (lambda: pynvml.nvmlDeviceGetTemperatureV(mig, pynvml.NVML_TEMPERATURE_GPU),
+                 lambda: pynvml.nvmlDeviceGetClockInfo(mig, pynvml.NVML_CLOCK_SM),
+                 lambda: pynvml.nvmlDeviceGetPowerManagementLimit(mig),
+                 lambda: pynvml.nvmlDeviceGetEncoderUtilization(mig),
+                 lambda: pynvml.nvmlDeviceGetPcieThroughput(mig, pynvml.NVML_PCIE_UTIL_TX_BYTES),
+                 lambda: pynvml.nvmlDeviceGetProcessUtilization(mig, 0)):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            call()
+    assert fake.exceptions == []
+
+
+def test_other_readings_honour_injected_errors_and_a_card_without_a_sensor(nvml):
+    fake = nvml(dataclasses.replace(demo(), cards=(
+        dataclasses.replace(demo().cards[1], temperature_c=None, errors={"nvmlDeviceGetClockInfo": pynvml.NVML_ERROR_GPU_IS_LOST}),
+    )))
+    card = handles(0)
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlDeviceGetTemperatureV(card, pynvml.NVML_TEMPERATURE_GPU)
+    with pytest.raises(pynvml.NVMLError_GpuIsLost):
+        pynvml.nvmlDeviceGetClockInfo(card, pynvml.NVML_CLOCK_SM)
+    assert fake.called("nvmlDeviceGetClockInfo", "card0") == 1
+    assert fake.exceptions == []

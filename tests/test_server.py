@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gzip
+import http.client
+import socket
 import threading
 import time
 import urllib.error
@@ -80,6 +82,32 @@ def test_openmetrics_and_gzip_are_negotiated(serve):
     status, headers, body = _get(url + "/metrics", {"Accept-Encoding": "gzip"})
     assert headers["Content-Encoding"] == "gzip"
     assert b"mig_exporter_device_info" in gzip.decompress(body)
+
+
+def test_answers_go_out_without_waiting_for_the_clients_delayed_ack():
+    # The headers and the body are two writes. With Nagle's algorithm on, the
+    # body waits for the client's delayed ACK of the headers: ~40 ms added to
+    # every scrape on a kept-alive connection, as Prometheus keeps them.
+    class Recording(ExporterServer):
+        def process_request(self, request, client_address):
+            self.accepted.append(request)
+            super().process_request(request, client_address)
+
+    server = Recording(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10)
+    server.accepted = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+        for _ in range(2):  # one connection, kept alive
+            conn.request("GET", "/metrics")
+            response = conn.getresponse()
+            assert response.status == 200 and b"mig_exporter_device_info" in response.read()
+        assert len(server.accepted) == 1
+        assert server.accepted[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        conn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_failing_read_still_answers_200_with_read_success_zero(serve, fake_nvidia_smi):

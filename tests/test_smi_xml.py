@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 from conftest import MIB, fixture_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mig_exporter.errors import ParseError
-from mig_exporter.smi_xml import parse_query_xml
+from mig_exporter.smi_xml import _known, _Values, parse_query_xml
 
 
 def _log(*gpus: str, head: str = "<driver_version>550.90.07</driver_version>") -> bytes:
@@ -192,3 +194,25 @@ def test_pids_that_linux_cannot_have_are_skipped(pid):
     report = parse_query_xml(_log(gpu))
     assert report.cards[0].processes == () and report.cards[0].error is None
     assert len(report.problems) == 1
+
+
+_VALUE_TEXTS = st.one_of(
+    st.none(),
+    st.text(max_size=12),
+    st.text(alphabet="0123456789٣²", min_size=1, max_size=6),
+    st.builds(lambda n, unit, pad: f"{pad}{n}{unit}{pad}", st.integers(-5, 10**7),
+              st.sampled_from([" MiB", " MiB ", "MiB", " KiB", " GiB", " B", " mib", "  MiB", " MB", ""]),
+              st.sampled_from(["", " ", "\n\t\t"])),
+    st.sampled_from(["N/A", "[N/A]", "Not Supported", "٣٨٨ MiB", "3.5 MiB", "007", "1e3", "+5", " 7 "]),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(raw=_VALUE_TEXTS)
+def test_the_short_ways_to_integers_and_sizes_read_as_the_general_way(raw):
+    # Processes and MIG devices take a short way for the texts nvidia-smi
+    # writes ("7", "388 MiB"); every text must read as the general way reads it.
+    fast, general = _Values([]), _Values([])
+    assert fast.integer_field(raw, "p") == general.integer_of(_known(raw), "p")
+    assert fast.size_field(raw, "p") == general.size_of(_known(raw), "p")
+    assert fast.problems == general.problems

@@ -8,6 +8,7 @@ Every option can also be set from the environment: ``--timeout`` from
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -255,6 +256,10 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, reload)
     log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.url, chosen.describe())
+    # What is alive now (modules, the parsers' tables) lives until exit; frozen,
+    # the cyclic collector stops walking it at each full collection, a scrape's
+    # largest cost after the work itself on a node with many processes.
+    gc.freeze()
     with server:
         server.serve_forever()
     # Reads still in flight would otherwise leave nvidia-smi running.

@@ -103,11 +103,10 @@ def _process_families(snapshot: Snapshot, pods: PodReading | None) -> Iterator[M
         "Kubernetes namespace, pod, container and container id (empty where unknown or not in one).",
         labels=[*PROCESS_LABELS, "process_name", "process_type", *POD_LABELS, "container_id"],
     )
-    devices = {d.index: d for d in snapshot.devices}
+    device_labels = {d.index: _device_labels(d) for d in snapshot.devices}
     in_pods = pods.processes if pods is not None else {}
     for p in snapshot.processes:
-        device = devices[p.device_index]
-        labels = [*_device_labels(device), str(p.pid)]
+        labels = [*device_labels[p.device_index], str(p.pid)]
         pod = in_pods.get(p.pid, NO_POD)
         info.add_metric([*labels, p.name, p.type, pod.namespace, pod.pod, pod.container, pod.container_id], 1)
         if p.used_bytes is not None:

@@ -13,6 +13,7 @@ exporter stops are killed by ``kill_running()``.
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -159,19 +160,39 @@ def _wait_exited(proc: subprocess.Popen[bytes], deadline: float, cancel: threadi
     """Wait for the child to exit *without reaping it* ("eof"), so its group id
     stays reserved for the kill that follows; or "timeout"/"cancelled" when it
     closed its output but hangs on (a wedged driver call after printing)."""
-    delay = 0.0005
-    while True:
-        try:
-            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return "eof"
-        except ChildProcessError:
-            return "eof"  # already reaped elsewhere; nothing left to wait for
-        if time.monotonic() >= deadline:
-            return "timeout"
-        if cancel is not None and cancel.is_set():
-            return "cancelled"
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    pidfd = _open_pidfd(proc.pid)
+    try:
+        delay = 0.0005
+        while True:
+            try:
+                if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return "eof"
+            except ChildProcessError:
+                return "eof"  # already reaped elsewhere; nothing left to wait for
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout"
+            if cancel is not None:
+                if cancel.is_set():
+                    return "cancelled"
+                remaining = min(remaining, _CANCEL_POLL_S)
+            if pidfd is not None:
+                # Readable once the child has exited: no polling delay after a
+                # clean exit, which is every read.
+                select.select([pidfd], [], [], remaining)
+            else:
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.02)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)  # Linux 5.3+
+    except (AttributeError, OSError):
+        return None
 
 
 def _signal_group(proc: subprocess.Popen[bytes]) -> None:

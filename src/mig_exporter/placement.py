@@ -108,6 +108,11 @@ def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list
     problems: list[str] = []
     claimed: set[int] = set()
     seen_mig_indexes: set[int] = set()
+    # Processes by the (GPU instance, compute instance) they carry, in listed
+    # order: one pass over the card's processes, not one per instance.
+    by_ids: dict[tuple[int | None, int | None], list[int]] = {}
+    for i, p in enumerate(r.processes):
+        by_ids.setdefault((p.gpu_instance_id, p.compute_instance_id), []).append(i)
     for inst in sorted(r.instances, key=lambda i: i.mig_index):
         if inst.mig_index in seen_mig_indexes:
             problems.append(f"card {r.index}: MIG device index {inst.mig_index} listed twice; kept the first")
@@ -126,13 +131,9 @@ def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list
             memory=inst.memory,
         )
         devices.append(device)
-        mine = [
-            i
-            for i, p in enumerate(r.processes)
-            if inst.gpu_instance_id is not None
-            and p.gpu_instance_id == inst.gpu_instance_id
-            and p.compute_instance_id == inst.compute_instance_id
-        ]
+        mine: list[int] = []
+        if inst.gpu_instance_id is not None:
+            mine = by_ids.get((inst.gpu_instance_id, inst.compute_instance_id), [])
         claimed.update(mine)
         processes.extend(_merge((r.processes[i] for i in mine), device.index))
     for i, p in enumerate(r.processes):

@@ -18,11 +18,10 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
-from prometheus_client.exposition import choose_encoder
 
 from mig_exporter import __version__
+from mig_exporter.exposition import render
 from mig_exporter.probe import BadProbeRequest, ProbeBusy, Prober
 from mig_exporter.scrape import Scraper
 
@@ -50,16 +49,6 @@ def read_budget(limit_s: float, header: str | None, offset_s: float) -> float:
             return min(limit_s, offered)
         return min(limit_s, MIN_BUDGET_S)
     return limit_s
-
-
-class _Families:
-    """A one-shot collector over families already read, for the encoders."""
-
-    def __init__(self, families: Iterable[Metric]) -> None:
-        self._families = list(families)
-
-    def collect(self) -> list[Metric]:
-        return self._families
 
 
 def _accepts_gzip(header: str) -> bool:
@@ -129,6 +118,9 @@ class _Handler(BaseHTTPRequestHandler):
     # An idle or half-open connection is dropped after this many seconds
     # instead of holding a thread for ever.
     timeout = 30
+    # The headers and the body go out in two writes; with Nagle's algorithm the
+    # body waits for the client's delayed ACK of the headers, ~40 ms a scrape.
+    disable_nagle_algorithm = True
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._discard_body()
@@ -181,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
         families = self.server.scraper.families(timeout)
         if self.server.prober is not None:
             families.extend(self.server.prober.families())
-        self._send_exposition(_Families(families), send_body)
+        self._send_exposition(families, send_body)
 
     def _probe(self, query: str, send_body: bool) -> None:
         prober = self.server.prober
@@ -200,7 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ProbeBusy as e:
             self._send(503, f"{e}; try again later\n".encode(), _TEXT, send_body)
             return
-        self._send_exposition(result.registry(), send_body)
+        self._send_exposition(list(result.registry().collect()), send_body)
 
     def _reload(self) -> None:
         prober = self.server.prober
@@ -210,12 +202,13 @@ class _Handler(BaseHTTPRequestHandler):
         ok, message = prober.reload()
         self._send(200 if ok else 400, f"{message}\n".encode(), _TEXT, True)
 
-    def _send_exposition(self, registry: CollectorRegistry | _Families, send_body: bool) -> None:
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-        body = encoder(registry)
+    def _send_exposition(self, families: Iterable[Metric], send_body: bool) -> None:
+        body, content_type = render(list(families), self.headers.get("Accept", ""))
         extra = {"Vary": "Accept-Encoding"}
         if _accepts_gzip(self.headers.get("Accept-Encoding", "")):
-            body = gzip.compress(body, compresslevel=6)
+            # Level 1, as nginx's default: a third of level 6's time for a
+            # body ~15% larger, on a scrape that must cost next to nothing.
+            body = gzip.compress(body, compresslevel=1)
             extra["Content-Encoding"] = "gzip"
         self._send(200, body, content_type, send_body, extra)
 

@@ -67,6 +67,8 @@ def _parser() -> etree.XMLParser:
         huge_tree=False,
         remove_comments=True,
         remove_pis=True,
+        # The indentation is about half the nodes libxml2 would build; nothing reads it.
+        remove_blank_text=True,
     )
 
 
@@ -145,31 +147,35 @@ def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardRead
     mig_current = values.flag(gpu, "mig_mode/current_mig")
     mig_pending = values.flag(gpu, "mig_mode/pending_mig")
     instances: list[MigInstance] = []
+    # A MIG device or process is read in one pass over its children: a path
+    # lookup per value was most of the parse on a node with many processes.
     for el in gpu.iterfind("mig_devices/mig_device"):
-        mig_index = values.integer(el, "index")
+        fields = _child_texts(el)
+        mig_index = values.integer_field(fields.get("index"), "index")
         if mig_index is None:
             problems.append("a MIG device without a readable index; skipped")
             continue
         instances.append(MigInstance(
             mig_index=mig_index,
-            gpu_instance_id=values.integer(el, "gpu_instance_id"),
-            compute_instance_id=values.integer(el, "compute_instance_id"),
+            gpu_instance_id=values.integer_field(fields.get("gpu_instance_id"), "gpu_instance_id"),
+            compute_instance_id=values.integer_field(fields.get("compute_instance_id"), "compute_instance_id"),
             memory=values.memory(el, "fb_memory_usage"),
         ))
     processes: list[ProcessReading] = []
     for el in gpu.iterfind("processes/process_info"):
-        pid_text = _raw_text(el, "pid")
+        fields = _child_texts(el)
+        pid_text = _raw(fields.get("pid"))
         pid = int(pid_text) if _DIGITS.match(pid_text) else 0
         if not 0 < pid < PID_MAX_LIMIT:
             problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
             continue
         processes.append(ProcessReading(
-            pid=pid,
-            type=_text(el, "type") or "",
-            name=_raw_text(el, "process_name"),
-            used_bytes=values.size(el, "used_memory"),
-            gpu_instance_id=values.integer(el, "gpu_instance_id"),
-            compute_instance_id=values.integer(el, "compute_instance_id"),
+            pid,
+            _known(fields.get("type")) or "",
+            _raw(fields.get("process_name")),
+            values.size_field(fields.get("used_memory"), "used_memory"),
+            values.integer_field(fields.get("gpu_instance_id"), "gpu_instance_id"),
+            values.integer_field(fields.get("compute_instance_id"), "compute_instance_id"),
         ))
     return CardReading(
         index=index,
@@ -222,8 +228,13 @@ class _Values:
                 return value
         return None
 
-    def integer(self, el: etree._Element, path: str) -> int | None:
-        text = _text(el, path)
+    def integer_field(self, raw: str | None, path: str) -> int | None:
+        """An element's untrimmed text as an integer; digits alone take the short way."""
+        if raw is not None and raw.isdecimal():
+            return int(raw)
+        return self.integer_of(_known(raw), path)
+
+    def integer_of(self, text: str | None, path: str) -> int | None:
         if text is None:
             return None
         try:
@@ -232,8 +243,14 @@ class _Values:
             self.problems.append(f"{path}: unreadable integer {text[:60]!r}")
             return None
 
-    def size(self, el: etree._Element, path: str) -> int | None:
-        text = _text(el, path)
+    def size_field(self, raw: str | None, path: str) -> int | None:
+        """An element's untrimmed text as bytes; "<digits> MiB", as nvidia-smi writes
+        sizes, takes the short way to the same value."""
+        if raw is not None and raw.endswith(" MiB") and raw[:-4].isdecimal():
+            return int(float(raw[:-4]) * MIB)
+        return self.size_of(_known(raw), path)
+
+    def size_of(self, text: str | None, path: str) -> int | None:
         if text is None:
             return None
         m = _NUMBER.match(text)
@@ -244,11 +261,13 @@ class _Values:
         return int(float(m.group(1)) * factor)
 
     def memory(self, el: etree._Element, path: str) -> Memory:
+        block = el.find(path)
+        fields = _child_texts(block) if block is not None else {}
         return Memory(
-            total_bytes=self.size(el, f"{path}/total"),
-            used_bytes=self.size(el, f"{path}/used"),
-            free_bytes=self.size(el, f"{path}/free"),
-            reserved_bytes=self.size(el, f"{path}/reserved"),
+            total_bytes=self.size_field(fields.get("total"), f"{path}/total"),
+            used_bytes=self.size_field(fields.get("used"), f"{path}/used"),
+            free_bytes=self.size_field(fields.get("free"), f"{path}/free"),
+            reserved_bytes=self.size_field(fields.get("reserved"), f"{path}/reserved"),
         )
 
     def flag(self, el: etree._Element, path: str) -> bool | None:
@@ -271,7 +290,26 @@ def _raw_text(el: etree._Element, path: str) -> str:
 
 def _text(el: etree._Element, path: str) -> str | None:
     """The element's trimmed text, or ``None`` when absent or an unknown marker."""
-    text = _raw_text(el, path)
+    return _known(_raw_text(el, path))
+
+
+def _child_texts(el: etree._Element) -> dict[str, str | None]:
+    """Each child's untrimmed text by tag; the first of a repeated tag, as ``find`` gives."""
+    texts: dict[str, str | None] = {}
+    for child in el:
+        tag = child.tag  # lxml builds a new string at each access
+        if tag not in texts:
+            texts[tag] = child.text
+    return texts
+
+
+def _raw(text: str | None) -> str:
+    return (text or "").strip()
+
+
+def _known(text: str | None) -> str | None:
+    """Trimmed ``text``, or ``None`` when absent or an unknown marker."""
+    text = (text or "").strip()
     if text.lower() in UNKNOWN_TEXTS or (text.startswith("[") and text.endswith("]")):
         return None
     return text

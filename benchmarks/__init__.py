@@ -1,0 +1,1 @@
+"""Benchmarks of mig-exporter: run ``python -m benchmarks`` (see benchmarks/run.py)."""

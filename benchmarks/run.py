@@ -1,0 +1,759 @@
+"""The benchmark: what the exporter costs beyond the driver's own time.
+
+Run from the repository root::
+
+    ./scripts/bench              # installs the bench extra into .venv, then runs this
+    python -m benchmarks         # the same, in an environment you set up
+    python -m benchmarks --quick # a few iterations: checks that it runs, measures nothing
+    python -m benchmarks --profile smi   # cProfile of a big-mig path in process (smi, nvml, nvitop)
+    python -m benchmarks --profile serve # py-spy of a serving process, by stage
+    python -m benchmarks --check         # exit 1 when a target is missed
+
+For each scenario (benchmarks/scenarios.py) it measures, as medians over
+repeated runs:
+
+- parse: ``nvidia-smi -q -x`` and ``-L`` bytes to the snapshot (parse, join, placement);
+- collect+render: the snapshot to the exposition Prometheus asks for;
+- the scrape through HTTP: ``mig-exporter serve`` in a process of its own,
+  reading a fake ``nvidia-smi`` that only writes the files, scraped with
+  Prometheus' own headers; the fake alone is run in the same loop, and the
+  difference is the exporter's overhead; then the serving process's peak RSS;
+- the NVML path on the same machine through tests/fake_nvml.py, next to
+  nvitop-exporter's update of the same devices on the same fake library;
+- how the cost grows with processes and instances.
+
+Then it checks the targets of issue 8 and prints PASS or MISS for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gzip
+import http.client
+import importlib.metadata
+import io
+import os
+import platform
+import pstats
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks import scenarios
+from benchmarks.scenarios import BIG_MIG, MAIN_SHAPES, SINGLE, Shape
+
+import mig_exporter
+from mig_exporter.scrape import ReadOutcome, Scraper
+from mig_exporter.source_smi import snapshot_from_smi
+
+# What Prometheus 2.42 (Debian's, which the tests run) sends with every scrape.
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+PROMETHEUS_HEADERS = {
+    "Accept": PROMETHEUS_ACCEPT,
+    "Accept-Encoding": "gzip",
+    "User-Agent": "Prometheus/2.42.0",
+    "X-Prometheus-Scrape-Timeout-Seconds": "10",
+}
+TARGET_OVERHEAD_BIG_MIG_MS = 15.0
+TARGET_OVERHEAD_SINGLE_MS = 3.0
+TARGET_PEAK_RSS_MIB = 60.0
+TARGET_NVML_RATIO = 0.5
+
+PROCESS_SCALING = (
+    Shape("1x7x16", 1, 7, 16),
+    Shape("2x7x16", 2, 7, 16),
+    Shape("4x7x16", 4, 7, 16),
+    Shape("8x7x16", 8, 7, 16),
+    Shape("8x7x32", 8, 7, 32),
+)
+INSTANCE_SCALING = (
+    Shape("1x7x0", 1, 7, 0),
+    Shape("2x7x0", 2, 7, 0),
+    Shape("4x7x0", 4, 7, 0),
+    Shape("8x7x0", 8, 7, 0),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool
+    reps_in_process: int
+    reps_http: int
+    reps_nvml: int
+    reps_scaling: int
+    warmup: int
+
+    @classmethod
+    def make(cls, quick: bool) -> Settings:
+        if quick:
+            return cls(True, 3, 3, 2, 2, 1)
+        return cls(False, 50, 100, 25, 25, 3)
+
+    def http_reps(self, shape: Shape) -> int:
+        # A small scrape is quick and its overhead a small difference of two
+        # noisy times: more of them.
+        return self.reps_http * (3 if shape.processes < 100 and not self.quick else 1)
+
+
+# -- small helpers ---------------------------------------------------------------
+
+
+def median_ms(samples_ns: Iterable[int]) -> float:
+    return statistics.median(samples_ns) / 1e6
+
+
+def p90_ms(samples_ns: list[int]) -> float:
+    ordered = sorted(samples_ns)
+    return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))] / 1e6
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int) -> list[int]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter_ns()
+        fn()
+        out.append(time.perf_counter_ns() - t)
+    return out
+
+
+class _Families:
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self) -> list:
+        return self._families
+
+
+def render(families: list, accept: str) -> bytes:
+    """Render as the server does for this Accept header."""
+    try:
+        from mig_exporter.exposition import render as fast_render
+    except ImportError:  # before the exporter had its own encoder
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, _ = choose_encoder(accept)
+        return encoder(_Families(families))
+    return fast_render(families, accept)[0]
+
+
+class _SnapshotSource:
+    name = "nvidia-smi"
+
+
+def families_of(snapshot) -> list:
+    return list(Scraper(_SnapshotSource()).families_for(ReadOutcome(snapshot, 0.001)))
+
+
+def count_lines(body: bytes, prefix: bytes) -> int:
+    return sum(1 for line in body.splitlines() if line.startswith(prefix))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system time of the process itself (its reaped children not counted)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def vm_hwm_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+# -- results ---------------------------------------------------------------------
+
+
+@dataclass
+class SmiResult:
+    shape: Shape
+    xml_kib: float
+    parse_ms: float
+    render_ms: float
+    body_kib: float
+    scrape_ms: float = float("nan")
+    scrape_p90_ms: float = float("nan")
+    fake_ms: float = float("nan")
+    overhead_ms: float = float("nan")
+    server_cpu_ms: float = float("nan")
+    peak_rss_mib: float | None = None
+
+
+@dataclass
+class NvmlResult:
+    shape: Shape
+    read_ms: float
+    scrape_ms: float
+    nvitop_update_ms: float | None = None
+    nvitop_render_ms: float | None = None
+    nvitop_series: int | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.nvitop_update_ms is None else self.scrape_ms / self.nvitop_update_ms
+
+
+@dataclass
+class ScalingRow:
+    shape: Shape
+    xml_kib: float
+    parse_ms: float
+    render_ms: float
+    nvml_ms: float
+
+
+@dataclass
+class Results:
+    smi: dict[str, SmiResult] = field(default_factory=dict)
+    nvml: dict[str, NvmlResult] = field(default_factory=dict)
+    process_scaling: list[ScalingRow] = field(default_factory=list)
+    instance_scaling: list[ScalingRow] = field(default_factory=list)
+
+
+# -- nvidia-smi path: in process ---------------------------------------------------
+
+
+def measure_in_process(shape: Shape, xml: bytes, listing: bytes, s: Settings) -> SmiResult:
+    snapshot = snapshot_from_smi(xml, listing)
+    assert len(snapshot.processes) == shape.processes, (shape, len(snapshot.processes))
+    parse = timed(lambda: snapshot_from_smi(xml, listing), s.reps_in_process, s.warmup)
+    body = render(families_of(snapshot), PROMETHEUS_ACCEPT)
+    assert count_lines(body, b"mig_exporter_process_memory_used_bytes{") == shape.processes
+    rendering = timed(lambda: render(families_of(snapshot), PROMETHEUS_ACCEPT), s.reps_in_process, s.warmup)
+    return SmiResult(shape, len(xml) / 1024, median_ms(parse), median_ms(rendering), len(body) / 1024)
+
+
+# -- nvidia-smi path: through HTTP -------------------------------------------------
+
+
+def write_fake_nvidia_smi(directory: Path, xml: bytes, listing: bytes) -> Path:
+    """A fake nvidia-smi that only writes the files (tests/conftest.py's, without logging)."""
+    (directory / "q.xml").write_bytes(xml)
+    (directory / "L.txt").write_bytes(listing)
+    script = directory / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        f"  -q) exec cat {shlex.quote(str(directory / 'q.xml'))} ;;\n"
+        f"  -L) exec cat {shlex.quote(str(directory / 'L.txt'))} ;;\n"
+        "esac\n"
+        "exit 2\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def run_fake_alone(fake: Path) -> None:
+    """Both runs the exporter makes, in parallel as it makes them, and nothing else."""
+    listing = subprocess.Popen([str(fake), "-L"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    query = subprocess.Popen([str(fake), "-q", "-x"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    query.stdout.read()
+    query.wait()
+    listing.stdout.read()
+    listing.wait()
+    query.stdout.close()
+    listing.stdout.close()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(fake: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    env = dict(os.environ)
+    # The serving process runs the same mig_exporter as this one.
+    package_root = str(Path(mig_exporter.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mig_exporter", "serve", "--source", "nvidia-smi", "--nvidia-smi", str(fake),
+         "--web.listen-address", f"127.0.0.1:{port}", "--log-level", "warning"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mig-exporter serve exited: {proc.stderr.read().decode(errors='replace')[-2000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/-/healthy")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return proc, port
+        except OSError:
+            time.sleep(0.05)
+    stop_server(proc)
+    raise RuntimeError("mig-exporter serve did not answer /-/healthy within 20s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stderr:
+        proc.stderr.close()
+
+
+def measure_http(result: SmiResult, xml: bytes, listing: bytes, s: Settings) -> None:
+    shape = result.shape
+    with tempfile.TemporaryDirectory(prefix=f"mig-bench-{shape.name}-") as tmp:
+        fake = write_fake_nvidia_smi(Path(tmp), xml, listing)
+        proc, port = start_server(fake)
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+            def scrape() -> bytes:
+                conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
+                response = conn.getresponse()
+                body = response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"/metrics answered {response.status}")
+                return gzip.decompress(body) if response.getheader("Content-Encoding") == "gzip" else body
+
+            for _ in range(s.warmup):
+                run_fake_alone(fake)
+                scrape()
+            fake_ns, scrape_ns = [], []
+            last = b""
+            cpu_before = cpu_seconds(proc.pid)
+            for _ in range(s.http_reps(shape)):
+                t = time.perf_counter_ns()
+                run_fake_alone(fake)
+                fake_ns.append(time.perf_counter_ns() - t)
+                t = time.perf_counter_ns()
+                conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
+                response = conn.getresponse()
+                last = response.read()
+                scrape_ns.append(time.perf_counter_ns() - t)
+                if response.status != 200:
+                    raise RuntimeError(f"/metrics answered {response.status}")
+            server_cpu_s = cpu_seconds(proc.pid) - cpu_before
+            conn.close()
+            body = gzip.decompress(last)
+            if b'mig_exporter_read_success{source="nvidia-smi"} 1.0' not in body:
+                raise RuntimeError(f"{shape.name}: the scrape did not read the fake nvidia-smi")
+            if count_lines(body, b"mig_exporter_process_memory_used_bytes{") != shape.processes:
+                raise RuntimeError(f"{shape.name}: the scrape lacks processes")
+            result.peak_rss_mib = vm_hwm_mib(proc.pid)
+        finally:
+            stop_server(proc)
+    result.scrape_ms = median_ms(scrape_ns)
+    result.scrape_p90_ms = p90_ms(scrape_ns)
+    result.fake_ms = median_ms(fake_ns)
+    result.overhead_ms = result.scrape_ms - result.fake_ms
+    result.server_cpu_ms = server_cpu_s * 1000 / s.http_reps(shape)
+
+
+# -- NVML path -----------------------------------------------------------------------
+
+
+class NvmlBench:
+    """One fake libnvidia-ml for the whole run (nvitop initialises NVML once
+    per process), given each scenario in turn."""
+
+    def __init__(self) -> None:
+        from fake_nvml import FakeNvml
+
+        self.fake = FakeNvml(scenarios.nvml_scenario(SINGLE)).install()
+        try:
+            import nvitop_exporter  # noqa: F401
+
+            self.nvitop_error: str | None = None
+        except ImportError as e:
+            self.nvitop_error = f"nvitop-exporter not installed ({e.name}); pip install '.[bench]'"
+
+    def ours(self, shape: Shape) -> tuple[Callable[[], bytes], Callable[[], object]]:
+        from mig_exporter.source_nvml import NvmlSource
+
+        source = NvmlSource()
+        scraper = Scraper(source)
+
+        def scrape() -> bytes:
+            self.fake.calls.clear()  # the fake records every call; keep it from growing
+            return render(scraper.families(), PROMETHEUS_ACCEPT)
+
+        def read() -> object:
+            self.fake.calls.clear()
+            return source.read()
+
+        return scrape, read
+
+    def theirs(self, shape: Shape) -> tuple[Callable[[], None], Callable[[], bytes], int]:
+        from nvitop import Device
+        from nvitop_exporter.exporter import PrometheusExporter
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        # As nvitop-exporter's main() builds its list: the cards and their MIG devices.
+        physical = Device.from_indices(range(Device.count()))
+        migs = [m for d in physical for m in d.mig_devices()]
+        devices = sorted(physical + migs, key=lambda d: (d.index,) if isinstance(d.index, int) else d.index)
+        registry = CollectorRegistry(auto_describe=False)
+        exporter = PrometheusExporter(devices, hostname="bench", registry=registry)
+
+        def update() -> None:
+            self.fake.calls.clear()
+            for device in devices:  # PrometheusExporter.collect()'s loop body, less update_host()
+                exporter.update_device(device)
+
+        return update, lambda: generate_latest(registry), len(devices)
+
+    def measure(self, shape: Shape, s: Settings) -> NvmlResult:
+        self.fake.set_scenario(scenarios.nvml_scenario(shape))
+        scrape, read = self.ours(shape)
+        body = scrape()
+        if count_lines(body, b"mig_exporter_process_memory_used_bytes{") != shape.processes:
+            raise RuntimeError(f"{shape.name}: the NVML scrape lacks processes")
+        if self.nvitop_error:
+            scrape_ns = timed(scrape, s.reps_nvml, s.warmup)
+            read_ns = timed(read, s.reps_nvml, s.warmup)
+            return NvmlResult(shape, median_ms(read_ns), median_ms(scrape_ns), note=self.nvitop_error)
+        update, their_render, n_devices = self.theirs(shape)
+        for _ in range(s.warmup):
+            scrape()
+            update()
+        # Interleaved, so a busy moment of the machine falls on both alike.
+        ours_ns, theirs_ns, read_ns, their_render_ns = [], [], [], []
+        for _ in range(s.reps_nvml):
+            t = time.perf_counter_ns()
+            scrape()
+            ours_ns.append(time.perf_counter_ns() - t)
+            t = time.perf_counter_ns()
+            update()
+            theirs_ns.append(time.perf_counter_ns() - t)
+            t = time.perf_counter_ns()
+            read()
+            read_ns.append(time.perf_counter_ns() - t)
+            t = time.perf_counter_ns()
+            text = their_render()
+            their_render_ns.append(time.perf_counter_ns() - t)
+        if self.fake.exceptions:
+            raise RuntimeError(f"the fake NVML raised: {self.fake.exceptions[:3]}")
+        series = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
+        return NvmlResult(shape, median_ms(read_ns), median_ms(ours_ns), median_ms(theirs_ns),
+                          median_ms(their_render_ns), series, note=f"{n_devices} nvitop devices")
+
+
+# -- scaling ---------------------------------------------------------------------------
+
+
+def measure_scaling(shapes: Iterable[Shape], nvml: NvmlBench, s: Settings) -> list[ScalingRow]:
+    """Round robin over the shapes, so a busy moment of the machine falls on all of them alike."""
+    shapes = list(shapes)
+    inputs = []
+    for shape in shapes:
+        xml, listing = scenarios.query_xml(shape), scenarios.listing(shape)
+        snapshot = snapshot_from_smi(xml, listing)
+        if len(snapshot.processes) != shape.processes:
+            raise RuntimeError(f"{shape.name}: the snapshot lacks processes")
+        inputs.append((xml, listing, snapshot, scenarios.nvml_scenario(shape)))
+    parse: list[list[int]] = [[] for _ in shapes]
+    rendering: list[list[int]] = [[] for _ in shapes]
+    nvml_ns: list[list[int]] = [[] for _ in shapes]
+    for rep in range(s.reps_scaling + 1):  # the first round warms up
+        for i, (shape, (xml, listing, snapshot, fake_scenario)) in enumerate(zip(shapes, inputs)):
+            t = time.perf_counter_ns()
+            snapshot_from_smi(xml, listing)
+            t1 = time.perf_counter_ns()
+            render(families_of(snapshot), PROMETHEUS_ACCEPT)
+            t2 = time.perf_counter_ns()
+            nvml.fake.set_scenario(fake_scenario)
+            scrape, _ = nvml.ours(shape)
+            t3 = time.perf_counter_ns()
+            scrape()
+            t4 = time.perf_counter_ns()
+            if rep:
+                parse[i].append(t1 - t)
+                rendering[i].append(t2 - t1)
+                nvml_ns[i].append(t4 - t3)
+    return [ScalingRow(shape, len(xml) / 1024, median_ms(p), median_ms(r), median_ms(n))
+            for shape, (xml, *_), p, r, n in zip(shapes, inputs, parse, rendering, nvml_ns)]
+
+
+# -- output ----------------------------------------------------------------------------
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Slope, intercept and R^2 of the least-squares line through the points."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    slope = sxy / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    ss_res = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    return slope, intercept, 1 - ss_res / ss_tot if ss_tot else 1.0
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: the first column left-aligned, the figures right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def f(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = []
+    for dist in ("lxml", "prometheus-client", "nvidia-ml-py", "nvitop-exporter", "nvitop"):
+        try:
+            versions.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{dist} -")
+    return (f"{cpu}, {os.cpu_count()} CPU(s), Linux {platform.release()}, "
+            f"Python {platform.python_version()}; " + ", ".join(versions))
+
+
+def report(results: Results, s: Settings, started: float, load_before: tuple[float, ...]) -> tuple[str, bool]:
+    out = []
+    out.append(f"machine: {machine()}")
+    load_after = os.getloadavg()
+    out.append(f"load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}; "
+               f"medians of {s.reps_in_process} (in process), {s.reps_http} (HTTP; 3x for single), "
+               f"{s.reps_nvml} (NVML), {s.reps_scaling} (scaling) runs"
+               + ("; QUICK MODE: a smoke run, not a measurement" if s.quick else ""))
+    out.append("")
+    out.append("nvidia-smi path (ms, p50; overhead = HTTP scrape - fake nvidia-smi alone; "
+               "server CPU = the serving process's CPU time per scrape, mean)")
+    out.append(table(
+        ["scenario", "shape", "xml KiB", "parse", "collect+render", "HTTP scrape", "p90", "fake alone",
+         "overhead", "server CPU", "peak RSS MiB"],
+        [[r.shape.name, r.shape.describe(), f(r.xml_kib, 0), f(r.parse_ms), f(r.render_ms), f(r.scrape_ms),
+          f(r.scrape_p90_ms), f(r.fake_ms), f(r.overhead_ms), f(r.server_cpu_ms), f(r.peak_rss_mib, 1)]
+         for r in results.smi.values()],
+    ))
+    out.append("")
+    out.append("NVML path through the fake libnvidia-ml (ms, p50; ratio = our scrape / nvitop-exporter's update)")
+    out.append(table(
+        ["scenario", "our read", "our scrape", "nvitop update", "nvitop render", "nvitop series", "ratio"],
+        [[r.shape.name, f(r.read_ms), f(r.scrape_ms), f(r.nvitop_update_ms), f(r.nvitop_render_ms),
+          str(r.nvitop_series) if r.nvitop_series is not None else "n/a",
+          f(r.ratio) if r.ratio is not None else r.note] for r in results.nvml.values()],
+    ))
+    for title, rows, per in (("scaling with processes (MIG, 16 or 32 per instance)", results.process_scaling,
+                              "processes"),
+                             ("scaling with instances (no processes)", results.instance_scaling, "devices")):
+        unit = "process" if per == "processes" else "device"
+        out.append("")
+        out.append(f"{title} (ms, p50; per {unit} = smi total / {per}, us)")
+        body = []
+        for row in rows:
+            total = row.parse_ms + row.render_ms
+            count = getattr(row.shape, per)
+            body.append([row.shape.name, str(row.shape.devices), str(row.shape.processes), f(row.xml_kib, 0),
+                         f(row.parse_ms), f(row.render_ms), f(total), f(total * 1000 / count, 1), f(row.nvml_ms)])
+        out.append(table(["shape", "devices", "processes", "xml KiB", "parse", "collect+render", "smi total",
+                          f"per {unit}", "NVML scrape"], body))
+        for label, values in (("smi total", [r.parse_ms + r.render_ms for r in rows]),
+                              ("NVML scrape", [r.nvml_ms for r in rows])):
+            slope, intercept, r2 = linear_fit([getattr(r.shape, per) for r in rows], values)
+            out.append(f"  {label}: least-squares line {slope * 1000:.1f} us per {unit} {intercept:+.2f} ms, "
+                       f"R^2 = {r2:.3f}")
+
+    checks = []
+    big, single = results.smi.get(BIG_MIG.name), results.smi.get(SINGLE.name)
+    rss = [r.peak_rss_mib for r in results.smi.values() if r.peak_rss_mib is not None]
+    nvml_big = results.nvml.get(BIG_MIG.name)
+    checks.append(("overhead p50, big-mig", big and big.overhead_ms, TARGET_OVERHEAD_BIG_MIG_MS, "ms"))
+    checks.append(("overhead p50, single", single and single.overhead_ms, TARGET_OVERHEAD_SINGLE_MS, "ms"))
+    checks.append(("peak RSS of the serving process", max(rss) if rss else None, TARGET_PEAK_RSS_MIB, "MiB"))
+    checks.append(("NVML scrape / nvitop update, big-mig", nvml_big and nvml_big.ratio, TARGET_NVML_RATIO, "x"))
+    all_met = True
+    rows = []
+    for name, value, limit, unit in checks:
+        met = value is not None and value == value and value <= limit
+        all_met &= met
+        verdict = "PASS" if met else ("n/a" if value is None else "MISS")
+        rows.append([name, f(value), f"<= {limit:g} {unit}", verdict])
+    out.append("")
+    out.append("targets (issue 8)")
+    out.append(table(["target", "measured", "limit", "verdict"], rows))
+    out.append("")
+    out.append(f"benchmark wall time: {time.monotonic() - started:.0f}s")
+    return "\n".join(out), all_met
+
+
+# -- profile ---------------------------------------------------------------------------
+
+
+def profile(path: str, reps: int) -> str:
+    shape = BIG_MIG
+    profiler = cProfile.Profile()
+    if path == "smi":
+        xml, listing = scenarios.query_xml(shape), scenarios.listing(shape)
+        work = lambda: render(families_of(snapshot_from_smi(xml, listing)), PROMETHEUS_ACCEPT)  # noqa: E731
+    else:
+        nvml = NvmlBench()
+        if path == "nvitop" and nvml.nvitop_error:
+            return nvml.nvitop_error
+        nvml.fake.set_scenario(scenarios.nvml_scenario(shape))
+        if path == "nvml":
+            from mig_exporter.source_nvml import NvmlSource
+
+            source = NvmlSource()  # read_now: in this thread, where cProfile sees it
+
+            def work() -> bytes:
+                nvml.fake.calls.clear()
+                return render(families_of(source.read_now()), PROMETHEUS_ACCEPT)
+        else:
+            work = nvml.theirs(shape)[0]
+    work()
+    profiler.enable()
+    for _ in range(reps):
+        work()
+    profiler.disable()
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    stats.sort_stats("tottime").print_stats(25)
+    return f"cProfile of {reps} {path} scrapes of {shape.name}, by own time:\n{stream.getvalue()}"
+
+
+# Where a scrape's time goes in the serving process, by the function each stage runs.
+SERVE_STAGES = (
+    ("whole /metrics answer", "_Handler._metrics"),
+    ("  read: nvidia-smi runs, parse, placement", "NvidiaSmiSource.read"),
+    ("    run the two commands (spawn, pipes, wait)", "run_command"),
+    ("    parse -q -x (lxml and our reading)", "parse_query_xml"),
+    ("      lxml's own parse", "parse_query_xml (mig_exporter/smi_xml.py:{fromstring})"),
+    ("    -L and its join", "apply_listing"),
+    ("    placement", "place"),
+    ("  collect: snapshot to families", "Scraper.families_for"),
+    ("    prometheus_client's add_metric", "GaugeMetricFamily.add_metric"),
+    ("  render: families to OpenMetrics", "render|generate_latest"),  # ours; prometheus_client's before it
+    ("  gzip", "compress"),
+)
+
+
+def profile_serve(seconds: float) -> str:
+    """py-spy on a ``mig-exporter serve`` process while it is scraped (big-mig)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return "py-spy not installed; pip install '.[bench]'"
+    import mig_exporter.smi_xml as smi_xml
+
+    fromstring_line = next(i for i, line in enumerate(Path(smi_xml.__file__).read_text().splitlines(), 1)
+                           if "etree.fromstring(" in line)
+    shape = BIG_MIG
+    xml, listing = scenarios.query_xml(shape), scenarios.listing(shape)
+    with tempfile.TemporaryDirectory(prefix="mig-bench-spy-") as tmp:
+        fake = write_fake_nvidia_smi(Path(tmp), xml, listing)
+        raw = Path(tmp) / "stacks.txt"
+        proc, port = start_server(fake)
+        try:
+            recorder = subprocess.Popen(
+                [str(spy), "record", "--pid", str(proc.pid), "--duration", str(int(seconds)), "--rate", "500",
+                 "--format", "raw", "--output", str(raw), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(1)  # py-spy attaches
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            scrapes = 0
+            end = time.monotonic() + seconds - 1.5
+            while time.monotonic() < end:
+                conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
+                conn.getresponse().read()
+                scrapes += 1
+            conn.close()
+            _, err = recorder.communicate(timeout=seconds + 30)
+            if not raw.exists():
+                return f"py-spy recorded nothing: {err.strip()[-500:]}"
+            counts = {name: 0 for _, name in SERVE_STAGES}
+            total = 0
+            for line in raw.read_text().splitlines():
+                stack, _, n = line.rpartition(" ")
+                frames = set(stack.split(";"))
+                total += int(n)
+                names = {frame.split(" (")[0] for frame in frames}
+                for _, name in SERVE_STAGES:
+                    if "{fromstring}" in name:
+                        hit = any(frame.startswith("parse_query_xml (") and frame.endswith(f":{fromstring_line})")
+                                  for frame in frames)
+                    else:
+                        hit = any(alternative in names for alternative in name.split("|"))
+                    counts[name] += int(n) if hit else 0
+        finally:
+            stop_server(proc)
+    whole = counts[SERVE_STAGES[0][1]] or 1
+    rows = [[label, f"{100 * counts[name] / whole:.1f}"] for label, name in SERVE_STAGES]
+    return (f"py-spy of mig-exporter serve, {scrapes} scrapes of {shape.name} with Prometheus' headers, "
+            f"{total} samples at 500 Hz; share of the /metrics answer:\n" + table(["stage", "% of answer"], rows))
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few iterations: check that it runs")
+    parser.add_argument("--profile", choices=["smi", "nvml", "nvitop", "serve"],
+                        help="profile one path on big-mig and exit: cProfile of the nvidia-smi path, our NVML "
+                             "path or nvitop-exporter's update in process; py-spy of a serving process (serve)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+    settings = Settings.make(args.quick)
+    if args.profile == "serve":
+        print(profile_serve(4 if args.quick else 10))
+        return 0
+    if args.profile:
+        print(profile(args.profile, 3 if args.quick else 20))
+        return 0
+
+    started = time.monotonic()
+    load_before = os.getloadavg()
+    results = Results()
+    for shape in MAIN_SHAPES:
+        xml, listing = scenarios.query_xml(shape), scenarios.listing(shape)
+        result = measure_in_process(shape, xml, listing, settings)
+        measure_http(result, xml, listing, settings)
+        results.smi[shape.name] = result
+        print(f"measured {shape.name} (nvidia-smi path)", file=sys.stderr, flush=True)
+    nvml = NvmlBench()
+    for shape in MAIN_SHAPES:
+        results.nvml[shape.name] = nvml.measure(shape, settings)
+        print(f"measured {shape.name} (NVML path)", file=sys.stderr, flush=True)
+    results.process_scaling = measure_scaling(PROCESS_SCALING, nvml, settings)
+    results.instance_scaling = measure_scaling(INSTANCE_SCALING, nvml, settings)
+    text, all_met = report(results, settings, started, load_before)
+    print(text, flush=True)
+    return 1 if args.check and not all_met and not settings.quick else 0
+
+
+__all__ = ["main"]

@@ -1,0 +1,111 @@
+"""The benchmark (benchmarks/, ``./scripts/bench``) runs, prints its tables,
+and measures the machines the issue names. No timing is asserted here: the
+figures are checked by the benchmark itself, on a quiet machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))
+from benchmarks import scenarios  # noqa: E402
+from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING  # noqa: E402
+
+from mig_exporter.smi_xml import parse_query_xml  # noqa: E402
+from mig_exporter.source_nvml import NvmlSource  # noqa: E402
+from mig_exporter.source_smi import snapshot_from_smi  # noqa: E402
+
+
+def test_big_mig_is_eight_cards_of_seven_instances_with_sixteen_processes_each():
+    xml, listing = scenarios.query_xml(scenarios.BIG_MIG), scenarios.listing(scenarios.BIG_MIG)
+    report = parse_query_xml(xml)
+    assert report.problems == ()
+    assert len(report.cards) == 8 and all(c.mig_current for c in report.cards)
+    snapshot = snapshot_from_smi(xml, listing)
+    assert snapshot.problems == ()
+    assert len(snapshot.devices) == 56
+    assert len(snapshot.processes) == 896
+    assert {d.profile for d in snapshot.devices} == {"1g.10gb"}
+    assert all(len(snapshot.processes_on(d.index)) == 16 for d in snapshot.devices)
+    assert len({p.pid for p in snapshot.processes}) == 896
+    # The whole report, as nvidia-smi writes it: every card keeps its other blocks.
+    assert xml.count(b"<supported_graphics_clock>") == 8 * 110
+    assert xml.count(b"<ecc_errors>") == 8 and xml.count(b"<bar1_memory_usage>") == 8 + 56
+
+
+def test_big_whole_and_single():
+    whole = snapshot_from_smi(scenarios.query_xml(scenarios.BIG_WHOLE), scenarios.listing(scenarios.BIG_WHOLE))
+    assert [d.index for d in whole.devices] == list(range(8))
+    assert len(whole.processes) == 512
+    assert {p.type for p in whole.processes} == {"C", "G"}
+    single = snapshot_from_smi(scenarios.query_xml(scenarios.SINGLE), scenarios.listing(scenarios.SINGLE))
+    assert [d.index for d in single.devices] == [1000 + i for i in range(7)]
+    assert len(single.processes) == 7
+
+
+@pytest.mark.parametrize("shape", [scenarios.BIG_MIG, scenarios.BIG_WHOLE, scenarios.SINGLE, INSTANCE_SCALING[0]],
+                         ids=lambda s: s.name)
+def test_each_scenario_is_one_machine_through_nvml_and_nvidia_smi(fake_nvml_lib, shape):
+    fake = fake_nvml_lib(scenarios.nvml_scenario(shape))
+    assert NvmlSource().read() == snapshot_from_smi(scenarios.query_xml(shape), scenarios.listing(shape))
+    assert fake.exceptions == []
+
+
+def _rows(text: str, title: str) -> list[list[str]]:
+    """The rows of the table printed under ``title``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    rows = []
+    for line in lines[start + 3:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_the_benchmark_runs_in_quick_mode_and_prints_every_table():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "QUICK MODE" in out
+
+    smi = _rows(out, "nvidia-smi path")
+    assert [r[0] for r in smi] == ["big-mig", "big-whole", "single"]
+    for row in smi:
+        assert all(re.fullmatch(r"-?\d+(\.\d+)?", cell) for cell in row[2:]), row  # every figure measured
+    assert float(smi[0][2]) > 300  # KiB of XML: the whole report, not a skeleton
+
+    nvml = _rows(out, "NVML path")
+    assert [r[0] for r in nvml] == ["big-mig", "big-whole", "single"]
+    nvitop_installed = importlib.util.find_spec("nvitop_exporter") is not None
+    for row in nvml:
+        assert re.fullmatch(r"\d+\.\d+", row[1]) and re.fullmatch(r"\d+\.\d+", row[2]), row
+        if nvitop_installed:
+            assert re.fullmatch(r"\d+\.\d+", row[6]) and int(row[5]) > 0, row
+        else:
+            assert "nvitop-exporter not installed" in row[6], row
+
+    processes = _rows(out, "scaling with processes")
+    assert [r[0] for r in processes] == [s.name for s in PROCESS_SCALING]
+    assert [int(r[2]) for r in processes] == [112, 224, 448, 896, 1792]
+    instances = _rows(out, "scaling with instances")
+    assert [r[0] for r in instances] == [s.name for s in INSTANCE_SCALING]
+    assert [int(r[1]) for r in instances] == [7, 14, 28, 56]
+    assert out.count("least-squares line") == 4
+
+    targets = _rows(out, "targets (issue 8)")
+    assert [r[0] for r in targets] == [
+        "overhead p50, big-mig", "overhead p50, single", "peak RSS of the serving process",
+        "NVML scrape / nvitop update, big-mig",
+    ]
+    assert all(r[3] in ("PASS", "MISS", "n/a") for r in targets)
+    assert targets[2][3] in ("PASS", "MISS")  # peak RSS is read in every run

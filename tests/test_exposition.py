@@ -1,0 +1,169 @@
+"""Our renderer writes exactly what prometheus_client's encoders write, for
+every Accept header Prometheus sends, and hands them what it does not cover.
+
+The reference is the installed prometheus_client itself: the same families
+go through its ``choose_encoder`` and through ``exposition.render``, and the
+bodies and Content-Types must be equal byte for byte.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FIXTURES, REAL_CORPUS, SAMPLES, families_of, fixture_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from mig_exporter import exposition
+from mig_exporter.collector import read_families
+from mig_exporter.exposition import render
+from mig_exporter.source_smi import snapshot_from_smi
+
+ACCEPT_HEADERS = [
+    "",
+    # Prometheus 2.x (Debian's 2.42, which the Prometheus tests run)
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    # Prometheus 3.x with UTF-8 names allowed
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "text/plain;version=0.0.4",
+    "text/plain;version=1.0.0;escaping=underscores",
+    "application/openmetrics-text",
+    "application/openmetrics-text;version=1.0.0;escaping=values",
+    "application/openmetrics-text;version=1.0.0;escaping=dots",
+    "text/plain;version=1.0.0;escaping=dots",
+    "text/html",
+]
+
+
+class _Families:
+    def __init__(self, families) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def _reference(families, accept: str) -> tuple[bytes, str]:
+    encoder, content_type = choose_encoder(accept)
+    return encoder(_Families(families)), content_type
+
+
+def _scenarios():
+    yield "demo", snapshot_from_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
+    for xml in sorted(FIXTURES.glob("*.xml")):
+        yield xml.stem, snapshot_from_smi(xml.read_bytes(), fixture_bytes(f"{xml.stem}.L.txt"))
+
+
+@pytest.mark.parametrize("accept", ACCEPT_HEADERS)
+def test_every_fixture_renders_as_prometheus_client_renders_it(accept):
+    for name, snapshot in _scenarios():
+        families = [*families_of(snapshot), *read_families("nvidia-smi", success=True, duration_s=0.123,
+                                                           errors_total=4, problems=2, version="0.1.0")]
+        assert render(families, accept) == _reference(families, accept), name
+
+
+@pytest.mark.skipif(not REAL_CORPUS.is_dir(), reason=f"real corpus not found at {REAL_CORPUS}")
+def test_the_real_corpus_renders_as_prometheus_client_renders_it():
+    accept = ACCEPT_HEADERS[1]
+    files = sorted(REAL_CORPUS.glob("*.xml"))
+    assert files
+    for path in files:
+        families = families_of(snapshot_from_smi(path.read_bytes(), None))
+        assert render(families, accept) == _reference(families, accept), path.name
+
+
+def test_the_fast_path_is_taken_for_what_prometheus_asks():
+    # Not merely equal output: these are the scrapes the renderer exists for.
+    encoder, _ = choose_encoder(ACCEPT_HEADERS[1])
+    assert exposition._fast_encoder(encoder) is exposition._open_metrics
+    encoder, _ = choose_encoder("")
+    assert exposition._fast_encoder(encoder) is exposition._text
+    encoder, _ = choose_encoder(ACCEPT_HEADERS[2])
+    assert exposition._fast_encoder(encoder) is exposition._open_metrics
+    encoder, _ = choose_encoder("application/openmetrics-text;version=1.0.0;escaping=dots")
+    assert exposition._fast_encoder(encoder) is None
+
+
+label_text = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)) | st.sampled_from('\\"\n%{}=,'),
+    max_size=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.tuples(label_text, label_text, st.floats(allow_nan=False) | st.integers(-2**62, 2**62)),
+                       min_size=1, max_size=8),
+       help_text=label_text)
+def test_any_label_value_and_number_renders_as_prometheus_client_renders_it(values, help_text):
+    gauge = GaugeMetricFamily("mig_exporter_test_value", help_text or "help", labels=["process_name", "card"])
+    counter = CounterMetricFamily("mig_exporter_test_events", help_text or "help", labels=["card"])
+    for name, card, number in values:
+        gauge.add_metric([name, card], number)
+        counter.add_metric([card], abs(number))
+    unlabelled = GaugeMetricFamily("mig_exporter_test_plain", "no labels", value=7)
+    families = [gauge, counter, unlabelled]
+    for accept in ACCEPT_HEADERS[:6]:
+        assert render(families, accept) == _reference(families, accept)
+
+
+def test_special_values_render_as_prometheus_client_renders_them():
+    gauge = GaugeMetricFamily("mig_exporter_test_value", "h", labels=["i"])
+    for i, number in enumerate([float("inf"), float("-inf"), float("nan"), 0, -0.0, 1e-300, 12229541888, 1.5e21, True]):
+        gauge.add_metric([str(i)], number)
+    for accept in ACCEPT_HEADERS[:6]:
+        assert render([gauge], accept) == _reference([gauge], accept)
+
+
+def test_samples_with_differing_label_names_in_one_family_render_correctly():
+    # A family built by hand may vary its label names from sample to sample.
+    gauge = GaugeMetricFamily("mig_exporter_test_value", "h")
+    gauge.samples += [
+        Sample("mig_exporter_test_value", {"b": "1", "a": "2"}, 1),
+        Sample("mig_exporter_test_value", {"a": "3", "c": "4"}, 2),
+        Sample("mig_exporter_test_value", {"a": "5", "b": "6"}, 3),
+        Sample("mig_exporter_test_value", {}, 4),
+        Sample("mig_exporter_test_value", {"z": "7"}, 5),
+    ]
+    for accept in ACCEPT_HEADERS[:6]:
+        assert render([gauge], accept) == _reference([gauge], accept)
+    text = render([gauge], "")[0].decode()
+    assert 'mig_exporter_test_value{a="3",c="4"} 2.0\n' in text
+    assert "mig_exporter_test_value 4.0\n" in text
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param(InfoMetricFamily("mig_exporter_test", "an info family", value={"a": "b"}), id="info type"),
+    pytest.param(CounterMetricFamily("mig_exporter_test", "with created", value=3, created=1700000000.0),
+                 id="counter with _created"),
+    pytest.param(GaugeMetricFamily("mig_exporter_test_bytes", "with a unit", value=1, unit="bytes"), id="unit"),
+    pytest.param(GaugeMetricFamily("mig:exporter_test", "a colon", value=1), id="name needing escaping"),
+])
+def test_what_is_not_plain_is_left_to_prometheus_client(family):
+    plain = GaugeMetricFamily("mig_exporter_plain", "plain", labels=["a"])
+    plain.add_metric(['x"y'], 1)
+    families = [plain, family]
+    for accept in ACCEPT_HEADERS:
+        assert render(families, accept) == _reference(families, accept)
+
+
+def test_timestamps_and_exemplars_are_left_to_prometheus_client():
+    gauge = GaugeMetricFamily("mig_exporter_test_value", "h", labels=["a"])
+    gauge.add_metric(["x"], 1, timestamp=1700000000.5)
+    for accept in ACCEPT_HEADERS[:6]:
+        assert render([gauge], accept) == _reference([gauge], accept)
+
+
+def test_a_real_scrape_reads_back_with_its_values():
+    snapshot = snapshot_from_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"))
+    body, content_type = render(families_of(snapshot), "")
+    assert content_type.startswith("text/plain; version=0.0.4")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    key = ("mig_exporter_process_memory_used_bytes",
+           (("card", "0"), ("index", "1000"), ("mig_profile", "3g.40gb"), ("pid", "21180")))
+    assert samples[key] == 2296 * 1024 * 1024
