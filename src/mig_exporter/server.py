@@ -182,6 +182,10 @@ def _tls_handshake(sock: socket.socket, client_address: tuple[str, int], web: We
     if first[0] != _TLS_HANDSHAKE_RECORD:
         log.warning("connection from %s: plain HTTP sent to the HTTPS port; answered 400", peer)
         try:
+            # Take the request off the socket first: closing one with unread data sends a reset,
+            # which may reach the client before the answer does.
+            sock.settimeout(0.5)
+            sock.recv(65536)
             sock.sendall(_PLAIN_HTTP_ON_TLS)
         except OSError:
             pass
