@@ -211,3 +211,19 @@ def fake_kubelet(podresources_pb):
     for kubelet, directory in started:
         kubelet.stop()
         _shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- the 10 000-case fuzz runs: behind --fuzz, which scripts/test adds under CI ---------------
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz", action="store_true", default=False,
+                     help="also run the tests marked fuzz (10 000 cases each; CI runs them)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--fuzz"):
+        return
+    kept = [item for item in items if item.get_closest_marker("fuzz") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept

@@ -160,7 +160,7 @@ def serving(*args: str, env: dict[str, str] | None = None, startup_s: float = 15
                 continue
             if line is None:
                 raise AssertionError(f"serve exited with {proc.wait()} before listening: {log}")
-            match = re.search(r"listening on (http://127\.0\.0\.1:(\d+))", line)
+            match = re.search(r"listening on (https?://127\.0\.0\.1:(\d+))", line)
             if match:
                 url = match.group(1)
         yield Server(proc, url, log)
@@ -487,6 +487,7 @@ def test_log_level_from_the_environment() -> None:
 @pytest.mark.parametrize("variable, option, args", [
     ("MIG_EXPORTER_TIMEOUT", "--timeout", ["read", "--demo"]),
     ("MIG_EXPORTER_LOG_LEVEL", "--log-level", ["read", "--demo"]),
+    ("MIG_EXPORTER_LOG_FORMAT", "--log.format", ["read", "--demo"]),
     ("MIG_EXPORTER_WEB_TIMEOUT_OFFSET", "--web.timeout-offset", ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
     ("MIG_EXPORTER_WEB_LISTEN_ADDRESS", "--web.listen-address", ["serve", "--demo"]),
     ("MIG_EXPORTER_PROBE_MAX_CONCURRENT", "--probe.max-concurrent",
@@ -824,3 +825,135 @@ def test_a_signal_during_read_leaves_no_nvidia_smi_behind(fake_nvidia_smi: FakeS
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# --- logs: logfmt and JSON -----------------------------------------------------------------------
+
+def test_log_lines_are_logfmt_with_quoted_messages(fake_nvidia_smi: FakeSmi) -> None:
+    fake = h100_fake(fake_nvidia_smi, mode="fail")
+    result = run_cli("read", "--nvidia-smi", str(fake))
+
+    assert result.returncode == 1
+    [line] = [line for line in result.stderr.splitlines() if "level=WARNING" in line]
+    assert re.fullmatch(
+        r'ts=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z level=WARNING logger=mig_exporter '
+        r'msg="read from nvidia-smi failed: .*exit status 9: NVIDIA-SMI has failed because it couldn\'t '
+        r'communicate with the NVIDIA driver\."', line)
+
+
+def test_json_logs_are_one_object_per_line(fake_nvidia_smi: FakeSmi) -> None:
+    import json
+
+    fake = h100_fake(fake_nvidia_smi, mode="fail")
+    result = run_cli("read", "--nvidia-smi", str(fake), "--log.format", "json", "--log.level", "debug")
+
+    assert result.returncode == 1
+    records = [json.loads(line) for line in result.stderr.splitlines()]
+    assert records, "no log line"
+    assert all(set(r) == {"ts", "level", "logger", "msg"} for r in records)
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", r["ts"]) for r in records)
+    [failure] = [r for r in records if r["level"] == "WARNING"]
+    assert failure["logger"] == "mig_exporter"
+    assert failure["msg"].startswith("read from nvidia-smi failed: ")
+    assert failure["msg"].endswith("exit status 9: " + DRIVER_ERROR)
+
+
+def test_json_logs_from_the_environment_for_serve() -> None:
+    import json
+
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo",
+                 env=cli_env(MIG_EXPORTER_LOG_FORMAT="json")) as server:
+        assert server.get("/nope")[0] == 404
+        wait_for_log(server, "answered 404")
+    records = [json.loads(line) for line in server.log]
+    assert any(r["msg"].startswith("mig-exporter 0.1.0 listening on http://127.0.0.1:") for r in records)
+    [refusal] = [r for r in records if "answered 404" in r["msg"]]
+    assert refusal["level"] == "INFO" and refusal["logger"] == "mig_exporter.http"
+
+
+def test_a_traceback_stays_inside_its_one_log_line() -> None:
+    import json
+    import logging
+
+    from mig_exporter.logs import JsonFormatter, LogfmtFormatter
+
+    try:
+        raise ValueError("boom\nsecond line")
+    except ValueError:
+        record = logging.LogRecord("mig_exporter", logging.ERROR, __file__, 1, "read failed: %s", ("x",),
+                                   sys.exc_info())
+    line = LogfmtFormatter().format(record)
+    assert "\n" not in line and line.startswith("ts=") and 'msg="read failed: x" exc="Traceback' in line
+    parsed = json.loads(JsonFormatter().format(record))
+    assert parsed["msg"] == "read failed: x" and "ValueError: boom" in parsed["exc"]
+
+
+# --- the web config: --web.config.file and check-web-config ------------------------------------
+
+def test_serve_with_a_web_config_serves_https_with_basic_auth_from_the_environment(tmp_path: Path) -> None:
+    import base64
+    import http.client
+    import ssl
+
+    import bcrypt
+    from certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    web = tmp_path / "web.yml"
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
+    web.write_text(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
+                   f"basic_auth_users:\n  prometheus: {hashed}\n")
+    env = cli_env(MIG_EXPORTER_WEB_CONFIG_FILE=str(web))
+    with serving("--web.listen-address", "127.0.0.1:0", "--demo", env=env) as server:
+        assert server.url.startswith("https://127.0.0.1:")
+        port = int(server.url.rsplit(":", 1)[1])
+        context = ssl.create_default_context(cafile=str(pki.ca.cert))
+        answers = []
+        for headers in ({}, {"Authorization": "Basic " + base64.b64encode(b"prometheus:pw").decode()}):
+            conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+            conn.request("GET", "/metrics", headers=headers)
+            response = conn.getresponse()
+            answers.append((response.status, response.read()))
+            conn.close()
+        assert answers[0] == (401, b"Unauthorized\n")
+        assert answers[1][0] == 200
+        assert value(samples(answers[1][1].decode()), "mig_exporter_read_success", source="demo") == 1
+        wait_for_log(server, "answered 401: no credentials")
+    assert any(f"loaded {web}: TLS (TLS12+, client certificates: NoClientCert); basic auth: 1 user" in line
+               for line in server.log)
+
+
+WEB_CONFIG_ERRORS = [
+    "tls_server_config: missing one of key or key_file",
+    "basic_auth_users.prometheus: not a bcrypt hash ($2y$, $2b$ or $2a$ and 56 more characters; "
+    "make one with: htpasswd -nBC 10 \"\" | tr -d ':\\n')",
+]
+
+
+def test_serve_with_a_bad_web_config_says_every_error_and_exits_1(tmp_path: Path) -> None:
+    web = tmp_path / "web.yml"
+    web.write_text("tls_server_config:\n  cert_file: server.crt\nbasic_auth_users:\n  prometheus: hunter2\n")
+    result = run_cli("serve", "--demo", "--web.listen-address", "127.0.0.1:0", "--web.config.file", str(web))
+
+    assert result.returncode == 1
+    assert error_lines(result.stderr) == [f"{web}: {error}" for error in WEB_CONFIG_ERRORS]
+    assert "listening" not in result.stderr
+
+
+def test_serve_with_a_missing_web_config_is_a_one_line_error(tmp_path: Path) -> None:
+    result = run_cli("serve", "--demo", "--web.listen-address", "127.0.0.1:0",
+                     "--web.config.file", str(tmp_path / "web.yml"))
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{tmp_path / 'web.yml'}: cannot read: No such file or directory"
+
+
+def test_check_web_config(tmp_path: Path) -> None:
+    web = tmp_path / "web.yml"
+    web.write_text("tls_server_config:\n  cert_file: server.crt\nbasic_auth_users:\n  prometheus: hunter2\n")
+    bad = run_cli("check-web-config", str(web))
+    assert bad.returncode == 1 and bad.stdout == ""
+    assert error_lines(bad.stderr) == [f"{web}: {error}" for error in WEB_CONFIG_ERRORS]
+
+    web.write_text("basic_auth_users:\n  prometheus: $2y$10$" + "a" * 53 + "\n")
+    good = run_cli("check-web-config", str(web))
+    assert (good.returncode, good.stdout) == (0, f"{web}: ok: no TLS; basic auth: 1 user\n")

@@ -61,3 +61,17 @@ def test_duplicate_mig_index_keeps_the_first_and_reports():
     s = place([card], driver_version=None, cuda_version=None)
     assert [(d.index, d.gpu_instance_id) for d in s.devices] == [(1000, 1)]
     assert len(s.problems) == 1
+
+
+def test_a_mig_index_out_of_range_is_skipped_rather_than_taking_another_devices_index():
+    """Index 100 on card 0 would be 1100, card 1's instance 0; -1000 would be whole card 0.
+    Either would repeat a series, and Prometheus refuses a scrape with a repeated series."""
+    cards = [
+        _mig_card(0, [MigInstance(0, 1, 0, Memory()), MigInstance(100, 2, 0, Memory()), MigInstance(-1000, 3, 0, Memory())],
+                  []),
+        _mig_card(1, [MigInstance(0, 1, 0, Memory())], []),
+    ]
+    s = place(cards, driver_version=None, cuda_version=None)
+    assert [d.index for d in s.devices] == [1000, 1100]
+    assert s.problems == ("card 0: MIG device index -1000 is out of range (0 to 99); skipped",
+                          "card 0: MIG device index 100 is out of range (0 to 99); skipped")

@@ -249,3 +249,20 @@ def test_fifty_concurrent_scrapes_cause_one_nvidia_smi_run(serve, fake_nvidia_sm
     runs = [line.split(" ", 1)[1] for line in (smi.parent / "calls.log").read_text().splitlines()]
     # Requests that arrive after the first read has ended may start a second one.
     assert runs.count("-q -x") <= 2 and runs.count("-q -x") == runs.count("-L")
+
+
+def test_answers_on_a_kept_alive_connection_are_not_held_back_by_nagle(serve):
+    """Headers and body go out in one write with TCP_NODELAY: two small writes would wait ~40 ms
+    each for the client's delayed ACK, and Prometheus keeps its connections alive."""
+    import http.client
+
+    url = serve(DemoSource())
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    started = time.monotonic()
+    for _ in range(20):
+        conn.request("GET", "/-/healthy")
+        assert conn.getresponse().read() == b"Healthy\n"
+    elapsed = time.monotonic() - started
+    conn.close()
+    assert elapsed < 0.6, f"20 kept-alive answers took {elapsed:.2f}s (Nagle and delayed ACK: >= 0.8s)"

@@ -1,4 +1,4 @@
-"""The ``mig-exporter`` command: ``serve``, ``read`` and ``check-config``.
+"""The ``mig-exporter`` command: ``serve``, ``read``, ``doctor``, ``check-config`` and ``check-web-config``.
 
 Every option can also be set from the environment: ``--timeout`` from
 ``MIG_EXPORTER_TIMEOUT``, ``--web.listen-address`` from
@@ -33,6 +33,7 @@ from mig_exporter.errors import CommandError
 from mig_exporter.podlogs import DEFAULT_LOG_DIR
 from mig_exporter.podresources import DEFAULT_SOCKET, PodResourcesClient
 from mig_exporter.pods import PodWatch
+from mig_exporter.logs import FORMATS, setup_logging
 from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
 from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
 from mig_exporter.procfs import ProcfsSource
@@ -42,6 +43,7 @@ from mig_exporter.source_auto import AutoSource
 from mig_exporter.source_demo import DemoProcs, DemoSource
 from mig_exporter.source_nvml import NvmlSource
 from mig_exporter.source_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
+from mig_exporter.webconfig import WebConfigError, WebSettings, load_web_config
 
 ENV_PREFIX = "MIG_EXPORTER_"
 log = logging.getLogger("mig_exporter")
@@ -70,12 +72,19 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
                      help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100, and "
                           "its host's processes) instead of a GPU and /proc."),
-        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-                     show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity."),
+        *_log_options("info"),
     ]
     for option in reversed(options):
         func = option(func)
     return func
+
+
+def _with_options(options: list[Callable[..., Any]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def apply(func: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            func = option(func)
+        return func
+    return apply
 
 
 def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -131,13 +140,15 @@ def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> 
     return watch
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-        force=True,
-    )
+def _log_options(default_level: str) -> list[Callable[..., Any]]:
+    return [
+        click.option("--log.level", "--log-level", "log_level", type=click.Choice(["debug", "info", "warning", "error"]),
+                     default=default_level, show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True,
+                     help="Log verbosity."),
+        click.option("--log.format", "log_format", type=click.Choice(FORMATS), default="logfmt", show_default=True,
+                     envvar=_env("LOG_FORMAT"), show_envvar=True,
+                     help="Log lines as logfmt (key=value) or as one JSON object each (ts, level, logger, msg)."),
+    ]
 
 
 def _make_source(source: str, nvidia_smi: str, timeout: float, demo: bool, *, strict: bool) -> Source:
@@ -196,6 +207,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def _load_web_config(path: str) -> WebSettings:
+    """The web config, or a ClickException listing every error in it."""
+    try:
+        web = WebSettings(path)
+    except WebConfigError as e:
+        raise click.ClickException("\n".join(f"{e.source}: {error}" for error in e.errors)) from None
+    log.info("loaded %s: %s", path, web.config.summary())
+    return web
+
+
 def _load_config(path: str) -> Config:
     """The config file, or a ClickException listing every error in it."""
     try:
@@ -216,11 +237,15 @@ def _load_config(path: str) -> Config:
 @click.option("--probe.max-concurrent", "max_concurrent", type=click.IntRange(min=1, max=1024),
               default=DEFAULT_MAX_CONCURRENT, show_default=True, envvar=_env("PROBE_MAX_CONCURRENT"),
               show_envvar=True, help="Probes that may run at once; beyond that /probe answers 503 at once.")
-def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
-          proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str, listen_address: str,
-          timeout_offset: float, max_concurrent: int) -> None:
+@click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False), default=None,
+              envvar=_env("WEB_CONFIG_FILE"), show_envvar=True,
+              help="exporter-toolkit web config (YAML): TLS (tls_server_config) and basic auth (basic_auth_users, "
+                   "bcrypt). Re-read when it or its certificates change. docs/security.md.")
+def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
+          config_file: str | None, proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
+          listen_address: str, timeout_offset: float, max_concurrent: int, web_config_file: str | None) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
-    _setup_logging(log_level)
+    setup_logging(log_level, log_format)
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:
@@ -233,10 +258,11 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
                         on_reload=lambda new: setattr(engines, "settings", new.engines))
         log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
     pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
+    web = _load_web_config(web_config_file) if web_config_file else None
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
         server = ExporterServer(address, Scraper(chosen, engines, pods=pods), timeout_s=timeout,
-                                timeout_offset_s=timeout_offset, prober=prober)
+                                timeout_offset_s=timeout_offset, prober=prober, web=web)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
 
@@ -283,6 +309,18 @@ def check_config(config_file: str) -> None:
                        err=True)
 
 
+@cli.command("check-web-config")
+@click.argument("web_config_file", metavar="FILE")
+def check_web_config(web_config_file: str) -> None:
+    """Check a web config file (TLS, basic auth), certificates and keys included: print every error and
+    exit 1, or a summary and exit 0."""
+    try:
+        config = load_web_config(web_config_file)
+    except WebConfigError as e:
+        raise click.ClickException("\n".join(f"{e.source}: {error}" for error in e.errors)) from None
+    click.echo(f"{web_config_file}: ok: {config.summary()}")
+
+
 @cli.command()
 @_source_options
 @_engine_options
@@ -290,11 +328,11 @@ def check_config(config_file: str) -> None:
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
-def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, config_file: str | None,
-         proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
+def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
+         config_file: str | None, proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
          output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
-    _setup_logging(log_level)
+    setup_logging(log_level, log_format)
     config = _load_config(config_file) if config_file else EMPTY
     engines = _make_engine_watch(config.engines, proc_root, demo)
     pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
@@ -326,14 +364,14 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
               help="Warn when nvidia-smi takes longer than this many seconds.")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               envvar=_env("DOCTOR_FORMAT"), show_envvar=True, help="Human-readable text, or JSON for machines.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
-              show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity.")
-def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, log_level: str) -> None:
+@_with_options(_log_options("warning"))
+def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, log_level: str,
+           log_format: str) -> None:
     """Read through NVML and nvidia-smi, show each card, and warn of what is wrong.
 
     Exits 1 when there is any warning, 0 when there is none.
     """
-    _setup_logging(log_level)
+    setup_logging(log_level, log_format)
     nvml = NvmlSource(timeout_s=timeout)
     smi = NvidiaSmiSource(nvidia_smi, timeout)
     with _signals_kill_commands():

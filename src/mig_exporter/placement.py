@@ -114,6 +114,11 @@ def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list
     for i, p in enumerate(r.processes):
         by_ids.setdefault((p.gpu_instance_id, p.compute_instance_id), []).append(i)
     for inst in sorted(r.instances, key=lambda i: i.mig_index):
+        if not 0 <= inst.mig_index < MIG_INDEX_PER_CARD:
+            # Its placement index would be another card's instance (or a whole card's).
+            problems.append(f"card {r.index}: MIG device index {inst.mig_index} is out of range "
+                            f"(0 to {MIG_INDEX_PER_CARD - 1}); skipped")
+            continue
         if inst.mig_index in seen_mig_indexes:
             problems.append(f"card {r.index}: MIG device index {inst.mig_index} listed twice; kept the first")
             continue

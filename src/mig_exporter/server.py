@@ -1,10 +1,14 @@
 """HTTP: ``/`` (landing page), ``/metrics``, ``/probe``, ``/-/healthy``,
-``/-/ready`` and ``POST /-/reload``.
+``/-/ready`` and ``POST /-/reload``; HTTPS and basic auth with a web config
+file (``webconfig.py``).
 
 Every scrape reads the source afresh; scrapes are served concurrently, one
 thread each. A failed read still answers 200 with ``read_success 0``; no
 request ever gets a traceback. ``/probe`` and ``/-/reload`` exist when serve
-has a config file (``probe.py``).
+has a config file (``probe.py``). The TLS handshake runs in the connection's
+own thread, so a slow or hostile client never holds up the others; a failed
+handshake is one log line. Every answer that is not a success is logged,
+one line with its reason.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import gzip
 import html
 import logging
 import socket
+import ssl
 import sys
 from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +29,7 @@ from mig_exporter import __version__
 from mig_exporter.exposition import render
 from mig_exporter.probe import BadProbeRequest, ProbeBusy, Prober
 from mig_exporter.scrape import Scraper
+from mig_exporter.webconfig import WebConfig, WebSettings
 
 log = logging.getLogger("mig_exporter.http")
 
@@ -34,6 +40,13 @@ MIN_BUDGET_S = 0.1
 _MAX_DISCARDED_BODY = 64 * 1024
 _TEXT = "text/plain; charset=utf-8"
 _PATHS = ("/", "/metrics", "/probe", "/-/healthy", "/-/ready", "/-/reload")
+# A client gets this long to finish the TLS handshake.
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+_TLS_HANDSHAKE_RECORD = 0x16
+_PLAIN_HTTP_ON_TLS = (
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
+    b"Content-Length: 48\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+)
 
 
 def read_budget(limit_s: float, header: str | None, offset_s: float) -> float:
@@ -90,11 +103,14 @@ class ExporterServer(ThreadingHTTPServer):
         timeout_s: float,
         timeout_offset_s: float = 0.5,
         prober: Prober | None = None,
+        web: WebSettings | None = None,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.scraper = scraper
         self.prober = prober
+        self.web = web
+        self.tls = web is not None and web.config.tls is not None
         self.timeout_s = timeout_s
         self.timeout_offset_s = timeout_offset_s
         super().__init__(address, _Handler)
@@ -103,12 +119,93 @@ class ExporterServer(ThreadingHTTPServer):
     def url(self) -> str:
         host, port = self.server_address[:2]
         host = "127.0.0.1" if host in ("", "0.0.0.0") else host
-        return f"http://[{host}]:{port}" if ":" in str(host) else f"http://{host}:{port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://[{host}]:{port}" if ":" in str(host) else f"{scheme}://{host}:{port}"
+
+    def web_config(self) -> WebConfig | None:
+        return self.web.current() if self.web is not None else None
+
+    def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        """Serve one connection, in its own thread; over TLS when configured."""
+        web = self.web_config()
+        if web is None or web.ssl_context is None:
+            super().finish_request(request, client_address)
+            return
+        tls = _tls_handshake(request, client_address, web)
+        if tls is None:
+            return
+        try:
+            super().finish_request(tls, client_address)
+        finally:
+            tls.close()
 
     def scrape_timeout(self, header: str | None) -> float:
         """The read's budget: ``--timeout``, or Prometheus' scrape timeout less
         the offset when that is shorter, so the answer arrives in time."""
         return read_budget(self.timeout_s, header, self.timeout_offset_s)
+
+
+def _peer(address: object) -> str:
+    if isinstance(address, tuple) and len(address) >= 2:
+        host, port = address[:2]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(address)
+
+
+def _tls_handshake(sock: socket.socket, client_address: tuple[str, int], web: WebConfig) -> ssl.SSLSocket | None:
+    """The connection wrapped in TLS, or ``None`` (logged, one line) when the
+    handshake fails, the client speaks plain HTTP, or its certificate's SANs
+    are not allowed."""
+    assert web.ssl_context is not None
+    peer = _peer(client_address)
+    sock.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
+    try:
+        first = sock.recv(1, socket.MSG_PEEK)
+    except OSError as e:
+        log.debug("connection from %s ended before the TLS handshake: %s", peer, e)
+        return None
+    if not first:
+        # A TCP check (a load balancer, a port probe): nothing to report.
+        log.debug("connection from %s closed before the TLS handshake", peer)
+        return None
+    if first[0] != _TLS_HANDSHAKE_RECORD:
+        log.warning("connection from %s: plain HTTP sent to the HTTPS port; answered 400", peer)
+        try:
+            # Take the request off the socket first: closing one with unread data sends a reset,
+            # which may reach the client before the answer does.
+            sock.settimeout(0.5)
+            sock.recv(65536)
+            sock.sendall(_PLAIN_HTTP_ON_TLS)
+        except OSError:
+            pass
+        return None
+    tls: ssl.SSLSocket | None = None
+    try:
+        tls = web.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        tls.do_handshake()
+    except (ssl.SSLError, OSError) as e:
+        settings = (f"min_version {web.tls.min_version}, client_auth_type {web.tls.client_auth_type}"
+                    if web.tls else "")
+        log.warning("TLS handshake with %s failed: %s (%s)", peer, _tls_reason(e), settings)
+        if tls is not None:
+            tls.close()
+        return None
+    allowed, reason = web.client_allowed(tls.getpeercert())
+    if not allowed:
+        log.warning("TLS connection from %s refused: %s", peer, reason)
+        tls.close()
+        return None
+    return tls
+
+
+def _tls_reason(e: BaseException) -> str:
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_message:
+        return f"client certificate not verified: {e.verify_message}"
+    if isinstance(e, ssl.SSLError) and e.reason:
+        return e.reason.lower().replace("_", " ")
+    if isinstance(e, TimeoutError | socket.timeout):
+        return f"no handshake within {TLS_HANDSHAKE_TIMEOUT_S:g}s"
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -118,8 +215,7 @@ class _Handler(BaseHTTPRequestHandler):
     # An idle or half-open connection is dropped after this many seconds
     # instead of holding a thread for ever.
     timeout = 30
-    # The headers and the body go out in two writes; with Nagle's algorithm the
-    # body waits for the client's delayed ACK of the headers, ~40 ms a scrape.
+    # As Go's servers: answers go out at once (the one write per answer is in _send).
     disable_nagle_algorithm = True
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
@@ -136,15 +232,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         send_body = method != "HEAD"
+        self._extra_headers: dict[str, str] = {}
         try:
             url = urlsplit(self.path)
             path = url.path
             allowed = ("POST",) if path == "/-/reload" else ("GET", "HEAD")
+            web = self.server.web_config()
+            if web is not None and not self._admitted(web, send_body):
+                return
             if path not in _PATHS:
-                self._send(404, b"Not found\n", _TEXT, send_body)
+                self._fail(404, "Not found", send_body)
             elif method not in allowed:
                 allow = ", ".join(allowed)
-                self._send(405, f"Method not allowed: use {allow}\n".encode(), _TEXT, send_body, {"Allow": allow})
+                self._fail(405, f"Method not allowed: use {allow}", send_body, {"Allow": allow})
             elif path == "/metrics":
                 self._metrics(send_body)
             elif path == "/probe":
@@ -157,16 +257,44 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, b"Healthy\n", _TEXT, send_body)
             else:  # /-/ready
                 ok, reason = self.server.scraper.source.ready()
-                body = f"{'Ready' if ok else 'Not ready'}: {reason}\n".encode()
-                self._send(200 if ok else 503, body, _TEXT, send_body)
+                if ok:
+                    self._send(200, f"Ready: {reason}\n".encode(), _TEXT, send_body)
+                else:  # asked every few seconds by a readiness probe: not a warning each time
+                    self._fail(503, f"Not ready: {reason}", send_body, level=logging.INFO)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client went away; nothing to answer
         except Exception:
-            log.exception("request %s failed", self.path)
+            log.exception("%s %s from %s failed; answered 503", self.command, _shown_path(self.path),
+                          _peer(self.client_address))
             try:
                 self._send(503, b"Request failed; see the exporter's log\n", _TEXT, send_body)
             except OSError:
                 pass
+
+    def _admitted(self, web: WebConfig, send_body: bool) -> bool:
+        """The web config's headers, rate limit and basic auth, for every path
+        (as in the exporter-toolkit: /-/healthy too)."""
+        self._extra_headers = dict(web.headers)
+        if web.rate_limiter is not None and not web.rate_limiter.allow():
+            self._fail(429, "Too many requests (rate_limit in the web config)", send_body)
+            return False
+        if web.auth is None:
+            return True
+        result = web.auth.check(self.headers.get("Authorization"))
+        if result.ok:
+            return True
+        self._fail(401, "Unauthorized", send_body, {"WWW-Authenticate": 'Basic realm="mig-exporter"'},
+                   reason=result.reason)
+        return False
+
+    def _fail(self, status: int, message: str, send_body: bool, headers: dict[str, str] | None = None,
+              reason: str | None = None, level: int | None = None) -> None:
+        """Answer an error, and log it: one line, with the reason."""
+        if level is None:
+            level = logging.WARNING if status in (401, 429) or status >= 500 else logging.INFO
+        log.log(level, "%s %s from %s: answered %d: %s", self.command, _shown_path(self.path),
+                _peer(self.client_address), status, reason or message)
+        self._send(status, f"{message}\n".encode(), _TEXT, send_body, headers)
 
     def _metrics(self, send_body: bool) -> None:
         timeout = self.server.scrape_timeout(self.headers.get(SCRAPE_TIMEOUT_HEADER))
@@ -178,29 +306,33 @@ class _Handler(BaseHTTPRequestHandler):
     def _probe(self, query: str, send_body: bool) -> None:
         prober = self.server.prober
         if prober is None:
-            self._send(400, b"no probe targets: serve was started without --config.file\n", _TEXT, send_body)
+            self._fail(400, "no probe targets: serve was started without --config.file", send_body)
             return
         try:
             target = prober.target_for_query(query)
         except BadProbeRequest as e:
-            self._send(400, f"{e}\n".encode(), _TEXT, send_body)
+            self._fail(400, str(e), send_body)
             return
         header = self.headers.get(SCRAPE_TIMEOUT_HEADER)
         budget = read_budget(prober.timeout_for(target), header, self.server.timeout_offset_s)
         try:
             result = prober.probe(target, budget)
         except ProbeBusy as e:
-            self._send(503, f"{e}; try again later\n".encode(), _TEXT, send_body)
+            self._fail(503, f"{e}; try again later", send_body)
             return
         self._send_exposition(list(result.registry().collect()), send_body)
 
     def _reload(self) -> None:
         prober = self.server.prober
         if prober is None:
-            self._send(400, b"no config file to reload: serve was started without --config.file\n", _TEXT, True)
+            self._fail(400, "no config file to reload: serve was started without --config.file", True)
             return
         ok, message = prober.reload()
-        self._send(200 if ok else 400, f"{message}\n".encode(), _TEXT, True)
+        if ok:
+            self._send(200, f"{message}\n".encode(), _TEXT, True)
+        else:
+            # Prober.reload has logged every error; the answer carries them too.
+            self._send(400, f"{message}\n".encode(), _TEXT, True)
 
     def _send_exposition(self, families: Iterable[Metric], send_body: bool) -> None:
         body, content_type = render(list(families), self.headers.get("Accept", ""))
@@ -254,14 +386,28 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
+        for name, value in {**getattr(self, "_extra_headers", {}), **(headers or {})}.items():
             self.send_header(name, value)
-        self.end_headers()
+        # Headers and body in one write: two small writes on a kept-alive connection wait
+        # ~40 ms for the client's delayed ACK (Nagle).
+        self._headers_buffer.append(b"\r\n")
         if send_body:
-            self.wfile.write(body)
+            self._headers_buffer.append(body)
+        self.flush_headers()
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002
         log.debug("%s %s", self.address_string(), format % args)
+
+    def log_error(self, format: str, *args: object) -> None:  # noqa: A002
+        """http.server's own refusals (a malformed request line, an unsupported
+        method, headers too long): one line each."""
+        log.info("request from %s refused: %s", _peer(self.client_address), " ".join((format % args).split()))
+
+
+def _shown_path(path: str) -> str:
+    """A request path as it can be logged: printable ASCII, bounded."""
+    shown = ascii(path)[1:-1]
+    return shown if len(shown) <= 200 else shown[:197] + "..."
 
 
 def parse_listen_address(address: str) -> tuple[str, int]:

@@ -1,0 +1,312 @@
+"""The web config file in exporter-toolkit's format: what it accepts, every error at once, basic auth
+with its bcrypt cache, the rate limit, and reloading when the file or a certificate changes."""
+
+from __future__ import annotations
+
+import base64
+import os
+import ssl
+import threading
+from pathlib import Path
+
+import bcrypt
+import pytest
+from certs import make_pki
+
+from mig_exporter.webconfig import (
+    AUTH_CACHE_SIZE,
+    BasicAuth,
+    TokenBucket,
+    WebConfigError,
+    WebSettings,
+    load_web_config,
+    parse_web_config,
+)
+
+HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def errors_of(text: str, base_dir: str = ".") -> list[str]:
+    with pytest.raises(WebConfigError) as raised:
+        parse_web_config(text, "web.yml", base_dir)
+    return list(raised.value.errors)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+def test_an_empty_file_means_plain_http_without_auth():
+    config = parse_web_config("", "web.yml")
+    assert (config.tls, config.ssl_context, config.auth, config.users) == (None, None, None, ())
+    assert config.summary() == "no TLS; no basic auth"
+
+
+def test_the_toolkit_sample_shape_loads_with_relative_paths_beside_the_file(pki, tmp_path):
+    web = tmp_path / "web.yml"
+    os.symlink(pki.server.cert, tmp_path / "server.crt")
+    os.symlink(pki.server.key, tmp_path / "server.key")
+    web.write_text(
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+        f"basic_auth_users:\n  alice: {HASH}\n  bob: '{HASH.replace('$2b$', '$2y$')}'\n"
+        "http_server_config:\n  http2: false\n  headers:\n    X-Frame-Options: deny\n"
+        "rate_limit:\n  interval: 1s\n  burst: 20\n"
+    )
+    config = load_web_config(web)
+    assert config.tls is not None and config.tls.cert_file == str(tmp_path / "server.crt")
+    assert isinstance(config.ssl_context, ssl.SSLContext)
+    assert config.ssl_context.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert config.ssl_context.verify_mode == ssl.CERT_NONE
+    assert config.users == ("alice", "bob")
+    assert dict(config.headers) == {"X-Frame-Options": "deny"}
+    assert config.http2 is False
+    assert config.summary() == ("TLS (TLS12+, client certificates: NoClientCert); basic auth: 2 users; "
+                                "rate limit: 1 per 1s, burst 20")
+
+
+@pytest.mark.parametrize("auth_type, mode", [
+    ("RequireAndVerifyClientCert", ssl.CERT_REQUIRED),
+    ("VerifyClientCertIfGiven", ssl.CERT_OPTIONAL),
+    ("RequireAnyClientCert", ssl.CERT_REQUIRED),
+    ("RequestClientCert", ssl.CERT_NONE),
+])
+def test_client_auth_types_map_to_python_verify_modes(pki, auth_type, mode):
+    config = parse_web_config(
+        f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
+        f"  client_ca_file: {pki.ca.cert}\n  client_auth_type: {auth_type}\n  min_version: TLS13\n", "web.yml")
+    assert config.ssl_context.verify_mode == mode
+    assert config.ssl_context.minimum_version == ssl.TLSVersion.TLSv1_3
+
+
+def test_inline_certificate_and_key_load_like_files(pki):
+    indent = "\n    "
+    text = (f"tls_server_config:\n  cert: |{indent}{indent.join(pki.server.cert.read_text().splitlines())}\n"
+            f"  key: |{indent}{indent.join(pki.server.key.read_text().splitlines())}\n")
+    assert isinstance(parse_web_config(text, "web.yml").ssl_context, ssl.SSLContext)
+
+
+def test_every_error_is_reported_at_once(tmp_path):
+    errors = errors_of(
+        "tls_server_config:\n"
+        "  cert_file: missing.crt\n"
+        "  client_auth_type: RequireAndVerifyClientCrt\n"
+        "  min_version: TLS14\n"
+        "  cipher_suites: [TLS_RSA_WITH_RC4_128_SHA]\n"
+        "  curve_preferences: [CurveP999]\n"
+        "basic_auth_users:\n"
+        "  alice: hunter2\n"
+        f"  bob: $2y$03${HASH[7:]}\n"
+        "http_server_config:\n  headers:\n    X-Powered-By: me\n    X-Frame-Options: allow\n"
+        "rate_limit:\n  interval: 1s\n  burst: 0\n"
+        "auth_excluded_paths: [/-/healthy]\n",
+        str(tmp_path),
+    )
+    assert errors == [
+        "auth_excluded_paths: unknown setting (known: tls_server_config, http_server_config, basic_auth_users, "
+        "rate_limit)",
+        "tls_server_config: missing one of key or key_file",
+        "tls_server_config.client_auth_type: RequireAndVerifyClientCrt is not one of NoClientCert, "
+        "RequestClientCert, RequireAnyClientCert, RequireClientCert, VerifyClientCertIfGiven, "
+        "RequireAndVerifyClientCert",
+        "tls_server_config.min_version: TLS14 is not one of TLS10, TLS11, TLS12, TLS13",
+        "tls_server_config.cipher_suites: unknown cipher suite TLS_RSA_WITH_RC4_128_SHA (Go's names, e.g. "
+        "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)",
+        "tls_server_config.curve_preferences: unknown curve CurveP999 (one of CurveP256, CurveP384, CurveP521, "
+        "X25519)",
+        "basic_auth_users.alice: not a bcrypt hash ($2y$, $2b$ or $2a$ and 56 more characters; make one with: "
+        "htpasswd -nBC 10 \"\" | tr -d ':\\n')",
+        "basic_auth_users.bob: bcrypt cost 3 is out of range (4 to 31)",
+        "http_server_config.headers.X-Powered-By: this header cannot be set (one of Strict-Transport-Security, "
+        "X-Content-Type-Options, X-Frame-Options, X-XSS-Protection, Content-Security-Policy)",
+        "http_server_config.headers.X-Frame-Options: allow is not one of deny, sameorigin",
+        "rate_limit.burst: must be at least 1 when interval is set (0 would refuse every request)",
+    ]
+
+
+def test_files_that_do_not_load_are_reported_at_start(pki, tmp_path):
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello\n")
+    assert errors_of(f"tls_server_config:\n  cert_file: {tmp_path}/nope.crt\n  key_file: {pki.server.key}\n") == [
+        f"tls_server_config.cert_file: {tmp_path}/nope.crt: no such file"]
+    [mismatch] = errors_of(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.client.key}\n")
+    assert mismatch.startswith("tls_server_config: cannot load the certificate and key (")
+    assert "is the key the certificate's?" in mismatch
+    [bad_ca] = errors_of(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
+                         f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {not_pem}\n")
+    assert bad_ca.startswith("tls_server_config: cannot load client_ca_file (")
+
+
+@pytest.mark.parametrize("text, error", [
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_ca_file: c\n",
+     "tls_server_config: client_ca_file is set but client_auth_type is NoClientCert, so no client certificate "
+     "would be checked; set client_auth_type: RequireAndVerifyClientCert"),
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_auth_type: RequireAnyClientCert\n",
+     "tls_server_config.client_auth_type: RequireAnyClientCert needs client_ca_file here: Python's ssl cannot "
+     "require a client certificate without verifying it (use RequireAndVerifyClientCert with client_ca_file)"),
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_allowed_sans: [prometheus]\n",
+     "tls_server_config.client_allowed_sans: needs client_auth_type RequireAnyClientCert or "
+     "RequireAndVerifyClientCert (with any other, a client may send no certificate)"),
+    ("tls_server_config:\n  cert_file: a\n  key_file: b\n  min_version: TLS13\n  max_version: TLS12\n",
+     "tls_server_config: min_version TLS13 is above max_version TLS12"),
+    ("tls_server_config:\n  cert_file: a\n  cert: b\n  key_file: c\n",
+     "tls_server_config: give cert or cert_file, not both"),
+    ("- just a list\n", "the file must be a mapping, not a list"),
+    ("basic_auth_users: [alice]\n",
+     "basic_auth_users: must be a mapping of user names to bcrypt hashes, not a list"),
+    ("tls_server_config: {cert_file: a, key_file: b}\ntls_server_config: {}\n",
+     "line 2: key tls_server_config is given twice (first on line 1)"),
+    ("basic_auth_users: {alice: [\n", None),
+])
+def test_one_clear_error_per_mistake(text, error):
+    errors = errors_of(text)
+    if error is None:
+        assert len(errors) == 1 and errors[0].startswith("line ") and "not valid YAML" in errors[0]
+    else:
+        assert error in errors
+
+
+def test_tls_settings_alone_without_a_certificate_mean_no_tls():
+    # The toolkit turns TLS on only when a certificate, key, CA or client auth type is given.
+    assert parse_web_config("tls_server_config:\n  min_version: TLS13\n", "web.yml").tls is None
+
+
+# --- basic auth --------------------------------------------------------------------------------
+
+class CountingBcrypt:
+    """Real bcrypt, counted."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, password: bytes, hashed: bytes) -> bool:
+        with self.lock:
+            self.calls += 1
+        return bcrypt.checkpw(password, hashed)
+
+
+def test_good_wrong_and_missing_credentials():
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    assert auth.check(basic("prometheus", "s3cret")).ok
+    assert auth.check(basic("prometheus", "wrong")).reason == "wrong password for user 'prometheus'"
+    assert auth.check(basic("mallory", "s3cret")).reason == "unknown user 'mallory'"
+    assert auth.check(None).reason == "no credentials"
+    assert auth.check("Bearer abc").reason == "'Bearer' credentials, not Basic"
+    assert auth.check("Basic !!!").reason == "Basic credentials that are not valid base64"
+    assert auth.check("Basic " + base64.b64encode(b"no-colon").decode()).reason == (
+        "Basic credentials without a ':' between user and password")
+    assert not any(auth.check(basic("prometheus", p)).ok for p in ("", "s3cret ", "S3cret", "s3cre"))
+
+
+def test_a_password_may_hold_colons_and_any_utf8():
+    hashed = bcrypt.hashpw("a:b:ç€".encode(), bcrypt.gensalt(rounds=4))
+    auth = BasicAuth({"ü": hashed})
+    assert auth.check(basic("ü", "a:b:ç€")).ok
+
+
+def test_passwords_past_72_bytes_compare_on_their_first_72_as_bcrypt_does():
+    long_password = "x" * 72
+    auth = BasicAuth({"p": bcrypt.hashpw(long_password.encode(), bcrypt.gensalt(rounds=4))})
+    assert auth.check(basic("p", long_password + "ignored")).ok  # no ValueError from bcrypt 5
+    assert not auth.check(basic("p", "x" * 71)).ok
+
+
+def test_verification_is_cached_per_user_and_password():
+    counting = CountingBcrypt()
+    auth = BasicAuth({"prometheus": HASH.encode(), "grafana": HASH.encode()}, verify=counting)
+    for _ in range(100):
+        assert auth.check(basic("prometheus", "s3cret")).ok
+    assert counting.calls == 1, "a scrape must not pay bcrypt each time"
+    assert not auth.check(basic("prometheus", "wrong")).ok
+    assert not auth.check(basic("prometheus", "wrong")).ok
+    assert counting.calls == 2, "a wrong password is cached too: a stale secret hammering costs one check"
+    assert auth.check(basic("grafana", "s3cret")).ok
+    assert counting.calls == 3, "the cache is keyed on the user as well as the password"
+
+
+def test_concurrent_first_scrapes_verify_once():
+    counting = CountingBcrypt()
+    auth = BasicAuth({"prometheus": HASH.encode()}, verify=counting)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(auth.check(basic("prometheus", "s3cret")).ok))
+               for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 20 and counting.calls == 1
+
+
+def test_the_cache_is_bounded_and_keeps_the_most_recently_used():
+    counting = CountingBcrypt()
+    auth = BasicAuth({"prometheus": HASH.encode()}, verify=counting)
+    auth.check(basic("prometheus", "s3cret"))
+    for i in range(AUTH_CACHE_SIZE * 2):  # a guessing client
+        auth.check(basic("prometheus", f"guess-{i}"))
+        auth.check(basic("prometheus", "s3cret"))  # the real scraper keeps its entry fresh
+    assert len(auth._cache) == AUTH_CACHE_SIZE
+    assert counting.calls == 1 + AUTH_CACHE_SIZE * 2
+    assert auth.check(basic("prometheus", "s3cret")).ok and counting.calls == 1 + AUTH_CACHE_SIZE * 2
+
+
+def test_the_cache_holds_no_password():
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    auth.check(basic("prometheus", "s3cret"))
+    ((user, digest),) = auth._cache
+    assert user == b"prometheus" and b"s3cret" not in digest and len(digest) == 32
+
+
+def test_an_unknown_user_pays_a_bcrypt_check_of_the_same_cost():
+    counting = CountingBcrypt()
+    cost10 = bcrypt.hashpw(b"x", bcrypt.gensalt(rounds=10))
+    auth = BasicAuth({"prometheus": cost10}, verify=counting)
+    assert not auth.check(basic("mallory", "x")).ok
+    assert counting.calls == 1
+    assert auth._decoy[4:6] == b"10"
+
+
+# --- rate limit --------------------------------------------------------------------------------
+
+def test_token_bucket_allows_bursts_then_one_per_interval():
+    now = [0.0]
+    bucket = TokenBucket(1.0, 3, clock=lambda: now[0])
+    assert [bucket.allow() for _ in range(4)] == [True, True, True, False]
+    now[0] = 0.5
+    assert not bucket.allow()
+    now[0] = 1.01
+    assert bucket.allow() and not bucket.allow()
+    now[0] = 100.0
+    assert sum(bucket.allow() for _ in range(10)) == 3
+
+
+# --- reloading ---------------------------------------------------------------------------------
+
+def test_a_changed_file_is_reloaded_and_a_bad_change_keeps_the_config_in_force(tmp_path, caplog):
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
+    settings = WebSettings(str(web), check_interval_s=0)
+    assert settings.current().users == ("alice",)
+    web.write_text(f"basic_auth_users:\n  alice: {HASH}\n  bob: {HASH}\n")
+    os.utime(web, ns=(1, 1))
+    assert settings.current().users == ("alice", "bob")
+    web.write_text("basic_auth_users:\n  carol: plaintext\n")
+    assert settings.current().users == ("alice", "bob")
+    assert settings.current().users == ("alice", "bob")
+    failures = [r for r in caplog.records if "reloading" in r.getMessage()]
+    assert len(failures) == 1, "a bad file is reported once, not at every connection"
+    assert "basic_auth_users.carol: not a bcrypt hash" in failures[0].getMessage()
+
+
+def test_tls_cannot_be_switched_on_by_a_reload(pki, tmp_path):
+    web = tmp_path / "web.yml"
+    web.write_text("")
+    settings = WebSettings(str(web), check_interval_s=0)
+    web.write_text(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n")
+    assert settings.current().tls is None
