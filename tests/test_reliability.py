@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -94,9 +95,12 @@ def test_a_thousand_hung_reads_leave_no_zombie_no_orphan_no_thread_and_no_fd(fak
     with ThreadPoolExecutor(max_workers=len(fakes)) as pool:
         outcomes = list(pool.map(hundred_reads, fakes))
 
-    # Every read ran to its deadline and was killed there.
+    # Every read failed at its deadline: the commands killed there (CommandTimeout), or, on a
+    # loaded machine, the caller answering at the deadline while the kill is still under way.
     assert all(len(errors) == HUNG_READS // len(fakes) for errors in outcomes)
-    assert all(e.startswith("CommandTimeout: ") for errors in outcomes for e in errors), outcomes[0][:3]
+    odd = [e for errors in outcomes for e in errors
+           if not e.startswith("CommandTimeout: ") and not re.search(r"^ReadError: .* did not finish within", e)]
+    assert odd == []
     runs = [run for fake in fakes for run in calls(fake)]
     queries = [pid for pid, args in runs if args == "-q -x"]
     # A run killed before its shell got to its first line (a loaded machine, 50 ms) logs nothing
