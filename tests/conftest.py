@@ -227,3 +227,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
+
+
+def require_tool(name: str) -> str:
+    """The path of a tool the test needs: skipped where it is missing, failed under CI,
+    which must run every test (scripts/test installs the tools)."""
+    import shutil as _shutil
+
+    path = _shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed; scripts/test installs it")
+        pytest.skip(f"{name} is not installed")
+    return path

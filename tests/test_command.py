@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import _proc_stats
 from mig_exporter.command import CommandResult, run_command
 from mig_exporter.errors import (
     CommandError,
@@ -32,23 +33,6 @@ pytestmark = pytest.mark.timeout(30)
 
 
 # --- /proc helpers -----------------------------------------------------------------------------
-
-def _proc_stats() -> list[tuple[int, str, int, int]]:
-    """(pid, state, ppid, pgrp) of every process, read from /proc/*/stat."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # exited while we looked
-        # The command name is in parentheses and may hold spaces: split after the last ')'.
-        fields = stat[stat.rindex(")") + 2:].split()
-        out.append((int(entry), fields[0], int(fields[1]), int(fields[2])))
-    return out
-
 
 def live_members(pgid: int) -> list[tuple[int, str]]:
     """Processes of the group that are still running (not zombies waiting for init)."""

@@ -9,14 +9,13 @@ the Dockerfile's ``FROM``. The image is then built with ``buildah bud
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, require_tool
 
 pytestmark = pytest.mark.container
 
@@ -27,17 +26,8 @@ HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 CACHE = REPO / ".cache"
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not installed; scripts/test installs it")
-        pytest.skip(f"{name} is not installed")
-    return path
-
-
 def _buildah(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_tool("buildah"), "--storage-driver=vfs", *args], capture_output=True, text=True,
+    return subprocess.run([require_tool("buildah"), "--storage-driver=vfs", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -58,7 +48,7 @@ def base_image(tmp_path_factory) -> str:
     rootfs_tar = CACHE / "bookworm-minbase.tar"
     if not rootfs_tar.exists():
         root = tmp_path_factory.mktemp("rootfs")
-        run = subprocess.run([_tool("debootstrap"), "--variant=minbase", "bookworm", str(root)],
+        run = subprocess.run([require_tool("debootstrap"), "--variant=minbase", "bookworm", str(root)],
                              capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         subprocess.run(["tar", "-C", str(root), "-cf", str(rootfs_tar), "."], check=True, timeout=300)
@@ -94,7 +84,7 @@ def _run(container: str, *argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_hadolint_finds_nothing():
-    hadolint = _tool("hadolint")
+    hadolint = require_tool("hadolint")
     result = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
 

@@ -5,13 +5,10 @@ checked for structure, and the DaemonSet carrying what a GPU node needs."""
 from __future__ import annotations
 
 import copy
-import os
-import shutil
 import subprocess
 
-import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, require_tool
 
 from mig_exporter.config import parse_config
 
@@ -47,15 +44,6 @@ def by_kind(docs: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not installed")
-        pytest.skip(f"{name} is not installed")
-    return path
-
-
 def test_every_resource_is_rendered_once():
     kinds = by_kind(render())
     assert set(kinds) == CORE_KINDS | {"ServiceMonitor", "PrometheusRule"}
@@ -64,7 +52,7 @@ def test_every_resource_is_rendered_once():
 
 
 def test_core_kinds_pass_kubernetes_validate_strict(tmp_path):
-    tool = _tool("kubernetes-validate")
+    tool = require_tool("kubernetes-validate")
     for doc in render():
         if doc["kind"] not in CORE_KINDS:
             continue
@@ -76,7 +64,7 @@ def test_core_kinds_pass_kubernetes_validate_strict(tmp_path):
 
 def test_kubernetes_validate_rejects_a_broken_daemonset(tmp_path):
     """The check above can fail: a misspelt field is an error under --strict."""
-    tool = _tool("kubernetes-validate")
+    tool = require_tool("kubernetes-validate")
     daemonset = copy.deepcopy(by_kind(render())["DaemonSet"])
     daemonset["spec"]["template"]["spec"]["hostPid"] = True
     path = tmp_path / "broken.yaml"
