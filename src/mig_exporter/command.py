@@ -131,13 +131,9 @@ def _collect(
         sel.register(proc.stderr, selectors.EVENT_READ, stderr)
         try:
             while sel.get_map():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return "timeout"
-                if cancel is not None:
-                    if cancel.is_set():
-                        return "cancelled"
-                    remaining = min(remaining, _CANCEL_POLL_S)
+                remaining = _wait_for(deadline, cancel)
+                if isinstance(remaining, str):
+                    return remaining
                 for key, _ in sel.select(remaining):
                     chunk = os.read(key.fd, _CHUNK)
                     if not chunk:
@@ -156,6 +152,19 @@ def _collect(
             proc.stderr.close()
 
 
+def _wait_for(deadline: float, cancel: threading.Event | None) -> float | str:
+    """How long the next wait may block, or "timeout"/"cancelled" when it may
+    not; with a cancel event the wait is cut short so a cancel is seen soon."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return "timeout"
+    if cancel is None:
+        return remaining
+    if cancel.is_set():
+        return "cancelled"
+    return min(remaining, _CANCEL_POLL_S)
+
+
 def _wait_exited(proc: subprocess.Popen[bytes], deadline: float, cancel: threading.Event | None) -> str:
     """Wait for the child to exit *without reaping it* ("eof"), so its group id
     stays reserved for the kill that follows; or "timeout"/"cancelled" when it
@@ -169,13 +178,9 @@ def _wait_exited(proc: subprocess.Popen[bytes], deadline: float, cancel: threadi
                     return "eof"
             except ChildProcessError:
                 return "eof"  # already reaped elsewhere; nothing left to wait for
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return "timeout"
-            if cancel is not None:
-                if cancel.is_set():
-                    return "cancelled"
-                remaining = min(remaining, _CANCEL_POLL_S)
+            remaining = _wait_for(deadline, cancel)
+            if isinstance(remaining, str):
+                return remaining
             if pidfd is not None:
                 # Readable once the child has exited: no polling delay after a
                 # clean exit, which is every read.
