@@ -13,6 +13,7 @@ import pytest
 
 from mig_exporter.procfs import (
     HOST_PID_NAMESPACE,
+    MAX_FILE_BYTES,
     PidNamespace,
     ProcError,
     ProcfsSource,
@@ -114,6 +115,20 @@ def test_a_process_that_exits_mid_read_is_skipped(tmp_path):
     assert 7002 not in table.processes
     assert 48213 not in table.processes
     assert table.processes[7001].thread_ids == (7001,)
+
+
+def test_a_long_command_line_is_read_whole_and_a_huge_one_only_up_to_the_cap(tmp_path):
+    """A vLLM started with a long JSON config: longer than one read; a cmdline past
+    MAX_FILE_BYTES (a process rewriting its own) is cut there, never buffered whole."""
+    config = "--override-generation-config=" + "x" * 40_000
+    root = make_proc(tmp_path / "proc", [
+        Proc(7001, "python3", ["python3", "-m", "vllm.entrypoints.openai.api_server", config]),
+        Proc(7002, "python3", ["python3", "y" * (MAX_FILE_BYTES + 5000)]),
+    ])
+    table = ProcfsSource(str(root)).read()
+    assert table.processes[7001].cmdline == ("python3", "-m", "vllm.entrypoints.openai.api_server", config)
+    huge = table.processes[7002].cmdline
+    assert huge[0] == "python3" and len(huge[1]) == MAX_FILE_BYTES - len("python3") - 1
 
 
 def test_an_unreadable_stat_is_skipped(tmp_path):

@@ -251,6 +251,24 @@ def test_fifty_concurrent_scrapes_cause_one_nvidia_smi_run(serve, fake_nvidia_sm
     assert runs.count("-q -x") <= 2 and runs.count("-q -x") == runs.count("-L")
 
 
+def test_concurrent_scrapes_share_one_answer_in_every_format(serve, fake_nvidia_smi):
+    """Not only the read: the mapping and each encoding are made once for the scrapes in
+    flight, so they carry the same read duration, to the digit."""
+    smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"),
+                          delay_s=0.5)
+    url = serve(NvidiaSmiSource(str(smi)))
+    formats = [{}, {"Accept-Encoding": "gzip"}, {"Accept": "application/openmetrics-text; version=1.0.0"}]
+    with ThreadPoolExecutor(max_workers=30) as pool:
+        results = list(pool.map(lambda i: _get(url + "/metrics", formats[i % 3]), range(30)))
+    assert [r[0] for r in results] == [200] * 30
+    runs = [line.split(" ", 1)[1] for line in (smi.parent / "calls.log").read_text().splitlines()]
+    bodies = [gzip.decompress(r[2]) if r[1].get("Content-Encoding") == "gzip" else r[2] for r in results]
+    durations = {_value(b.replace(b"# EOF\n", b""), "mig_exporter_read_duration_seconds", {}) for b in bodies}
+    assert len(durations) == runs.count("-q -x") <= 2
+    plain = [b for r, b in zip(results, bodies) if "openmetrics" not in r[1]["Content-Type"]]
+    assert len(set(plain)) == len(durations), "scrapes of one read answered the same bytes"
+
+
 def test_answers_on_a_kept_alive_connection_are_not_held_back_by_nagle(serve):
     """Headers and body go out in one write with TCP_NODELAY: two small writes would wait ~40 ms
     each for the client's delayed ACK, and Prometheus keeps its connections alive."""

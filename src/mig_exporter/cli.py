@@ -30,10 +30,11 @@ from mig_exporter.config import EMPTY, Config, ConfigError, load_config
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
 from mig_exporter.engines import EngineSettings
 from mig_exporter.errors import CommandError
+from mig_exporter.logs import FORMATS, setup_logging
+from mig_exporter.malloc_tuning import limit_arenas
 from mig_exporter.podlogs import DEFAULT_LOG_DIR
 from mig_exporter.podresources import DEFAULT_SOCKET, PodResourcesClient
 from mig_exporter.pods import PodWatch
-from mig_exporter.logs import FORMATS, setup_logging
 from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
 from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
 from mig_exporter.procfs import ProcfsSource
@@ -246,6 +247,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
           listen_address: str, timeout_offset: float, max_concurrent: int, web_config_file: str | None) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
+    log.debug("%s", limit_arenas())  # before any thread of ours starts
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:

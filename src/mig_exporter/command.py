@@ -26,7 +26,9 @@ from mig_exporter.errors import CommandFailed, CommandNotFound, CommandTimeout, 
 
 DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024 * 1024
 _MAX_STDERR_BYTES = 64 * 1024
-_CHUNK = 1024 * 1024
+# A pipe holds 64 KiB (Linux's default), so no read returns more; a larger
+# request only allocates (and maps) a larger buffer at every read.
+_CHUNK = 64 * 1024
 _REAP_GRACE_S = 0.05
 _CANCEL_POLL_S = 0.05
 

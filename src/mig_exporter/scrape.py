@@ -183,6 +183,10 @@ class Scraper:
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
             return list(self.families_for(failed))
 
+    def failed_families(self, reason: str) -> list[Metric]:
+        """The families of a read that failed for ``reason``, counted and logged as one."""
+        return list(self.families_for(self._failed(time.monotonic(), reason)))
+
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:
             yield from snapshot_families(outcome.snapshot, outcome.pods)
