@@ -6,6 +6,7 @@ import os
 import shlex
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from mig_exporter.collector import snapshot_families
+from mig_exporter.scrape import Scraper
+from mig_exporter.server import ExporterServer
 from mig_exporter.snapshot import Snapshot
 from mig_exporter.source_smi import snapshot_from_smi
 
@@ -148,6 +151,27 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
         return script
 
     return make
+
+
+@pytest.fixture
+def serve():
+    """Start an ``ExporterServer`` in this process, on 127.0.0.1, and give its URL:
+    ``serve(source_or_scraper, timeout_s=10.0, offset_s=0.5, prober=None)``. Every
+    server started is shut down at the end of the test."""
+    servers: list[ExporterServer] = []
+
+    def start(source, timeout_s: float = 10.0, offset_s: float = 0.5, prober=None) -> str:
+        scraper = source if isinstance(source, Scraper) else Scraper(source)
+        server = ExporterServer(("127.0.0.1", 0), scraper, timeout_s=timeout_s, timeout_offset_s=offset_s,
+                                prober=prober)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server.url
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from mig_exporter.attribution import EngineWatch
 from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.procfs import HOST_PID_NAMESPACE, ProcfsSource
 from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
 from mig_exporter.source_smi import NvidiaSmiSource
 from proc_tree import CONTAINER_NS, Proc, make_proc
 
@@ -50,20 +48,9 @@ def demo_xml(pids: dict[int, int] | None = None) -> bytes:
 
 
 @pytest.fixture
-def serve():
-    servers = []
-
-    def start(source, proc_root: str) -> str:
-        scraper = Scraper(source, EngineWatch(DEFAULT_SETTINGS, ProcfsSource(proc_root)))
-        server = ExporterServer(("127.0.0.1", 0), scraper, timeout_s=10.0)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server.url
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+def serve(serve):
+    """conftest's server, with the default engine presets reading ``proc_root``."""
+    return lambda source, proc_root: serve(Scraper(source, EngineWatch(DEFAULT_SETTINGS, ProcfsSource(proc_root))))
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

@@ -20,30 +20,11 @@ from conftest import MIB, calls, fixture_bytes, left_behind
 
 from mig_exporter.config import parse_config
 from mig_exporter.probe import Prober
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
 from mig_exporter.source_smi import NvidiaSmiSource
 
 pytestmark = pytest.mark.timeout(120)
 
 HUNG_READS = 1000
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(source, timeout_s=10.0, offset_s=0.5, prober=None) -> str:
-        server = ExporterServer(("127.0.0.1", 0), Scraper(source), timeout_s=timeout_s, timeout_offset_s=offset_s,
-                                prober=prober)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server.url
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 def get(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, bytes]:

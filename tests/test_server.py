@@ -21,22 +21,6 @@ from mig_exporter.source_demo import DemoSource
 from mig_exporter.source_smi import NvidiaSmiSource
 
 
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(source, timeout_s=10.0, offset_s=0.5) -> str:
-        server = ExporterServer(("127.0.0.1", 0), Scraper(source), timeout_s=timeout_s, timeout_offset_s=offset_s)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server.url
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
-
-
 def _get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):
     request = urllib.request.Request(url, headers=headers or {}, method=method)
     try:

@@ -57,6 +57,17 @@ def _env(name: str) -> str:
 SOURCES = ("auto", "nvml", "nvidia-smi", "demo")
 
 
+def _nvidia_smi_option() -> Callable[..., Any]:
+    return click.option("--nvidia-smi", "nvidia_smi", default=DEFAULT_BINARY, show_default=True,
+                        envvar=_env("NVIDIA_SMI"), show_envvar=True,
+                        help="The nvidia-smi binary: a path, or a name looked up on PATH.")
+
+
+def _timeout_option(help_text: str) -> Callable[..., Any]:
+    return click.option("--timeout", type=click.FloatRange(min=0.1, max=600), default=DEFAULT_TIMEOUT_S,
+                        show_default=True, envvar=_env("TIMEOUT"), show_envvar=True, help=help_text)
+
+
 def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--source", type=click.Choice(SOURCES), default="auto", show_default=True,
@@ -64,12 +75,8 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Where to read: NVML (libnvidia-ml), nvidia-smi, or the bundled demo sample. "
                           "auto takes NVML where the library loads, else nvidia-smi (nvidia-smi when "
                           "--nvidia-smi is given)."),
-        click.option("--nvidia-smi", "nvidia_smi", default=DEFAULT_BINARY, show_default=True,
-                     envvar=_env("NVIDIA_SMI"), show_envvar=True,
-                     help="The nvidia-smi binary: a path, or a name looked up on PATH."),
-        click.option("--timeout", type=click.FloatRange(min=0.1, max=600), default=DEFAULT_TIMEOUT_S,
-                     show_default=True, envvar=_env("TIMEOUT"), show_envvar=True,
-                     help="Seconds a read may take; at the deadline the command's process group is killed."),
+        _nvidia_smi_option(),
+        _timeout_option("Seconds a read may take; at the deadline the command's process group is killed."),
         click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
                      help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100, and "
                           "its host's processes) instead of a GPU and /proc."),
@@ -356,11 +363,8 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
 
 
 @cli.command()
-@click.option("--nvidia-smi", "nvidia_smi", default=DEFAULT_BINARY, show_default=True,
-              envvar=_env("NVIDIA_SMI"), show_envvar=True,
-              help="The nvidia-smi binary: a path, or a name looked up on PATH.")
-@click.option("--timeout", type=click.FloatRange(min=0.1, max=600), default=DEFAULT_TIMEOUT_S,
-              show_default=True, envvar=_env("TIMEOUT"), show_envvar=True, help="Seconds each read may take.")
+@_nvidia_smi_option()
+@_timeout_option("Seconds each read may take.")
 @click.option("--slow-threshold", type=click.FloatRange(min=0), default=DEFAULT_SLOW_THRESHOLD_S, show_default=True,
               envvar=_env("DOCTOR_SLOW_THRESHOLD"), show_envvar=True,
               help="Warn when nvidia-smi takes longer than this many seconds.")
