@@ -55,7 +55,7 @@ def heaps_after_four_threads(mode: str, tmp_path: Path, env: dict[str, str] | No
 
 
 def without_malloc_settings() -> dict[str, str]:
-    return {k: v for k, v in cli_env().items() if not k.startswith("MALLOC_")}
+    return {k: v for k, v in cli_env().items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
 
 
 def test_by_default_glibc_gives_threads_heaps_of_their_own(tmp_path: Path):
@@ -75,6 +75,13 @@ def test_a_limit_the_user_set_is_left_as_it_is(tmp_path: Path):
     said, heaps = heaps_after_four_threads("limited", tmp_path, env)
     assert said == ["malloc: arenas left as MALLOC_ARENA_MAX=3 sets them"]
     assert heaps == 3
+
+
+def test_a_limit_set_with_glibc_tunables_is_left_as_it_is(tmp_path: Path):
+    env = {**without_malloc_settings(), "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    said, heaps = heaps_after_four_threads("limited", tmp_path, env)
+    assert said == ["malloc: arenas left as GLIBC_TUNABLES sets them"]
+    assert heaps == 2
 
 
 def test_serve_limits_the_arenas_at_start():

@@ -247,10 +247,12 @@ def test_concurrent_scrapes_share_one_answer_in_every_format(serve, fake_nvidia_
     assert [r[0] for r in results] == [200] * 30
     runs = [line.split(" ", 1)[1] for line in (smi.parent / "calls.log").read_text().splitlines()]
     bodies = [gzip.decompress(r[2]) if r[1].get("Content-Encoding") == "gzip" else r[2] for r in results]
-    durations = {_value(b.replace(b"# EOF\n", b""), "mig_exporter_read_duration_seconds", {}) for b in bodies}
-    assert len(durations) == runs.count("-q -x") <= 2
-    plain = [b for r, b in zip(results, bodies) if "openmetrics" not in r[1]["Content-Type"]]
-    assert len(set(plain)) == len(durations), "scrapes of one read answered the same bytes"
+    durations = [_value(b.replace(b"# EOF\n", b""), "mig_exporter_read_duration_seconds", {}) for b in bodies]
+    assert len(set(durations)) == runs.count("-q -x") <= 2
+    for duration in set(durations):  # the text answers of one scrape are the same bytes
+        plain = {b for r, b, d in zip(results, bodies, durations)
+                 if d == duration and "openmetrics" not in r[1]["Content-Type"]}
+        assert len(plain) <= 1
 
 
 def test_answers_on_a_kept_alive_connection_are_not_held_back_by_nagle(serve):

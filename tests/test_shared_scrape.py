@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.core import GaugeMetricFamily
 
 from mig_exporter import shared_scrape
-from mig_exporter.shared_scrape import Answer, SharedScrapes
+from mig_exporter.shared_scrape import Answer, ScrapeFailed, SharedScrapes
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
@@ -42,9 +42,17 @@ class Scrapes:
             raise self.error
         return families(len(self.runs))
 
-    def failed(self, reason: str) -> list[GaugeMetricFamily]:
+    def failed(self, reason: str, started: float) -> list[GaugeMetricFamily]:
         self.late.append(reason)
         return families(0)
+
+    def wait_joined(self, count: int) -> None:
+        """Until ``count`` requests wait on the scrape in flight: releasing it earlier
+        would let a slow thread start a scrape of its own."""
+        deadline = time.monotonic() + 10
+        while self.shared.joined() < count:
+            assert time.monotonic() < deadline, f"{self.shared.joined()} of {count} requests joined"
+            time.sleep(0.005)
 
 
 def in_thread(scrapes: Scrapes, budget_s: float, results: list) -> threading.Thread:
@@ -59,16 +67,21 @@ def in_thread(scrapes: Scrapes, budget_s: float, results: list) -> threading.Thr
     return thread
 
 
+def finish(*threads: threading.Thread) -> None:
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
 def test_requests_that_arrive_while_a_scrape_runs_get_its_answer():
     scrapes = Scrapes(hold=True)
     results: list = []
     leader = in_thread(scrapes, 5.0, results)
     assert scrapes.started.wait(5)
     joiners = [in_thread(scrapes, 5.0, results) for _ in range(20)]
-    time.sleep(0.1)
+    scrapes.wait_joined(20)
     scrapes.release.set()
-    for thread in (leader, *joiners):
-        thread.join(5)
+    finish(leader, *joiners)
     assert len(scrapes.runs) == 1
     assert len(results) == 21 and all(answer is results[0] for answer in results)
 
@@ -94,10 +107,9 @@ def test_a_request_with_an_earlier_deadline_scrapes_on_its_own_and_later_request
         time.sleep(0.01)
     assert scrapes.runs == [8.0, 1.5]
     joiner = in_thread(scrapes, 1.5, results)
-    time.sleep(0.1)
+    scrapes.wait_joined(1)
     scrapes.release.set()
-    for thread in (slow, short, joiner):
-        thread.join(5)
+    finish(slow, short, joiner)
     assert scrapes.runs == [8.0, 1.5], "the third request joined the second scrape"
     assert len(results) == 3 and len({id(answer) for answer in results}) == 2
 
@@ -108,29 +120,54 @@ def test_every_request_on_a_scrape_that_raised_gets_the_error():
     threads = [in_thread(scrapes, 5.0, results)]
     assert scrapes.started.wait(5)
     threads += [in_thread(scrapes, 5.0, results) for _ in range(3)]
-    time.sleep(0.1)
+    scrapes.wait_joined(3)
     scrapes.release.set()
-    for thread in threads:
-        thread.join(5)
+    finish(*threads)
     assert len(scrapes.runs) == 1
-    assert [str(e) for e in results] == ["mapping bug"] * 4
+    leader_error = next(e for e in results if type(e) is RuntimeError)
+    joined = [e for e in results if e is not leader_error]
+    # Each joiner raises an exception of its own, caused by the one error: raising the one
+    # object in every thread would pile every thread's frames onto its traceback.
+    assert len(joined) == 3 and all(isinstance(e, ScrapeFailed) and e.__cause__ is leader_error for e in joined)
+    assert str(joined[0]) == "the shared scrape failed: mapping bug"
 
 
-def test_a_joined_scrape_that_overruns_answers_as_a_failed_read_at_the_deadline(monkeypatch):
+def test_requests_kept_past_their_deadline_by_a_joined_scrape_get_one_failed_read(monkeypatch):
     monkeypatch.setattr(shared_scrape, "JOIN_GRACE_S", 0.05)
+    scrapes = Scrapes(hold=True)
+    results: list = []
+    leader = in_thread(scrapes, 1.0, results)  # a bug: it holds past its 1 s
+    assert scrapes.started.wait(5)
+    started = time.monotonic()
+    joiners = [in_thread(scrapes, 1.1, results) for _ in range(3)]
+    finish(*joiners)
+    waited = time.monotonic() - started
+    assert 1.1 <= waited < 2.5, f"waited {waited:.2f}s"  # their own 1.1 s and the grace
+    # Counted and logged once for the three, as one failed read.
+    assert scrapes.late == ["the scrape in flight did not finish within 1.1s"]
+    assert len(results) == 3 and all(answer is results[0] for answer in results)
+    assert b"mig_exporter_read_success 0.0" in results[0].encoded("", False)[0]
+    scrapes.release.set()
+    finish(leader)
+    assert len(scrapes.runs) == 1
+
+
+def test_a_scrape_already_past_its_deadline_is_not_joined():
+    """A request that comes after a scrape's deadline has passed would only wait for it to
+    fail; it scrapes on its own and answers in its own time."""
     scrapes = Scrapes(hold=True)
     results: list = []
     leader = in_thread(scrapes, 0.2, results)  # a bug: it holds past its 0.2 s
     assert scrapes.started.wait(5)
+    time.sleep(0.3)
+    scrapes.hold = False
     started = time.monotonic()
-    answer = scrapes.shared.answer(0.5)
-    waited = time.monotonic() - started
-    assert 0.5 <= waited < 0.9, f"waited {waited:.2f}s"  # its own 0.5 s and the grace
-    assert scrapes.late == ["the scrape in flight did not finish within 0.5s"]
-    assert b"mig_exporter_read_success 0.0" in answer.encoded("", False)[0]
+    answer = scrapes.shared.answer(1.0)
+    assert time.monotonic() - started < 0.9
+    assert scrapes.runs == [0.2, 1.0] and scrapes.late == []
+    assert b"mig_exporter_read_success 2.0" in answer.encoded("", False)[0]
     scrapes.release.set()
-    leader.join(5)
-    assert len(scrapes.runs) == 1
+    finish(leader)
 
 
 @pytest.mark.parametrize("accept, content_type", [
@@ -146,3 +183,10 @@ def test_each_encoding_is_made_once_per_scrape(accept, content_type):
     zipped, zipped_kind = answer.encoded(accept, True)
     assert zipped_kind == kind and gzip.decompress(zipped) == body
     assert answer.encoded(accept, True)[0] is zipped
+
+
+def test_accept_headers_that_ask_for_the_same_format_share_its_encoding():
+    answer = Answer(families(1))
+    body = answer.encoded("application/openmetrics-text; version=1.0.0", False)[0]
+    assert answer.encoded("application/openmetrics-text;version=1.0.0,text/plain;q=0.5", False)[0] is body
+    assert answer.encoded("text/plain", False)[0] is not body

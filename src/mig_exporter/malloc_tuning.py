@@ -11,24 +11,22 @@ within 3% over 20 000 scrapes at no measured cost per scrape.
 
 Set with ``mallopt`` before the server starts its threads. Not glibc (musl,
 in an Alpine image): nothing is changed. A limit the user set with
-``MALLOC_ARENA_MAX`` is left as it is.
+``MALLOC_ARENA_MAX`` or ``GLIBC_TUNABLES=glibc.malloc.arena_max=N`` is left as it is.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_ARENA_MAX = -8  # from glibc's malloc.h
 
 
 def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """The C library this process runs on, if it is glibc. The process's own
+    symbols, not ``find_library``, which needs ldconfig's cache to find it."""
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
     # gnu_get_libc_version is glibc's own: musl has a mallopt that does nothing.
@@ -39,6 +37,8 @@ def limit_arenas(arenas: int = 1) -> str:
     """Limit glibc to ``arenas`` heaps; what was done, for the log."""
     if "MALLOC_ARENA_MAX" in os.environ:
         return f"malloc: arenas left as MALLOC_ARENA_MAX={os.environ['MALLOC_ARENA_MAX']} sets them"
+    if "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
+        return "malloc: arenas left as GLIBC_TUNABLES sets them"
     libc = _glibc()
     if libc is None:
         return "malloc: not glibc, left as it is"

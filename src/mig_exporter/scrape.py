@@ -31,6 +31,10 @@ from mig_exporter.snapshot import EngineReading, PodReading, Snapshot
 
 log = logging.getLogger("mig_exporter")
 
+# What the GPU read still gets when reading /proc took the whole budget: enough to
+# fail as a timeout of its own, not so much that the answer comes late.
+_MIN_READ_BUDGET_S = 0.05
+
 
 class Source(Protocol):
     """A read path: nvidia-smi, NVML or the demo."""
@@ -88,7 +92,9 @@ class Scraper:
         started = time.monotonic()
         procs = self._read_procs()
         try:
-            snapshot = self.source.read(timeout_s)
+            # The /proc read comes out of the scrape's budget: the answer is due at its deadline.
+            snapshot = self.source.read(None if timeout_s is None else
+                                        max(timeout_s - (time.monotonic() - started), _MIN_READ_BUDGET_S))
         except ReadError as e:
             return self._failed(started, str(e), self._engines(procs, None))
         except Exception as e:  # a bug must not take the scrape down; say where
@@ -183,9 +189,10 @@ class Scraper:
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
             return list(self.families_for(failed))
 
-    def failed_families(self, reason: str) -> list[Metric]:
-        """The families of a read that failed for ``reason``, counted and logged as one."""
-        return list(self.families_for(self._failed(time.monotonic(), reason)))
+    def failed_families(self, reason: str, started: float) -> list[Metric]:
+        """The families of a read begun at ``started`` (``time.monotonic()``) that
+        failed for ``reason``, counted and logged as one."""
+        return list(self.families_for(self._failed(started, reason)))
 
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:

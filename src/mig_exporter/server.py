@@ -121,8 +121,8 @@ class ExporterServer(ThreadingHTTPServer):
             families.extend(self.prober.families())
         return families
 
-    def _late_families(self, reason: str) -> list[Metric]:
-        families = self.scraper.failed_families(reason)
+    def _late_families(self, reason: str, started: float) -> list[Metric]:
+        families = self.scraper.failed_families(reason, started)
         if self.prober is not None:
             families.extend(self.prober.families())
         return families

@@ -3,13 +3,14 @@
 The read alone was shared before (``singleflight.py``): every request still
 read /proc, built its families and encoded them, so fifty scrapes at once held
 fifty answers, and glibc's per-thread heaps kept that peak as resident memory
-for good (docs/reliability.md). Now a request joins the scrape in flight, and
-each encoding (Accept header, gzip or not) is made once per scrape.
+(docs/reliability.md). Now a request joins the scrape in flight, and each
+encoding (format and gzip or not) is made once per scrape.
 
-A request joins only a scrape that ends by the request's own deadline: behind
-a read still hung with a longer budget it runs a scrape of its own, which
-joins that read only until its own deadline (``SingleFlight``). A scrape that
-has ended is never reused: the next request reads afresh.
+A request joins only a scrape that is due by the request's own deadline and
+not yet overdue: behind a read still hung with a longer budget, or a scrape
+already late, it runs a scrape of its own (which joins that read only until
+its own deadline, ``SingleFlight``). A scrape that has ended is never reused:
+the next request reads afresh.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from prometheus_client import exposition
 from prometheus_client.core import Metric
 
 from mig_exporter.exposition import render
 
-# A joined scrape ends at its deadline plus the few ms a killed command takes to
+# A scrape ends at its deadline plus the few ms a killed command takes to
 # answer; a request waits this long past its own deadline before giving up on it.
 JOIN_GRACE_S = 0.25
 
@@ -35,21 +37,36 @@ class Answer:
     def __init__(self, families: Sequence[Metric]) -> None:
         self.families = tuple(families)
         self._lock = threading.Lock()
-        self._encoded: dict[tuple[str, bool], tuple[bytes, str]] = {}
+        self._encodings: dict[tuple[str, bool], _Encoding] = {}
 
     def encoded(self, accept: str, compress: bool) -> tuple[bytes, str]:
         """The body and Content-Type for ``Accept: accept``, gzipped if ``compress``."""
-        key = (accept, compress)
-        with self._lock:  # a second request for the same encoding waits for the first
-            found = self._encoded.get(key)
-            if found is None:
+        # Keyed on what the header asks for, not its spelling; one lock per encoding,
+        # so a request for another format does not wait for this one.
+        key = (exposition.choose_encoder(accept)[1], compress)
+        with self._lock:
+            encoding = self._encodings.get(key)
+            if encoding is None:
+                encoding = self._encodings[key] = _Encoding()
+        with encoding.lock:
+            if encoding.value is None:
                 body, content_type = render(self.families, accept)
                 if compress:
                     # Level 1, as nginx's default: a third of level 6's time for a
                     # body ~15% larger, on a scrape that must cost next to nothing.
                     body = gzip.compress(body, compresslevel=1)
-                found = self._encoded[key] = (body, content_type)
-            return found
+                encoding.value = (body, content_type)
+            return encoding.value
+
+
+class _Encoding:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.value: tuple[bytes, str] | None = None
+
+
+class ScrapeFailed(Exception):
+    """The scrape a request joined raised; its error is the cause."""
 
 
 class _Flight:
@@ -58,6 +75,9 @@ class _Flight:
         self.done = threading.Event()
         self.answer: Answer | None = None
         self.error: BaseException | None = None
+        self.joined = 0
+        self.late_lock = threading.Lock()
+        self.late: Answer | None = None  # the failed answer for those it kept past their deadline
 
 
 class SharedScrapes:
@@ -65,39 +85,56 @@ class SharedScrapes:
     or joins the one in flight."""
 
     def __init__(self, scrape: Callable[[float], Sequence[Metric]],
-                 late: Callable[[str], Sequence[Metric]]) -> None:
-        """``late(reason)``: the families of a failed read, for a request whose
-        joined scrape overran its deadline (a bug: a scrape ends by its deadline)."""
+                 late: Callable[[str, float], Sequence[Metric]]) -> None:
+        """``late(reason, started)``: the families of a failed read, for requests
+        whose joined scrape overran (a scrape should end by its deadline)."""
         self._scrape = scrape
         self._late = late
         self._lock = threading.Lock()
         self._flight: _Flight | None = None
 
+    def joined(self) -> int:
+        """How many requests are waiting on the scrape in flight (0 when none)."""
+        with self._lock:
+            return self._flight.joined if self._flight is not None else 0
+
     def answer(self, budget_s: float) -> Answer:
-        deadline = time.monotonic() + budget_s
+        started = time.monotonic()
+        deadline = started + budget_s
         with self._lock:
             flight = self._flight
-            joined = flight is not None and flight.deadline <= deadline
-            if not joined:
-                # The scrape in flight (if any) may run past this request's deadline:
-                # scrape on our own; later requests join this one.
+            joined = flight is not None and started < flight.deadline <= deadline
+            if flight is not None and joined:
+                flight.joined += 1
+            else:
+                # None in flight, or one that may end after this request's deadline
+                # or is overdue already: scrape on our own; later requests join this one.
                 flight = self._flight = _Flight(deadline)
-        assert flight is not None
         if not joined:
             self._fly(flight, budget_s)
         elif not flight.done.wait(max(deadline - time.monotonic(), 0.0) + JOIN_GRACE_S):
-            # _late logs it, as a failed read
-            return Answer(self._late(f"the scrape in flight did not finish within {budget_s:.1f}s"))
+            return self._late_answer(flight, budget_s, started)
         if flight.error is not None:
+            if joined:  # a fresh exception: raising the one object in every thread would pile up tracebacks
+                raise ScrapeFailed(f"the shared scrape failed: {flight.error}") from flight.error
             raise flight.error
         assert flight.answer is not None
         return flight.answer
+
+    def _late_answer(self, flight: _Flight, budget_s: float, started: float) -> Answer:
+        """One failed read for all the requests a late scrape kept waiting: counted
+        and logged once (by ``late``), not once per request."""
+        with flight.late_lock:
+            if flight.late is None:
+                reason = f"the scrape in flight did not finish within {budget_s:.1f}s"
+                flight.late = Answer(self._late(reason, started))
+            return flight.late
 
     def _fly(self, flight: _Flight, budget_s: float) -> None:
         """Run the scrape in the requesting thread, and hand it to those who joined."""
         try:
             flight.answer = Answer(self._scrape(budget_s))
-        except BaseException as e:  # every request on this scrape gets the same error
+        except BaseException as e:  # every request on this scrape gets the error
             flight.error = e
         finally:
             with self._lock:
