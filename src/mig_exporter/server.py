@@ -4,8 +4,8 @@ file (``webconfig.py``).
 
 Every scrape reads the source afresh; scrapes are served concurrently, one
 thread each, and requests that arrive while a scrape is in flight share it
-and its encoded answer (``shared_scrape.py``). A failed read still answers 200 with ``read_success 0``; no
-request ever gets a traceback. ``/probe`` and ``/-/reload`` exist when serve
+and its encoded answer (``shared_scrape.py``). A failed read still answers
+200 with ``read_success 0``; no request ever gets a traceback. ``/probe`` and ``/-/reload`` exist when serve
 has a config file (``probe.py``). The TLS handshake runs in the connection's
 own thread, so a slow or hostile client never holds up the others; a failed
 handshake is one log line. Every answer that is not a success is logged,
@@ -116,13 +116,12 @@ class ExporterServer(ThreadingHTTPServer):
         super().__init__(address, _Handler)
 
     def _scrape_families(self, budget_s: float) -> list[Metric]:
-        families = self.scraper.families(budget_s)
-        if self.prober is not None:
-            families.extend(self.prober.families())
-        return families
+        return self._with_probe_counters(self.scraper.families(budget_s))
 
     def _late_families(self, reason: str, started: float) -> list[Metric]:
-        families = self.scraper.failed_families(reason, started)
+        return self._with_probe_counters(self.scraper.failed_families(reason, started))
+
+    def _with_probe_counters(self, families: list[Metric]) -> list[Metric]:
         if self.prober is not None:
             families.extend(self.prober.families())
         return families

@@ -24,6 +24,7 @@ from prometheus_client import exposition
 from prometheus_client.core import Metric
 
 from mig_exporter.exposition import render
+from mig_exporter.singleflight import Flight
 
 # A scrape ends at its deadline plus the few ms a killed command takes to
 # answer; a request waits this long past its own deadline before giving up on it.
@@ -69,12 +70,10 @@ class ScrapeFailed(Exception):
     """The scrape a request joined raised; its error is the cause."""
 
 
-class _Flight:
+class _Flight(Flight[Answer]):
     def __init__(self, deadline: float) -> None:
+        super().__init__()
         self.deadline = deadline
-        self.done = threading.Event()
-        self.answer: Answer | None = None
-        self.error: BaseException | None = None
         self.joined = 0
         self.late_lock = threading.Lock()
         self.late: Answer | None = None  # the failed answer for those it kept past their deadline
@@ -110,16 +109,16 @@ class SharedScrapes:
                 # None in flight, or one that may end after this request's deadline
                 # or is overdue already: scrape on our own; later requests join this one.
                 flight = self._flight = _Flight(deadline)
-        if not joined:
-            self._fly(flight, budget_s)
+        if not joined:  # in this thread: it is this request's scrape
+            flight.fly(lambda: Answer(self._scrape(budget_s)), self._landed)
         elif not flight.done.wait(max(deadline - time.monotonic(), 0.0) + JOIN_GRACE_S):
             return self._late_answer(flight, budget_s, started)
         if flight.error is not None:
             if joined:  # a fresh exception: raising the one object in every thread would pile up tracebacks
                 raise ScrapeFailed(f"the shared scrape failed: {flight.error}") from flight.error
             raise flight.error
-        assert flight.answer is not None
-        return flight.answer
+        assert flight.value is not None
+        return flight.value
 
     def _late_answer(self, flight: _Flight, budget_s: float, started: float) -> Answer:
         """One failed read for all the requests a late scrape kept waiting: counted
@@ -130,14 +129,7 @@ class SharedScrapes:
                 flight.late = Answer(self._late(reason, started))
             return flight.late
 
-    def _fly(self, flight: _Flight, budget_s: float) -> None:
-        """Run the scrape in the requesting thread, and hand it to those who joined."""
-        try:
-            flight.answer = Answer(self._scrape(budget_s))
-        except BaseException as e:  # every request on this scrape gets the error
-            flight.error = e
-        finally:
-            with self._lock:
-                if self._flight is flight:
-                    self._flight = None
-            flight.done.set()
+    def _landed(self, flight: Flight[Answer]) -> None:
+        with self._lock:
+            if self._flight is flight:
+                self._flight = None

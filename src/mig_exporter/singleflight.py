@@ -18,11 +18,25 @@ from mig_exporter.errors import ReadError
 T = TypeVar("T")
 
 
-class _Flight(Generic[T]):
+class Flight(Generic[T]):
+    """One run of shared work: what it returned or raised, for every caller
+    waiting on it (``shared_scrape.py`` keeps its flights too)."""
+
     def __init__(self) -> None:
         self.done = threading.Event()
         self.value: T | None = None
         self.error: BaseException | None = None
+
+    def fly(self, work: Callable[[], T], landed: Callable[[Flight[T]], None]) -> None:
+        """Run ``work`` and keep its value or error; then ``landed`` (its owner
+        lets the next caller start a flight of its own) and wake every waiter."""
+        try:
+            self.value = work()
+        except BaseException as e:  # handed to every caller waiting on this flight
+            self.error = e
+        finally:
+            landed(self)
+            self.done.set()
 
 
 class SingleFlight(Generic[T]):
@@ -30,7 +44,7 @@ class SingleFlight(Generic[T]):
         self.name = name
         self.thread_name = thread_name
         self._lock = threading.Lock()
-        self._flight: _Flight[T] | None = None
+        self._flight: Flight[T] | None = None
 
     def run(self, work: Callable[[], T], timeout_s: float, grace_s: float = 0.0) -> T:
         """The result of ``work``, shared with every caller that arrives while it
@@ -41,21 +55,16 @@ class SingleFlight(Generic[T]):
         with self._lock:
             flight = self._flight
             if flight is None:
-                flight = self._flight = _Flight()
-                threading.Thread(target=self._fly, args=(flight, work), name=self.thread_name, daemon=True).start()
+                flight = self._flight = Flight()
+                threading.Thread(target=flight.fly, args=(work, self._landed), name=self.thread_name,
+                                 daemon=True).start()
         if not flight.done.wait(max(timeout_s, 0.0) + grace_s):
             raise ReadError(f"{self.name} did not finish within {timeout_s:.1f}s")
         if flight.error is not None:
             raise flight.error
         return flight.value  # type: ignore[return-value]
 
-    def _fly(self, flight: _Flight[T], work: Callable[[], T]) -> None:
-        try:
-            flight.value = work()
-        except BaseException as e:  # handed to every caller waiting on this flight
-            flight.error = e
-        finally:
-            with self._lock:
-                if self._flight is flight:
-                    self._flight = None
-            flight.done.set()
+    def _landed(self, flight: Flight[T]) -> None:
+        with self._lock:
+            if self._flight is flight:
+                self._flight = None
