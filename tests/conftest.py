@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mig_exporter.collector import snapshot_families
 from mig_exporter.scrape import Scraper
@@ -45,6 +46,25 @@ def sample_value(families, name: str, labels: dict[str, str] | None = None) -> f
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     return None
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of an exposition (text format), keyed by name and labels; a
+    series exposed twice fails the test (Prometheus would refuse the scrape)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, f"duplicate series {key}"
+            out[key] = s.value
+    return out
+
+
+def value(parsed: dict, name: str, **labels: str) -> float | None:
+    """The one sample of ``name`` in ``samples(text)`` whose labels include ``labels``."""
+    found = [v for (n, ls), v in parsed.items() if n == name and set(labels.items()) <= ls]
+    assert len(found) <= 1, f"{name}{labels} matches {len(found)} series"
+    return found[0] if found else None
 
 
 def samples_of(families, name: str) -> list:

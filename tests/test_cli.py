@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MIB, FakeSmi, fixture_bytes
+from conftest import MIB, FakeSmi, fixture_bytes, samples, value
 from proc_tree import Proc, make_proc
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,24 +52,6 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
-
-
-def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """Every sample of an exposition, keyed by name and labels."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = (s.name, frozenset(s.labels.items()))
-            assert key not in out, f"duplicate series {key}"
-            out[key] = s.value
-    return out
-
-
-def value(parsed: dict, name: str, **labels: str) -> float | None:
-    """The one sample of ``name`` whose labels include ``labels``."""
-    found = [v for (n, ls), v in parsed.items() if n == name and set(labels.items()) <= ls]
-    assert len(found) <= 1, f"{name}{labels} matches {len(found)} series"
-    return found[0] if found else None
 
 
 def label_sets(parsed: dict, name: str) -> list[dict[str, str]]:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MIB, SAMPLES, FakeSmi
+from conftest import MIB, SAMPLES, FakeSmi, value
+from conftest import samples as exposition_samples
 from mig_exporter.attribution import EngineWatch
 from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.procfs import HOST_PID_NAMESPACE, ProcfsSource
@@ -56,20 +56,7 @@ def serve(serve):
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(url + "/metrics", timeout=15) as response:
         assert response.status == 200
-        text = response.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = (s.name, frozenset(s.labels.items()))
-            assert key not in out, f"series {key} exposed twice"
-            out[key] = s.value
-    return out
-
-
-def value(samples, name: str, **labels: str) -> float | None:
-    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
-    assert len(found) <= 1, f"{name}{labels}: {len(found)} series"
-    return found[0] if found else None
+        return exposition_samples(response.read().decode())
 
 
 def series(samples, name: str) -> list[dict[str, str]]:

@@ -22,7 +22,6 @@ import stat
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mig_exporter.collector import snapshot_families
 from mig_exporter.errors import ParseError
-from mig_exporter.scrape import ReadOutcome, Scraper
+from mig_exporter.scrape import Scraper
 from mig_exporter.server import ExporterServer
 from mig_exporter.smi_list import parse_list
 from mig_exporter.smi_xml import parse_query_xml

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest

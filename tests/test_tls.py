@@ -11,7 +11,6 @@ import socket
 import ssl
 import threading
 import time
-from pathlib import Path
 
 import bcrypt
 import pytest

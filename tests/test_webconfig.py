@@ -7,7 +7,6 @@ import base64
 import os
 import ssl
 import threading
-from pathlib import Path
 
 import bcrypt
 import pytest
