@@ -20,6 +20,9 @@ from mig_exporter.server import ExporterServer
 from mig_exporter.snapshot import Snapshot
 from mig_exporter.source_smi import snapshot_from_smi
 
+# Any skip fails the run: a group is left out by deselecting it, never by skipping.
+pytest_plugins = ["no_silent_skips"]
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 FIXTURES = TESTS / "fixtures" / "nvidia-smi"
@@ -274,13 +277,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def require_tool(name: str) -> str:
-    """The path of a tool the test needs: skipped where it is missing, failed under CI,
-    which must run every test (scripts/test installs the tools)."""
+    """The path of a tool the test needs, looked up beside this interpreter first (the
+    venv's ``bin``, where pip puts hadolint and kubernetes-validate whatever ``PATH``
+    the caller has), then on ``PATH``. A missing tool fails the test, never skips it:
+    ``scripts/test`` installs every tool, and a caller who cannot have one leaves its
+    group out by name (``./scripts/test --no-container``, ``-m "not container"``)."""
     import shutil as _shutil
 
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
     path = _shutil.which(name)
     if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is not installed; scripts/test installs it")
-        pytest.skip(f"{name} is not installed")
+        pytest.fail(f"{name} is not installed: ./scripts/test installs it (or leave its group out by marker)",
+                    pytrace=False)
     return path
+
+
+def require_real_corpus() -> Path:
+    """The real nvidia-smi corpus in ../shared: its absence fails the test."""
+    if not REAL_CORPUS.is_dir():
+        pytest.fail(f"the real nvidia-smi corpus is not at {REAL_CORPUS}: check out ../shared beside the "
+                    "repository, or set MIG_EXPORTER_REAL_CORPUS", pytrace=False)
+    return REAL_CORPUS

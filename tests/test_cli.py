@@ -3,9 +3,11 @@ subprocess, against the fake nvidia-smi and the bundled demo."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -154,6 +156,23 @@ def serving(*args: str, env: dict[str, str] | None = None, startup_s: float = 15
 
 # --- version and usage -------------------------------------------------------------------------
 
+def test_a_bare_command_prints_the_usage_once_and_no_error_line() -> None:
+    result = run_cli()
+
+    assert result.returncode == 2
+    assert result.stderr.startswith("Usage: mig-exporter [OPTIONS] COMMAND [ARGS]...")
+    assert "Commands:" in result.stderr
+    assert "mig-exporter: error" not in result.stderr and "--help'" not in result.stderr
+    assert result.stderr.count("Usage:") == 1
+
+
+def test_an_option_without_its_value_points_at_the_commands_own_help() -> None:
+    result = run_cli("read", "--source")
+
+    assert result.returncode == 2
+    assert error_message(result.stderr) == "Option '--source' requires an argument. (see 'mig-exporter read --help')"
+
+
 def test_version() -> None:
     result = run_cli("--version")
     assert result.returncode == 0
@@ -178,7 +197,8 @@ def test_timeout_out_of_range_is_a_usage_error() -> None:
 
 def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi)
-    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")),
+                     "--log.level", "info")
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -232,7 +252,7 @@ def test_read_demo_prints_the_demo_series() -> None:
     assert value(parsed, "mig_exporter_process_memory_used_bytes", pid="50102") == 20480 * MIB
     assert value(parsed, "mig_exporter_read_success", source="demo") == 1
     assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") is None
-    assert re.search(r"level=INFO .*demo", result.stderr)
+    assert result.stderr == "", "read logs nothing at its default level when all is well (cron mails stderr)"
     # The demo's host: two llama-servers on the GPU, one asked for -ngl 99 on none.
     assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="50102") == 20480 * MIB
     assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="52040") == 0
@@ -275,6 +295,34 @@ def test_read_output_of_a_failed_read_still_writes_read_success_0(fake_nvidia_sm
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_read_output_with_no_source_at_all_replaces_a_stale_file_with_read_success_0(tmp_path: Path) -> None:
+    """No NVML (this machine has none) and no nvidia-smi: node_exporter must not go on
+    serving the read_success 1 of an old file."""
+    target = tmp_path / "mig.prom"
+    stale = run_cli("read", "--demo", "--output", str(target))
+    assert stale.returncode == 0 and "mig_exporter_device_memory_used_bytes" in target.read_text()
+
+    result = run_cli("read", "--output", str(target), env=cli_env(PATH=str(tmp_path / "empty")))
+
+    assert result.returncode == 1
+    written = samples(target.read_text())
+    assert value(written, "mig_exporter_read_success", source="auto") == 1 - 1
+    assert value(written, "mig_exporter_read_errors_total", source="auto") == 1
+    assert not any(name == "mig_exporter_device_memory_used_bytes" for name, _ in written), "no stale device left"
+    assert "no source: NVML cannot be initialised" in result.stderr and "nvidia-smi: not found on PATH" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mig.prom"]
+
+
+def test_read_output_with_an_explicit_missing_binary_also_writes_read_success_0(tmp_path: Path) -> None:
+    target = tmp_path / "mig.prom"
+    target.write_text('mig_exporter_read_success{source="nvidia-smi"} 1.0\n')
+    result = run_cli("read", "--nvidia-smi", "/nonexistent/nvidia-smi", "--output", str(target))
+
+    assert result.returncode == 1
+    assert value(samples(target.read_text()), "mig_exporter_read_success", source="nvidia-smi") == 0
+    assert "/nonexistent/nvidia-smi: no such file" in result.stderr
+
+
 def test_read_output_into_a_missing_directory_is_a_one_line_error(tmp_path: Path) -> None:
     target = tmp_path / "no-such-dir" / "mig.prom"
     result = run_cli("read", "--demo", "--output", str(target))
@@ -307,7 +355,8 @@ def test_read_against_a_failing_nvidia_smi_exits_1_but_prints_read_success_0(fak
 
 def test_read_with_a_failing_listing_still_succeeds(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
     fake = h100_fake(fake_nvidia_smi, list_mode="fail")
-    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")))
+    result = run_cli("read", "--nvidia-smi", str(fake), "--proc.root", str(h100_host_proc(tmp_path / "proc")),
+                     "--log.level", "info")
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -323,9 +372,32 @@ def test_read_with_an_explicit_missing_binary_is_a_one_line_error() -> None:
     assert result.returncode == 1
     assert result.stdout == ""
     assert error_message(result.stderr) == (
-        "/nonexistent/nvidia-smi: no such executable file "
+        "/nonexistent/nvidia-smi: no such file "
         "(give --nvidia-smi PATH, or --demo to try the exporter without a GPU)"
     )
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("directory", "is a directory, not an executable file"),
+    ("no run bit", "not executable (no permission to run it)"),
+    ("broken link", "a broken symbolic link"),
+])
+def test_read_says_why_an_explicit_binary_cannot_run(tmp_path: Path, kind: str, why: str) -> None:
+    path = tmp_path / "nvidia-smi"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "no run bit":
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o644)
+    else:
+        path.symlink_to(tmp_path / "gone")
+    if kind == "no run bit" and os.access(path, os.X_OK):
+        pytest.fail("root may run a file without a run bit only when one is set; the file must have none")
+    result = run_cli("read", "--nvidia-smi", str(path))
+
+    assert result.returncode == 1
+    assert error_message(result.stderr) == f"{path}: {why} (give --nvidia-smi PATH, or --demo to try the exporter " \
+                                           "without a GPU)"
 
 
 def test_read_with_the_default_binary_absent_from_path_is_an_error(tmp_path: Path) -> None:
@@ -373,7 +445,7 @@ def test_read_with_a_config_file_and_a_proc_root(fake_nvidia_smi: FakeSmi, tmp_p
     config.write_text(ENGINES_CONFIG)
     proc = h100_host_proc(tmp_path / "proc")
     result = run_cli("read", "--nvidia-smi", str(h100_fake(fake_nvidia_smi)), "--config.file", str(config),
-                     "--proc.root", str(proc))
+                     "--proc.root", str(proc), "--log.level", "info")
 
     assert result.returncode == 0, result.stderr
     parsed = samples(result.stdout)
@@ -438,6 +510,27 @@ def test_timeout_from_the_environment(fake_nvidia_smi: FakeSmi) -> None:
     assert elapsed < 5, "the default timeout (10 s) was used instead of MIG_EXPORTER_TIMEOUT"
     assert 'mig_exporter_read_success{source="nvidia-smi"} 0.0' in result.stdout.splitlines()
     assert "timed out after 0.5s" in result.stderr
+
+
+@pytest.mark.parametrize("args, env", [
+    (["--source", "demo"], {}),
+    (["--demo"], {}),
+    ([], {"MIG_EXPORTER_SOURCE": "demo"}),
+    ([], {"MIG_EXPORTER_DEMO": "1"}),
+])
+def test_source_demo_is_the_demo_processes_and_all(args: list[str], env: dict[str, str]) -> None:
+    """--source demo was once the demo GPU over this host's /proc: every engine metric gone,
+    read_problems 1 and an empty pod family. Every spelling now gives the same exposition."""
+    result = run_cli("read", *args, env=cli_env(**env))
+    reference = run_cli("read", "--demo")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert without_duration(result.stdout) == without_duration(reference.stdout)
+    parsed = samples(result.stdout)
+    assert value(parsed, "mig_exporter_read_problems", source="demo") == 0
+    assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="llama.cpp", pid="52040") == 0
+    assert "# HELP mig_exporter_pod_memory_used_bytes" not in result.stdout, "a family without samples is left out"
 
 
 def test_demo_from_the_environment() -> None:
@@ -545,7 +638,7 @@ def test_serve_with_an_explicit_missing_binary_is_a_one_line_error() -> None:
 
     assert result.returncode == 1
     assert error_message(result.stderr) == (
-        "/nonexistent/nvidia-smi: no such executable file "
+        "/nonexistent/nvidia-smi: no such file "
         "(give --nvidia-smi PATH, or --demo to try the exporter without a GPU)"
     )
     assert "listening" not in result.stderr
@@ -559,6 +652,53 @@ def test_serve_with_a_nonsense_listen_address_is_a_usage_error() -> None:
     assert "--web.listen-address" in message
     assert "nonsense" in message
     assert "listening" not in result.stderr
+
+
+def test_serve_with_a_port_out_of_range_says_so() -> None:
+    result = run_cli("serve", "--demo", "--web.listen-address", ":99999")
+
+    assert result.returncode == 2
+    assert error_message(result.stderr) == ("Invalid value for --web.listen-address: listen address ':99999': port "
+                                            "99999 is out of range (0 to 65535) (see 'mig-exporter serve --help')")
+
+
+# The default address ":PORT" listens on every address. Tested inside a network namespace
+# of our own, whose only interface is loopback: nothing outside this test can reach it.
+_DUAL_STACK_CHECK = r"""
+import json, re, subprocess, sys, urllib.request
+proc = subprocess.Popen([sys.executable, "-m", "mig_exporter", "serve", "--demo", "--web.listen-address", ":0",
+                         "--log.level", "info"], stderr=subprocess.PIPE, text=True)
+try:
+    for line in proc.stderr:
+        m = re.search(r"listening on (\S+ \(.*?\))", line)
+        if m:
+            break
+    port = re.search(r":(\d+) ", m.group(1)).group(1)
+    answers = {}
+    for host in ("127.0.0.1", "[::1]"):
+        with urllib.request.urlopen(f"http://{host}:{port}/-/healthy", timeout=10) as r:
+            answers[host] = r.status
+    print(json.dumps({"logged": m.group(1).replace(port, "PORT"), "answers": answers}))
+finally:
+    proc.kill()
+    proc.wait()
+"""
+
+
+def test_the_default_listen_address_is_dual_stack_and_logged_as_bound(tmp_path: Path) -> None:
+    unshare, ip = shutil.which("unshare"), shutil.which("ip", path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+    assert unshare and ip, "unshare (util-linux) and ip (iproute2) run the server in a namespace of its own"
+    script = tmp_path / "check.py"
+    script.write_text(_DUAL_STACK_CHECK)
+    result = subprocess.run(
+        [unshare, "--map-root-user", "--net", "sh", "-c", f'"{ip}" link set lo up && exec "$0" "$1"',
+         sys.executable, str(script)],
+        env=cli_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout)
+    assert outcome == {"logged": "http://[::]:PORT (every IPv4 and IPv6 address)",
+                       "answers": {"127.0.0.1": 200, "[::1]": 200}}
 
 
 def test_serve_on_a_port_in_use_is_a_one_line_error() -> None:

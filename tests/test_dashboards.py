@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, require_tool
 
 GRAFANA = REPO / "dashboards" / "grafana"
 
@@ -76,11 +74,7 @@ def test_overview_has_the_panels_users_asked_for():
 
 
 def test_every_query_is_valid_promql(tmp_path):
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed")
-        pytest.skip("promtool is not installed")
+    promtool = require_tool("promtool")
     rules = {"groups": [{"name": "dashboard-queries", "rules": [
         {"record": f"dashboard:query_{i}", "expr": concrete(expr)} for i, (_, _, expr) in enumerate(dashboard_queries())
     ]}]}

@@ -137,7 +137,7 @@ def test_cli_text_output_shows_each_card_and_exits_0_without_warnings(fake_nvml_
            "pending enabled, 5 instance(s)" in out
     assert "  device 1001: MIG 2c.3g.71gb GI 1 CI 1 MIG-3134b65a-b3ad-5f32-a1cc-8fa650bdf659 - 30210 MiB used of 71424 MiB" in out
     assert "    pid 7003 M+C /opt/tritonserver/bin/tritonserver 4096 MiB" in out
-    assert out.rstrip().endswith("no warnings")
+    assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
 
 
 def test_cli_json_output_and_exit_1_on_warnings(fake_nvml_lib, fake_nvidia_smi):
@@ -147,7 +147,8 @@ def test_cli_json_output_and_exit_1_on_warnings(fake_nvml_lib, fake_nvidia_smi):
     assert result.exit_code == 1
     doc = json.loads(result.stdout)
     assert [r["source"] for r in doc["reads"]] == ["nvml", "nvidia-smi"] and all(r["ok"] for r in doc["reads"])
-    assert [w["code"] for w in doc["warnings"]] == ["mig-nothing-carved"]
+    assert [(w["code"], w["severity"]) for w in doc["warnings"]] == [("mig-nothing-carved", "error")]
+    assert doc["exit_code"] == 1
     assert doc["cards"][0]["mig_instances"] == 0 and doc["cards"][0]["devices"] == []
     device = doc["cards"][1]["devices"][0]
     assert (device["index"], device["mig_profile"], device["gpu_instance"]) == (1100, "7g.40gb", 0)
@@ -160,5 +161,58 @@ def test_cli_doctor_reports_a_missing_library_and_binary(fmt, fake_nvml_lib):
 
     fake_nvml_lib(dataclasses.replace(SCENARIOS["demo"](), init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
     result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", "/nonexistent/nvidia-smi", "--format", fmt])
-    assert result.exit_code == 1
+    assert result.exit_code == 2, "nothing can be read"
     assert "nvml-unavailable" in result.stdout and "nvidia-smi-failed" in result.stdout
+
+
+# --- exit codes: 0 one path reads and nothing is wrong, 1 an error, 2 nothing reads ----------
+
+def test_a_node_that_reads_through_nvidia_smi_alone_passes_with_a_warning(fake_nvml_lib, fake_nvidia_smi):
+    """docs/sources.md gates a node's readiness on doctor: a node without NVML still reads."""
+    import pynvml
+
+    fake_nvml_lib(dataclasses.replace(SCENARIOS["h100-mig-processes"](), init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    smi = fake_nvidia_smi(*_fixture("h100-mig-processes"))
+    result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", str(smi)])
+    assert result.exit_code == 0, result.output
+    assert "WARNING [nvml-unavailable] NVML could not be read" in result.stdout
+    assert result.stdout.rstrip().endswith("ok: 0 error(s), 1 warning(s) (exit 0)")
+
+
+def test_a_node_that_reads_through_nvml_alone_passes_with_a_warning(fake_nvml_lib):
+    fake_nvml_lib("h100-mig-processes")
+    result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", "/nonexistent/nvidia-smi", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [(w["code"], w["severity"]) for w in doc["warnings"]] == [("nvidia-smi-failed", "warning")]
+    assert "/nonexistent/nvidia-smi: no such file" in doc["warnings"][0]["message"]
+
+
+def test_a_slow_nvidia_smi_and_a_pending_reset_are_warnings_not_errors(fake_nvml_lib, fake_nvidia_smi):
+    fake_nvml_lib("a100-mig-pending")
+    smi = fake_nvidia_smi(*_fixture("a100-mig-pending"), delay_s=0.3)
+    result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", str(smi), "--slow-threshold", "0.1"])
+    assert result.exit_code == 0, result.output
+    assert "WARNING [nvidia-smi-slow]" in result.stdout and "WARNING [mig-reset-pending]" in result.stdout
+
+
+def test_an_unreadable_card_is_an_error_even_when_both_paths_read(fake_nvml_lib, fake_nvidia_smi):
+    fake_nvml_lib("a100-mig-nothing-carved")
+    smi = fake_nvidia_smi(*_fixture("a100-mig-nothing-carved"))
+    result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", str(smi)])
+    assert result.exit_code == 1
+    assert "ERROR [mig-nothing-carved]" in result.stdout
+    assert result.stdout.rstrip().endswith("problems found: 1 error(s), 0 warning(s) (exit 1)")
+
+
+def test_doctor_demo_shows_a_healthy_report_without_a_gpu():
+    result = CliRunner().invoke(cli, ["doctor", "--demo"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert out.startswith("demo: ok, 2 card(s), 4 device(s) in ")
+    assert "nvml" not in out, "the sample is nvidia-smi output; no NVML is read or blamed"
+    assert "  device 1000: MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - 11663 MiB used of 40192 MiB" in out
+    assert "    pid 50102 G /usr/local/bin/llama-server 20480 MiB" in out
+    assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
+    doc = json.loads(CliRunner().invoke(cli, ["doctor", "--demo", "--format", "json"]).stdout)
+    assert doc["exit_code"] == 0 and doc["warnings"] == [] and [r["source"] for r in doc["reads"]] == ["demo"]

@@ -374,7 +374,7 @@ def test_a_target_whose_binary_is_missing_is_probe_success_0(
     exp = serve({"driver-root": ([str(missing)], None)})
     status, body = exp.probe("driver-root")
     assert status == 200 and value(parse(body), "probe_success") == 0
-    assert f"{missing}: no such executable file" in caplog.text
+    assert f"{missing}: no such file" in caplog.text
 
 
 def test_a_failed_listing_keeps_the_probe_and_counts_a_problem(serve: Serve, fake_nvidia_smi: FakeSmi) -> None:

@@ -9,14 +9,12 @@ OpenMetrics are parsed back and their values are checked against the scenario
 README.
 
 promtool comes from Debian's ``prometheus`` package. When it is missing, these
-tests are skipped, except under CI (``CI`` set), where they fail.
+tests fail: ``scripts/test`` installs it.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from mig_exporter.scrape import ScrapeCollector, Scraper, Source
 from mig_exporter.source_demo import DemoProcs, DemoSource
 from mig_exporter.source_smi import NvidiaSmiSource
 
-from conftest import MIB, fixture_bytes
+from conftest import MIB, fixture_bytes, require_tool
 
 SCENARIOS = [
     "h100-mig-processes",
@@ -51,13 +49,7 @@ PER_RENDER = {"mig_exporter_read_duration_seconds", "mig_exporter_read_errors_to
 
 
 def _promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        message = "promtool is not installed (apt-get install prometheus)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must run the promtool checks")
-        pytest.skip(message)
-    return path
+    return require_tool("promtool")
 
 
 class RaisingSource:

@@ -244,11 +244,11 @@ def test_a_missing_binary_logs_one_line(serve, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     assert get(url + "/metrics")[0] == 200
     assert _failure_lines(caplog) == [f"WARNING read from nvidia-smi failed: {tmp_path}/nvidia-smi: "
-                                      "no such executable file"]
+                                      "no such file"]
     caplog.clear()
     assert get(url + "/-/ready")[0] == 503
     assert _failure_lines(caplog) == [f"INFO GET /-/ready from 127.0.0.1:{_port(caplog)}: answered 503: Not ready: "
-                                      f"{tmp_path}/nvidia-smi: no such executable file"]
+                                      f"{tmp_path}/nvidia-smi: no such file"]
 
 
 def _port(caplog) -> str:

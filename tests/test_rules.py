@@ -3,21 +3,18 @@ alert has a case that fires and a case that stays quiet, and the Kubernetes
 PrometheusRule carries exactly the same groups.
 
 promtool comes from Debian's ``prometheus`` package. When it is missing these
-tests are skipped, except under CI (``CI`` set), where they fail.
+tests fail: ``scripts/test`` installs it.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, require_tool
 
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 PROMETHEUS_RULE = REPO / "deploy" / "k8s" / "prometheusrule.yaml"
@@ -26,13 +23,7 @@ SYNC = REPO / "scripts" / "sync-prometheusrule"
 
 
 def _promtool() -> str:
-    path = "/usr/bin/promtool" if os.access("/usr/bin/promtool", os.X_OK) else shutil.which("promtool")
-    if path is None:
-        message = "promtool is not installed (apt-get install prometheus)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI must run the rule tests")
-        pytest.skip(message)
-    return path
+    return require_tool("promtool")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -125,7 +125,7 @@ def test_health_stays_up_while_reads_fail_and_ready_says_why(serve, tmp_path):
     url = serve(NvidiaSmiSource(str(tmp_path / "missing" / "nvidia-smi")))
     assert _get(url + "/-/healthy")[0] == 200
     status, _, body = _get(url + "/-/ready")
-    assert status == 503 and b"no such executable file" in body
+    assert status == 503 and b"no such file" in body
     ready = serve(DemoSource())
     assert _get(ready + "/-/ready")[0] == 200
 
@@ -169,7 +169,8 @@ def test_concurrent_scrapes_are_all_answered(serve, fake_nvidia_smi):
 
 @pytest.mark.parametrize(
     "address, expected",
-    [(":10064", ("0.0.0.0", 10064)), ("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:9", ("::1", 9))],
+    [(":10064", ("", 10064)), ("0.0.0.0:10064", ("0.0.0.0", 10064)), ("127.0.0.1:0", ("127.0.0.1", 0)),
+     ("[::1]:9", ("::1", 9)), ("[::]:9", ("::", 9))],
 )
 def test_listen_address(address, expected):
     assert parse_listen_address(address) == expected

@@ -309,7 +309,7 @@ def test_missing_path_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(CommandNotFound) as raised:
         source.resolve()
-    assert str(raised.value) == f"{missing}: no such executable file"
+    assert str(raised.value) == f"{missing}: no such file"
     with pytest.raises(CommandNotFound):
         source.read()
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import click
 from click.core import ParameterSource
-from prometheus_client import CollectorRegistry, generate_latest
 
 from mig_exporter import __version__
 from mig_exporter.attribution import EngineWatch
@@ -29,6 +28,7 @@ from mig_exporter.command import kill_running
 from mig_exporter.config import EMPTY, Config, ConfigError, load_config
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
 from mig_exporter.engines import EngineSettings
+from mig_exporter.exposition import render
 from mig_exporter.errors import CommandError
 from mig_exporter.logs import FORMATS, setup_logging
 from mig_exporter.malloc_tuning import limit_arenas
@@ -38,7 +38,7 @@ from mig_exporter.pods import PodWatch
 from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
 from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
 from mig_exporter.procfs import ProcfsSource
-from mig_exporter.scrape import ScrapeCollector, Scraper, Source
+from mig_exporter.scrape import Scraper, Source
 from mig_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from mig_exporter.source_auto import AutoSource
 from mig_exporter.source_demo import DemoProcs, DemoSource
@@ -80,7 +80,6 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
                      help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100, and "
                           "its host's processes) instead of a GPU and /proc."),
-        *_log_options("info"),
     ]
     for option in reversed(options):
         func = option(func)
@@ -159,13 +158,23 @@ def _log_options(default_level: str) -> list[Callable[..., Any]]:
     ]
 
 
-def _make_source(source: str, nvidia_smi: str, timeout: float, demo: bool, *, strict: bool) -> Source:
+def _is_demo(source: str, demo: bool) -> bool:
+    """``--demo`` and ``--source demo`` are one thing: the bundled GPU sample *and*
+    its host's processes, never this host's /proc or kubelet."""
+    return demo or source == "demo"
+
+
+def _make_source(source: str, nvidia_smi: str, timeout: float, demo: bool, *, strict: bool,
+                 strict_about_path: bool = True, unready: str = "serving with read_success 0 until it is available",
+                 ) -> Source:
     """The source the flags ask for.
 
-    ``strict`` (``read``) refuses a source that cannot work now. ``serve`` is
-    strict only about an explicit ``--nvidia-smi`` path: a node whose driver is
-    not installed yet still serves, with read_success 0 and the reason in the
-    log, instead of crash-looping.
+    ``strict`` (``read`` to stdout) refuses a source that cannot work now.
+    Otherwise only an explicit ``--nvidia-smi`` path is refused
+    (``strict_about_path``): a node whose driver is not installed yet still
+    serves, with read_success 0 and the reason in the log, instead of
+    crash-looping; ``read --output`` writes read_success 0 (``unready`` says
+    which, in the log line).
     """
     ctx = click.get_current_context()
     if demo:
@@ -186,10 +195,10 @@ def _make_source(source: str, nvidia_smi: str, timeout: float, demo: bool, *, st
     ok, reason = chosen.ready()
     if ok:
         log.info("reading through %s: %s", chosen.describe(), reason)
-    elif strict or (source == "nvidia-smi" and os.sep in nvidia_smi):
+    elif strict or (strict_about_path and source == "nvidia-smi" and os.sep in nvidia_smi):
         raise click.ClickException(f"{reason} (give --nvidia-smi PATH, or --demo to try the exporter without a GPU)")
     else:
-        log.warning("%s; serving with read_success 0 until it is available", reason)
+        log.warning("%s; %s", reason, unready)
     return chosen
 
 
@@ -201,10 +210,17 @@ def cli() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: errors are one line each on stderr and a non-zero exit (2 for usage, 1 otherwise)."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        cli.main(args=argv, prog_name="mig-exporter", standalone_mode=False)
+        cli.main(args=args, prog_name="mig-exporter", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:  # a bare mig-exporter: the usage, no "error"
+        click.echo(e.format_message(), err=True)
+        sys.exit(2)
     except click.UsageError as e:
-        command = e.ctx.command_path if e.ctx else "mig-exporter"
+        # The parser raises some errors (an option without its value) with no
+        # context: the command is then the first argument.
+        command = e.ctx.command_path if e.ctx else " ".join(["mig-exporter", *args[:1]] if args[:1] and
+                                                             args[0] in cli.commands else ["mig-exporter"])
         click.echo(f"mig-exporter: error: {e.format_message()} (see '{command} --help')", err=True)
         sys.exit(2)
     except click.ClickException as e:
@@ -235,6 +251,7 @@ def _load_config(path: str) -> Config:
 
 @cli.command()
 @_source_options
+@_with_options(_log_options("info"))
 @_engine_options
 @_kubernetes_options
 @click.option("--web.listen-address", "listen_address", default=DEFAULT_LISTEN_ADDRESS, show_default=True,
@@ -255,6 +272,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
+    demo = _is_demo(source, demo)
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:
@@ -290,7 +308,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, reload)
-    log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.url, chosen.describe())
+    log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.listening, chosen.describe())
     # What is alive now (modules, the parsers' tables) lives until exit; frozen,
     # the cyclic collector stops walking it at each full collection, a scrape's
     # largest cost after the work itself on a node with many processes.
@@ -332,6 +350,8 @@ def check_web_config(web_config_file: str) -> None:
 
 @cli.command()
 @_source_options
+# warning, not info: read runs from cron, where every line on stderr is mail.
+@_with_options(_log_options("warning"))
 @_engine_options
 @_kubernetes_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
@@ -342,14 +362,18 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
          output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     setup_logging(log_level, log_format)
+    demo = _is_demo(source, demo)
     config = _load_config(config_file) if config_file else EMPTY
     engines = _make_engine_watch(config.engines, proc_root, demo)
     pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
-    scraper = Scraper(_make_source(source, nvidia_smi, timeout, demo, strict=True), engines, pods=pods)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(ScrapeCollector(scraper, timeout))
+    # With --output a source that cannot work still gives a read: read_success 0
+    # replaces the file, so node_exporter never goes on serving an old success.
+    chosen = _make_source(source, nvidia_smi, timeout, demo, strict=output is None, strict_about_path=False,
+                          unready=f"writing read_success 0 to {output}")
+    scraper = Scraper(chosen, engines, pods=pods)
     with _signals_kill_commands():
-        text = generate_latest(registry)
+        # The encoder serve uses, text format.
+        text, _content_type = render(scraper.families(timeout), None)
     if output is None:
         sys.stdout.buffer.write(text)
         sys.stdout.buffer.flush()
@@ -370,27 +394,36 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
               help="Warn when nvidia-smi takes longer than this many seconds.")
 @click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               envvar=_env("DOCTOR_FORMAT"), show_envvar=True, help="Human-readable text, or JSON for machines.")
+@click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
+              help="Diagnose the bundled sample (an A100 in MIG mode and a whole A100) instead of this host: "
+                   "what a healthy report looks like.")
 @_with_options(_log_options("warning"))
-def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, log_level: str,
+def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, demo: bool, log_level: str,
            log_format: str) -> None:
-    """Read through NVML and nvidia-smi, show each card, and warn of what is wrong.
+    """Read through NVML and nvidia-smi, show each card, and say what is wrong.
 
-    Exits 1 when there is any warning, 0 when there is none.
+    Exit codes: 0 when at least one path reads and nothing is wrong with the GPUs (warnings such as one
+    unavailable path or a slow nvidia-smi may remain); 1 when workloads cannot run or the numbers are
+    wrong (an error); 2 when nothing can be read.
     """
     setup_logging(log_level, log_format)
-    nvml = NvmlSource(timeout_s=timeout)
-    smi = NvidiaSmiSource(nvidia_smi, timeout)
-    with _signals_kill_commands():
-        report = diagnose(
-            timed_read("nvml", nvml.read),
-            timed_read("nvidia-smi", smi.read),
-            slow_threshold_s=slow_threshold,
-        )
+    if demo:
+        # The sample is nvidia-smi's output: there is no NVML to read.
+        report = diagnose(None, timed_read("demo", DemoSource().read), slow_threshold_s=slow_threshold)
+    else:
+        nvml = NvmlSource(timeout_s=timeout)
+        smi = NvidiaSmiSource(nvidia_smi, timeout)
+        with _signals_kill_commands():
+            report = diagnose(
+                timed_read("nvml", nvml.read),
+                timed_read("nvidia-smi", smi.read),
+                slow_threshold_s=slow_threshold,
+            )
     if output_format == "json":
         click.echo(json.dumps(as_json(report), indent=2))
     else:
         click.echo(render_text(report), nl=False)
-    sys.exit(1 if report.findings else 0)
+    sys.exit(report.exit_code)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,17 @@
 the states in which nothing can run or the numbers are wrong.
 
 Pure analysis lives here (``diagnose``, ``render_text``, ``as_json``); the CLI
-does the reading. Every warning names its fix.
+does the reading. Every finding names its fix, and has a severity:
+
+- ``error``: workloads cannot run, or the exporter's numbers are wrong (a card
+  it cannot read, MIG with nothing carved, processes hidden from it, two paths
+  that disagree, no GPU visible);
+- ``warning``: worth fixing, but the exporter reads right (one path of two is
+  unavailable, nvidia-smi is slow, a MIG mode change waits for a reset).
+
+The exit code (``Report.exit_code``), for readiness gates and scripts:
+0 when at least one path reads and there is no error; 1 when there is an
+error; 2 when nothing can be read.
 """
 
 from __future__ import annotations
@@ -39,11 +49,19 @@ class PathReading:
         return self.snapshot is not None
 
 
+ERROR = "error"
+WARNING = "warning"
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_UNREADABLE = 2
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     code: str
     message: str
     fix: str
+    severity: str = ERROR
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +73,17 @@ class Report:
     def snapshot(self) -> Snapshot | None:
         """What to show: the first path that read (NVML before nvidia-smi)."""
         return next((r.snapshot for r in self.readings if r.snapshot is not None), None)
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.severity == ERROR)
+
+    @property
+    def exit_code(self) -> int:
+        """2: no path reads; 1: a path reads and there is an error; 0: otherwise."""
+        if self.snapshot is None:
+            return EXIT_UNREADABLE
+        return EXIT_PROBLEM if self.errors else EXIT_OK
 
 
 def timed_read(source: str, read: Callable[[], Snapshot]) -> PathReading:
@@ -69,42 +98,52 @@ def timed_read(source: str, read: Callable[[], Snapshot]) -> PathReading:
 
 
 def diagnose(
-    nvml: PathReading,
+    nvml: PathReading | None,
     smi: PathReading,
     *,
     slow_threshold_s: float = DEFAULT_SLOW_THRESHOLD_S,
 ) -> Report:
+    """The findings of one read of each path. ``nvml`` is None where it was not
+    read (``doctor --demo``, whose sample is nvidia-smi's output).
+
+    A path that fails while the other reads is a warning: the exporter reads
+    through the other (``--source auto``). Both failing is the exit code's 2."""
     findings: list[Finding] = []
-    if not nvml.ok:
+    readings = tuple(r for r in (nvml, smi) if r is not None)
+    another_reads = sum(r.ok for r in readings) >= 1
+    if nvml is not None and not nvml.ok:
         findings.append(Finding(
             "nvml-unavailable", f"NVML could not be read: {nvml.error}",
             "install the NVIDIA driver on the host; in a container run with the NVIDIA runtime and "
             "NVIDIA_DRIVER_CAPABILITIES=utility so libnvidia-ml.so.1 is mounted",
+            WARNING if another_reads else ERROR,
         ))
     if not smi.ok:
         findings.append(Finding(
             "nvidia-smi-failed", f"nvidia-smi could not be read: {smi.error}",
             "give --nvidia-smi PATH (GPU Operator: /run/nvidia/driver/usr/bin/nvidia-smi); in a container "
             "run with the NVIDIA runtime and NVIDIA_DRIVER_CAPABILITIES=utility",
+            WARNING if another_reads else ERROR,
         ))
     elif smi.duration_s > slow_threshold_s:
         findings.append(Finding(
             "nvidia-smi-slow", f"nvidia-smi took {smi.duration_s:.2f}s (threshold {slow_threshold_s:g}s)",
             "enable persistence mode (nvidia-persistenced, or nvidia-smi -pm 1) so the driver is not "
             "initialised at every call, or read through NVML (--source nvml)",
+            WARNING,
         ))
-    for reading in (nvml, smi):
+    for reading in readings:
         if reading.snapshot is not None and not reading.snapshot.cards:
             findings.append(Finding(
                 "no-devices", f"{reading.source} works but sees no GPU",
                 "expose the GPUs to the container: NVIDIA_VISIBLE_DEVICES=all (or the device plugin's "
                 "allocation), runtimeClassName: nvidia, and check the devices on the host with nvidia-smi -L",
             ))
-    snapshot = nvml.snapshot or smi.snapshot
+    snapshot = next((r.snapshot for r in readings if r.snapshot is not None), None)
     if snapshot is not None:
         findings.extend(_card_findings(snapshot))
         findings.extend(_unlisted_memory_findings(snapshot))
-    if nvml.snapshot is not None and smi.snapshot is not None:
+    if nvml is not None and nvml.snapshot is not None and smi.snapshot is not None:
         differences = compare(nvml.snapshot, smi.snapshot)
         if differences:
             findings.append(Finding(
@@ -114,7 +153,7 @@ def diagnose(
                 "run doctor again (a change between the two reads shows once); if it persists, the "
                 "libnvidia-ml the exporter loads and the nvidia-smi it runs come from different drivers",
             ))
-    return Report((nvml, smi), tuple(findings))
+    return Report(readings, tuple(findings))
 
 
 def _card_findings(snapshot: Snapshot) -> Iterable[Finding]:
@@ -146,6 +185,7 @@ def _card_findings(snapshot: Snapshot) -> Iterable[Finding]:
                 "mig-reset-pending", f"{label}: MIG mode is {now} but {then} is pending: a GPU reset is needed",
                 f"reset the GPU when idle (nvidia-smi -r -i {card.index}) or reboot; on Kubernetes drain the "
                 "node and let the MIG manager apply it",
+                WARNING,  # the card works in its current mode until then
             )
 
 
@@ -236,14 +276,17 @@ def render_text(report: Report) -> str:
             lines.append("")
             lines.extend(_card_lines(snapshot, card.index))
     lines.append("")
-    if report.findings:
-        lines.append(f"{len(report.findings)} warning(s):")
-        for f in report.findings:
-            lines.append(f"  [{f.code}] {f.message}")
-            lines.append(f"      fix: {f.fix}")
-    else:
-        lines.append("no warnings")
+    errors = len(report.errors)
+    warnings = len(report.findings) - errors
+    for f in sorted(report.findings, key=lambda f: f.severity != ERROR):
+        lines.append(f"{f.severity.upper()} [{f.code}] {f.message}")
+        lines.append(f"      fix: {f.fix}")
+    lines.append(f"{_verdict(report.exit_code)}: {errors} error(s), {warnings} warning(s) (exit {report.exit_code})")
     return "\n".join(lines) + "\n"
+
+
+def _verdict(exit_code: int) -> str:
+    return {EXIT_OK: "ok", EXIT_PROBLEM: "problems found", EXIT_UNREADABLE: "nothing can be read"}[exit_code]
 
 
 def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
@@ -300,5 +343,8 @@ def as_json(report: Report) -> dict:
             }
             for c in (snapshot.cards if snapshot else ())
         ],
-        "warnings": [{"code": f.code, "message": f.message, "fix": f.fix} for f in report.findings],
+        "warnings": [
+            {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix} for f in report.findings
+        ],
+        "exit_code": report.exit_code,
     }

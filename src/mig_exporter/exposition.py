@@ -52,7 +52,12 @@ class _Families:
 
 
 def render(families: Sequence[Metric], accept: str | None) -> tuple[bytes, str]:
-    """The body and Content-Type for a client sending ``Accept: accept``."""
+    """The body and Content-Type for a client sending ``Accept: accept``.
+
+    A family with no samples is left out: its HELP and TYPE alone tell a reader
+    nothing (no pod on a node, no engine running), and prometheus_client would
+    print them."""
+    families = [f for f in families if f.samples]
     encoder, content_type = exposition.choose_encoder(accept or "")
     fast = _fast_encoder(encoder)
     if fast is not None:

@@ -14,6 +14,7 @@ one line with its reason.
 
 from __future__ import annotations
 
+import errno
 import html
 import logging
 import socket
@@ -104,8 +105,6 @@ class ExporterServer(ThreadingHTTPServer):
         prober: Prober | None = None,
         web: WebSettings | None = None,
     ) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
         self.scraper = scraper
         self.prober = prober
         self.web = web
@@ -113,7 +112,27 @@ class ExporterServer(ThreadingHTTPServer):
         self.timeout_s = timeout_s
         self.timeout_offset_s = timeout_offset_s
         self.scrapes = SharedScrapes(self._scrape_families, self._late_families)
-        super().__init__(address, _Handler)
+        host, port = address
+        # An empty host is every address, as Go's net.Listen(":PORT"): one IPv6
+        # socket that takes IPv4 too, or IPv4 alone where the kernel has no IPv6.
+        self.dual_stack = host == "" and socket.has_dualstack_ipv6()
+        if self.dual_stack:
+            self.address_family = socket.AF_INET6
+            try:
+                super().__init__(("::", port), _Handler)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                    raise
+                log.debug("IPv6 is not available (%s); listening on IPv4 only", e.strerror or e)
+                self.dual_stack = False
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host or "0.0.0.0", port), _Handler)
+
+    def server_bind(self) -> None:
+        if self.dual_stack:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
 
     def _scrape_families(self, budget_s: float) -> list[Metric]:
         return self._with_probe_counters(self.scraper.families(budget_s))
@@ -128,10 +147,22 @@ class ExporterServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
+        """A URL that reaches the server from this host."""
         host, port = self.server_address[:2]
-        host = "127.0.0.1" if host in ("", "0.0.0.0") else host
-        scheme = "https" if self.tls else "http"
-        return f"{scheme}://[{host}]:{port}" if ":" in str(host) else f"{scheme}://{host}:{port}"
+        host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        return _url("https" if self.tls else "http", str(host), int(port))
+
+    @property
+    def listening(self) -> str:
+        """What the socket is bound to, as the start-up log says it."""
+        host, port = self.server_address[:2]
+        url = _url("https" if self.tls else "http", str(host), int(port))
+        if host == "0.0.0.0":
+            return f"{url} (every IPv4 address)"
+        if host == "::":
+            v6_only = self.socket.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+            return f"{url} (every IPv6 address)" if v6_only else f"{url} (every IPv4 and IPv6 address)"
+        return url
 
     def web_config(self) -> WebConfig | None:
         return self.web.current() if self.web is not None else None
@@ -154,6 +185,10 @@ class ExporterServer(ThreadingHTTPServer):
         """The read's budget: ``--timeout``, or Prometheus' scrape timeout less
         the offset when that is shorter, so the answer arrives in time."""
         return read_budget(self.timeout_s, header, self.timeout_offset_s)
+
+
+def _url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _peer(address: object) -> str:
@@ -417,11 +452,14 @@ def _shown_path(path: str) -> str:
 
 
 def parse_listen_address(address: str) -> tuple[str, int]:
-    """``:10064``, ``0.0.0.0:10064``, ``127.0.0.1:0`` or ``[::1]:10064``."""
+    """``:10064`` (every address, IPv4 and IPv6: the host is ``""``),
+    ``0.0.0.0:10064``, ``127.0.0.1:0``, ``[::]:10064`` or ``[::1]:10064``."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not port.isdigit():
         raise ValueError(f"listen address {address!r} is not HOST:PORT")
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen address {address!r}: port {int(port)} is out of range (0 to 65535)")
     host = host.strip("[]") if host.startswith("[") else host
     if ":" in host and not address.startswith("["):
         raise ValueError(f"listen address {address!r}: write IPv6 hosts in brackets, [::1]:PORT")
-    return host or "0.0.0.0", int(port)
+    return host, int(port)

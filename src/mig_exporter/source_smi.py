@@ -54,6 +54,17 @@ def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_err
     return place(cards, driver_version=report.driver_version, cuda_version=report.cuda_version, problems=problems)
 
 
+def _why_not_executable(path: str) -> str:
+    """Why ``path`` cannot be run, as a user needs to hear it."""
+    if os.path.isdir(path):
+        return "is a directory, not an executable file"
+    if os.path.exists(path):
+        return "not executable (no permission to run it)"
+    if os.path.lexists(path):
+        return "a broken symbolic link"
+    return "no such file"
+
+
 class NvidiaSmiSource:
     """Reads through an nvidia-smi binary, at each call.
 
@@ -84,7 +95,7 @@ class NvidiaSmiSource:
         if os.sep in self.binary:
             if os.path.isfile(self.binary) and os.access(self.binary, os.X_OK):
                 return self.binary
-            raise CommandNotFound(f"{self.binary}: no such executable file")
+            raise CommandNotFound(f"{self.binary}: {_why_not_executable(self.binary)}")
         found = shutil.which(self.binary)
         if found is None:
             raise CommandNotFound(f"{self.binary}: not found on PATH")
