@@ -133,3 +133,41 @@ def test_readme_first_screen_gives_the_two_commands():
     assert "python -m pytest" in (REPO / "scripts" / "test").read_text()
     ci_lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     assert commands[1] in ci_lines, "CI must run the README's test command"
+
+
+def test_the_readme_pip_line_names_every_runtime_dependency():
+    import tomllib
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0] for d in dependencies}
+    (line,) = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("pip install .")]
+    assert all(name in line for name in names), f"{line!r} leaves out some of {sorted(names)}"
+
+
+def test_the_readme_names_every_debian_package_scripts_test_installs():
+    script = (REPO / "scripts" / "test").read_text()
+    packages = set()
+    for tools in re.findall(r"^\s*tools\+?=\(([^)]*)\)", script, re.M):
+        packages |= {tool.split(":", 1)[1] for tool in tools.split()}
+    assert packages == {"prometheus", "wrk", "iproute2", "buildah", "debootstrap"}
+    first_screen = "\n".join((REPO / "README.md").read_text().splitlines()[:40])
+    assert all(f"`{package}`" in first_screen for package in packages)
+    assert "sudo" in first_screen and "sudo" in script
+
+
+def test_the_readme_gives_each_commands_own_log_level_default():
+    from mig_exporter.cli import cli
+
+    defaults = {name: next(p.default for p in cli.commands[name].params if p.name == "log_level")
+                for name in ("serve", "read", "doctor")}
+    assert defaults == {"serve": "info", "read": "warning", "doctor": "warning"}
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `--log.level`"))
+    assert "`info` for `serve`, `warning` for `read` and `doctor`" in row
+
+
+def test_the_readme_lists_every_status_the_server_refuses_with():
+    codes = {int(c) for c in re.findall(r"_fail\((\d{3})", (REPO / "src" / "mig_exporter" / "server.py").read_text())}
+    readme = (REPO / "README.md").read_text()
+    listed = re.search(r"Every answer that is not a success \(([^)]*)\)", readme.replace("\n", " "))
+    assert listed, "the README lists the refusals it logs"
+    assert codes <= {int(c) for c in re.findall(r"\d{3}", listed.group(1))}
