@@ -4,12 +4,12 @@ and what we read matches the facts checked by hand in real_corpus_facts.py."""
 from __future__ import annotations
 
 import pytest
-from conftest import MIB, REAL_CORPUS
-from real_corpus_facts import LIST_FACTS, NOT_PARSED, XML_FACTS
 
+from conftest import MIB, REAL_CORPUS
 from mig_exporter.smi_list import parse_list
 from mig_exporter.smi_xml import parse_query_xml
 from mig_exporter.source_smi import snapshot_from_smi
+from real_corpus_facts import LIST_FACTS, NOT_PARSED, XML_FACTS
 
 pytestmark = pytest.mark.skipif(not REAL_CORPUS.is_dir(), reason=f"real corpus not found at {REAL_CORPUS}")
 

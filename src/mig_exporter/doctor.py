@@ -258,7 +258,8 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
         head += f" - UNREADABLE: {card.error}"
     lines = [head]
     for d in (d for d in snapshot.devices if d.card == index):
-        kind = f"MIG {d.profile or 'unknown'} GI {d.gpu_instance_id} CI {d.compute_instance_id}" if d.is_mig else "whole card"
+        kind = (f"MIG {d.profile or 'unknown'} GI {d.gpu_instance_id} CI {d.compute_instance_id}" if d.is_mig
+                else "whole card")
         lines.append(f"  device {d.index}: {kind} {d.uuid or ''} - {_mib(d.memory.used_bytes)} used of "
                      f"{_mib(d.memory.total_bytes)}")
         for p in snapshot.processes_on(d.index):

@@ -9,6 +9,7 @@ the NVML error name, so callers can decide per call what a failure means
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -97,10 +98,8 @@ class Nvml:
     def shutdown(self) -> None:
         with self._lock:
             if self._initialised:
-                try:
+                with contextlib.suppress(pynvml.NVMLError):
                     pynvml.nvmlShutdown()
-                except pynvml.NVMLError:
-                    pass
                 self._initialised = False
 
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -14,6 +14,7 @@ one line with its reason.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import logging
 import socket
@@ -229,15 +230,15 @@ class _Handler(BaseHTTPRequestHandler):
     # As Go's servers: answers go out at once (the one write per answer is in _send).
     disable_nagle_algorithm = True
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:  # do_GET, do_HEAD, do_POST: http.server's naming
         self._discard_body()
         self._dispatch("GET")
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._discard_body()
         self._dispatch("HEAD")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._discard_body()
         self._dispatch("POST")
 
@@ -277,10 +278,8 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             log.exception("%s %s from %s failed; answered 503", self.command, _shown_path(self.path),
                           _peer(self.client_address))
-            try:
+            with contextlib.suppress(OSError):
                 self._send(503, b"Request failed; see the exporter's log\n", _TEXT, send_body)
-            except OSError:
-                pass
 
     def _admitted(self, web: WebConfig, send_body: bool) -> bool:
         """The web config's headers, rate limit and basic auth, for every path
@@ -388,7 +387,8 @@ class _Handler(BaseHTTPRequestHandler):
 """
         self._send(200, page.encode(), "text/html; charset=utf-8", send_body)
 
-    def _send(self, status: int, body: bytes, content_type: str, send_body: bool, headers: dict[str, str] | None = None) -> None:
+    def _send(self, status: int, body: bytes, content_type: str, send_body: bool,
+              headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -401,10 +401,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._headers_buffer.append(body)
         self.flush_headers()
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
-    def log_error(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_error(self, format: str, *args: object) -> None:
         """http.server's own refusals (a malformed request line, an unsupported
         method, headers too long): one line each."""
         log.info("request from %s refused: %s", _peer(self.client_address), " ".join((format % args).split()))

@@ -14,8 +14,8 @@ import json
 from importlib import resources
 
 from mig_exporter.procfs import PidNamespace, ProcTable, parse_process
-from mig_exporter.source_smi import snapshot_from_smi
 from mig_exporter.snapshot import Snapshot
+from mig_exporter.source_smi import snapshot_from_smi
 
 
 def sample_bytes(name: str) -> bytes:
