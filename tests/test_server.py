@@ -223,6 +223,24 @@ def test_idle_connections_are_closed_and_resets_log_no_traceback(serve, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_an_http_0_9_request_gets_the_body_alone_and_logs_no_error(serve, capfd, caplog):
+    # "GET /path" without a version: http.server calls do_GET for it and sends
+    # no head. _send once reached into http.server's private header buffer,
+    # which such a request never gets: an AttributeError, logged with two
+    # tracebacks, and no answer.
+    url = serve(DemoSource())
+    host, port = url.removeprefix("http://").split(":")
+    for path, expected in (("/-/healthy", b"Healthy\n"), ("/metrics", b"# HELP ")):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(f"GET {path}\r\n\r\n".encode())
+            answer = b""
+            while chunk := s.recv(65536):  # HTTP/0.9: the server closes the connection after the body
+                answer += chunk
+        assert answer.startswith(expected), answer[:200]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_fifty_concurrent_scrapes_cause_one_nvidia_smi_run(serve, fake_nvidia_smi):
     smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"),
                           delay_s=0.5)

@@ -160,13 +160,13 @@ def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
                 mig_mode.add_metric([card, state], 1 if value else 0)
         if c.mig_instances is not None:
             instances.add_metric([card], c.mig_instances)
-        for family, value in (
+        for family, reading in (
             (temperature, c.temperature_celsius),
             (power, c.power_draw_watts),
             (utilization, c.utilization_ratio),
         ):
-            if value is not None:
-                family.add_metric([card], value)
+            if reading is not None:
+                family.add_metric([card], reading)
     yield from (info, ok, mig_mode, instances, temperature, power, utilization)
 
 

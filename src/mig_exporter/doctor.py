@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mig_exporter.errors import ReadError
 from mig_exporter.snapshot import MIB, Device, Snapshot
@@ -271,7 +272,7 @@ def _mode(enabled: bool | None) -> str:
     return "unknown" if enabled is None else ("enabled" if enabled else "disabled")
 
 
-def as_json(report: Report) -> dict:
+def as_json(report: Report) -> dict[str, Any]:
     snapshot = report.snapshot
     return {
         "reads": [
@@ -299,7 +300,7 @@ def as_json(report: Report) -> dict:
                     for d in snapshot.devices if d.card == c.index
                 ],
             }
-            for c in (snapshot.cards if snapshot else ())
-        ],
+            for c in snapshot.cards
+        ] if snapshot else [],
         "warnings": [{"code": f.code, "message": f.message, "fix": f.fix} for f in report.findings],
     }

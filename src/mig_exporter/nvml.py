@@ -108,7 +108,8 @@ class Nvml:
             return function(*args, **kwargs)
         except UnicodeDecodeError as e:
             # pynvml decodes the names it returns strictly; a process name that
-            # is not UTF-8 must not fail the read: keep it, with replacements.
+            # is not UTF-8 must not fail the read: keep it, with replacements
+            # (a str, the T of the only calls that decode).
             return e.object.decode("utf-8", errors="replace")  # type: ignore[return-value]
         except _LIBRARY_MISMATCH as e:  # pynvml's own "this symbol's version is missing"
             raise NvmlCallError(getattr(function, "__name__", "nvml"), pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,

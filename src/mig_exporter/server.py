@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import io
 import logging
 import socket
 import ssl
@@ -130,6 +131,8 @@ class ExporterServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
+        if isinstance(host, (bytes, bytearray)):  # as typeshed allows; a bound AF_INET(6) socket gives a str
+            host = host.decode()
         host = "127.0.0.1" if host in ("", "0.0.0.0") else host
         scheme = "https" if self.tls else "http"
         return f"{scheme}://[{host}]:{port}" if ":" in str(host) else f"{scheme}://{host}:{port}"
@@ -137,6 +140,7 @@ class ExporterServer(ThreadingHTTPServer):
     def web_config(self) -> WebConfig | None:
         return self.web.current() if self.web is not None else None
 
+    # The base class also takes a UDP server's (data, socket) pairs: a TCP server's requests are sockets.
     def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
         """Serve one connection, in its own thread; over TLS when configured."""
         web = self.web_config()
@@ -389,17 +393,22 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes, content_type: str, send_body: bool,
               headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in {**getattr(self, "_extra_headers", {}), **(headers or {})}.items():
-            self.send_header(name, value)
         # Headers and body in one write: two small writes on a kept-alive connection wait
-        # ~40 ms for the client's delayed ACK (Nagle).
-        self._headers_buffer.append(b"\r\n")
-        if send_body:
-            self._headers_buffer.append(body)
-        self.flush_headers()
+        # ~40 ms for the client's delayed ACK (Nagle). http.server writes the head to
+        # self.wfile at end_headers(): here, into a buffer sent with the body. An HTTP/0.9
+        # request ("GET /path" alone) gets no head at all, as from http.server itself.
+        wfile = self.wfile
+        self.wfile = head = io.BytesIO()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in {**getattr(self, "_extra_headers", {}), **(headers or {})}.items():
+                self.send_header(name, value)
+            self.end_headers()
+        finally:
+            self.wfile = wfile
+        wfile.write(head.getvalue() + body if send_body else head.getvalue())
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
