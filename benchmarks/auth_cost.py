@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-import bcrypt  # noqa: E402
+import bcrypt
 
-from mig_exporter.scrape import Scraper  # noqa: E402
-from mig_exporter.server import ExporterServer  # noqa: E402
-from mig_exporter.source_demo import DemoSource  # noqa: E402
-from mig_exporter.webconfig import BasicAuth, WebSettings  # noqa: E402
+from mig_exporter.scrape import Scraper
+from mig_exporter.server import ExporterServer
+from mig_exporter.source_demo import DemoSource
+from mig_exporter.webconfig import BasicAuth, WebSettings
 
 COST = 10
 

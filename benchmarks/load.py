@@ -31,8 +31,8 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,8 +59,8 @@ def large_node(directory: Path) -> Path:
         extra = "".join(re.sub(r"<pid>(\d+)</pid>", f"<pid>{4_100_000 + i * 100 + n}</pid>",
                                processes[n % len(processes)]) for n in range(PROCESSES_PER_CARD))
         body = renamed(card).replace("<minor_number>0</minor_number>", f"<minor_number>{i}</minor_number>")
-        body = re.sub(r"\t\t<processes>.*?</processes>", lambda _: f"\t\t<processes>\n{extra}\t\t</processes>", body,
-                      flags=re.S)
+        body = re.sub(r"\t\t<processes>.*?</processes>",
+                      lambda _, extra=extra: f"\t\t<processes>\n{extra}\t\t</processes>", body, flags=re.S)
         cards.append(body)
         lines.append(renamed(listing).replace("GPU 0:", f"GPU {i}:"))
     head = head.replace("<attached_gpus>1</attached_gpus>", f"<attached_gpus>{CARDS}</attached_gpus>")
@@ -247,7 +247,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for name in ("metrics", "probe"):
         r = figures[f"wrk_{name}"]
-        print(f"| {name} | {r['requests']:.0f} | {r['requests_per_s']:.1f} | {r['p50_ms']:.1f} ms | {r['p99_ms']:.1f} ms "  # type: ignore[index]
+        print(f"| {name} | {r['requests']:.0f} | {r['requests_per_s']:.1f} | {r['p50_ms']:.1f} ms "  # type: ignore[index]
+              f"| {r['p99_ms']:.1f} ms "  # type: ignore[index]
               f"| {r['non_2xx'] + r['socket_errors']:.0f} | {r['rss_before_kib']} KiB | {r['rss_after_kib']} KiB |")  # type: ignore[index]
     print(json.dumps(figures))
     if errors:

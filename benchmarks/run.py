@@ -48,10 +48,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import mig_exporter
 from benchmarks import scenarios
 from benchmarks.scenarios import BIG_MIG, MAIN_SHAPES, SINGLE, Shape
-
-import mig_exporter
 from mig_exporter.scrape import ReadOutcome, Scraper
 from mig_exporter.source_smi import snapshot_from_smi
 
@@ -116,7 +115,7 @@ def median_ms(samples_ns: Iterable[int]) -> float:
 
 def p90_ms(samples_ns: list[int]) -> float:
     ordered = sorted(samples_ns)
-    return ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))] / 1e6
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))] / 1e6
 
 
 def timed(fn: Callable[[], object], reps: int, warmup: int) -> list[int]:
@@ -380,7 +379,7 @@ class NvmlBench:
 
         self.fake = FakeNvml(scenarios.nvml_scenario(SINGLE)).install()
         try:
-            import nvitop_exporter  # noqa: F401
+            import nvitop_exporter  # noqa: F401 - only whether it imports
 
             self.nvitop_error: str | None = None
         except ImportError as e:
@@ -474,7 +473,7 @@ def measure_scaling(shapes: Iterable[Shape], nvml: NvmlBench, s: Settings) -> li
     rendering: list[list[int]] = [[] for _ in shapes]
     nvml_ns: list[list[int]] = [[] for _ in shapes]
     for rep in range(s.reps_scaling + 1):  # the first round warms up
-        for i, (shape, (xml, listing, snapshot, fake_scenario)) in enumerate(zip(shapes, inputs)):
+        for i, (shape, (xml, listing, snapshot, fake_scenario)) in enumerate(zip(shapes, inputs, strict=True)):
             t = time.perf_counter_ns()
             snapshot_from_smi(xml, listing)
             t1 = time.perf_counter_ns()
@@ -490,7 +489,7 @@ def measure_scaling(shapes: Iterable[Shape], nvml: NvmlBench, s: Settings) -> li
                 rendering[i].append(t2 - t1)
                 nvml_ns[i].append(t4 - t3)
     return [ScalingRow(shape, len(xml) / 1024, median_ms(p), median_ms(r), median_ms(n))
-            for shape, (xml, *_), p, r, n in zip(shapes, inputs, parse, rendering, nvml_ns)]
+            for shape, (xml, *_), p, r, n in zip(shapes, inputs, parse, rendering, nvml_ns, strict=True)]
 
 
 # -- output ----------------------------------------------------------------------------
@@ -501,10 +500,10 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     slope = sxy / sxx if sxx else 0.0
     intercept = my - slope * mx
-    ss_res = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys))
+    ss_res = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys, strict=True))
     ss_tot = sum((y - my) ** 2 for y in ys)
     return slope, intercept, 1 - ss_res / ss_tot if ss_tot else 1.0
 
@@ -514,7 +513,8 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))) + " |"
 
     rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])

@@ -30,7 +30,7 @@ TEMPLATE = REPO / "tests" / "fixtures" / "nvidia-smi" / "h100-mig-processes.xml"
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from fake_nvml import H100, FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess  # noqa: E402
+from fake_nvml import H100, FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess  # noqa: E402 - needs tests/ on sys.path
 
 MIB = 1024 * 1024
 DRIVER_VERSION = "550.90.07"

@@ -28,7 +28,8 @@ REPO = TESTS.parent
 FIXTURES = TESTS / "fixtures" / "nvidia-smi"
 SAMPLES = REPO / "src" / "mig_exporter" / "samples"
 # The real corpus lives beside the checkout (../shared), as in CI.
-REAL_CORPUS = Path(os.environ.get("MIG_EXPORTER_REAL_CORPUS", REPO.parent / "shared" / "fixtures" / "nvidia-smi" / "real"))
+REAL_CORPUS = Path(os.environ.get("MIG_EXPORTER_REAL_CORPUS",
+                                  REPO.parent / "shared" / "fixtures" / "nvidia-smi" / "real"))
 MIB = 1024 * 1024
 
 

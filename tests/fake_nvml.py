@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from ctypes import POINTER, c_int, c_uint, c_ulonglong, c_void_p
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pynvml
 import pytest
@@ -408,7 +408,7 @@ class FakeNvml:
                 return impl(*args)
             except _Fail as f:
                 return f.code
-            except BaseException as e:  # noqa: BLE001 - ctypes would hand C a garbage code
+            except BaseException as e:  # ctypes would hand C a garbage code
                 self.exceptions.append((name, e))
                 return failure
 
@@ -653,9 +653,13 @@ class FakeNvml:
     # The fake's choices: every card answers the same H100-like values; a MIG
     # handle answers NVML_ERROR_NOT_SUPPORTED, as for temperature and power.
 
-    _CLOCKS_MHZ = {pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
-                   pynvml.NVML_CLOCK_VIDEO: 1755}
-    _PCIE_KB_PER_S = {pynvml.NVML_PCIE_UTIL_TX_BYTES: 412, pynvml.NVML_PCIE_UTIL_RX_BYTES: 538}
+    _CLOCKS_MHZ: ClassVar[dict[int, int]] = {
+        pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
+        pynvml.NVML_CLOCK_VIDEO: 1755,
+    }
+    _PCIE_KB_PER_S: ClassVar[dict[int, int]] = {
+        pynvml.NVML_PCIE_UTIL_TX_BYTES: 412, pynvml.NVML_PCIE_UTIL_RX_BYTES: 538,
+    }
 
     def _card_only(self, name: str, handle: int | None) -> _Target:
         t = self._device(name, handle)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,15 +11,15 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO))
-from benchmarks import scenarios  # noqa: E402
-from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING  # noqa: E402
-
-from mig_exporter.smi_xml import parse_query_xml  # noqa: E402
-from mig_exporter.source_nvml import NvmlSource  # noqa: E402
-from mig_exporter.source_smi import snapshot_from_smi  # noqa: E402
+from benchmarks import scenarios
+from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING
+from mig_exporter.smi_xml import parse_query_xml
+from mig_exporter.source_nvml import NvmlSource
+from mig_exporter.source_smi import snapshot_from_smi
 
 
 def test_big_mig_is_eight_cards_of_seven_instances_with_sixteen_processes_each():

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -562,7 +562,8 @@ def test_log_level_from_the_environment() -> None:
     ("MIG_EXPORTER_TIMEOUT", "--timeout", ["read", "--demo"]),
     ("MIG_EXPORTER_LOG_LEVEL", "--log-level", ["read", "--demo"]),
     ("MIG_EXPORTER_LOG_FORMAT", "--log.format", ["read", "--demo"]),
-    ("MIG_EXPORTER_WEB_TIMEOUT_OFFSET", "--web.timeout-offset", ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
+    ("MIG_EXPORTER_WEB_TIMEOUT_OFFSET", "--web.timeout-offset",
+     ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
     ("MIG_EXPORTER_WEB_LISTEN_ADDRESS", "--web.listen-address", ["serve", "--demo"]),
     ("MIG_EXPORTER_PROBE_MAX_CONCURRENT", "--probe.max-concurrent",
      ["serve", "--demo", "--web.listen-address", "127.0.0.1:0"]),
@@ -729,10 +730,8 @@ def test_sigterm_during_a_hung_read_leaves_no_nvidia_smi_behind(fake_nvidia_smi:
         assert _running_in_groups(pgids, within_s=1.0) == []
     finally:
         for pgid in pgids:  # the fake's groups were started by this test: never leave them running
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _lines(path: Path) -> list[str]:
@@ -740,10 +739,8 @@ def _lines(path: Path) -> list[str]:
 
 
 def _ignore_errors(func, *args) -> None:
-    try:
+    with suppress(Exception):  # the server is being stopped under the request
         func(*args)
-    except Exception:  # noqa: BLE001 - the server is being stopped under the request
-        pass
 
 
 def _running_in_groups(pgids: list[int], within_s: float) -> list[tuple[int, int]]:
@@ -860,7 +857,8 @@ def test_sighup_reloads_the_config_and_a_bad_one_is_refused(tmp_path: Path, fake
         probe_config(config, gpu_a=fake_a, gpu_b=fake_b)
         mark = len(server.log)
         server.proc.send_signal(signal.SIGHUP)
-        wait_for_log(server, f"reloaded {config}: 2 probe targets (gpu_a, gpu_b); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm", mark)
+        wait_for_log(server, f"reloaded {config}: 2 probe targets (gpu_a, gpu_b); "
+                             "engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm", mark)
         status, body = server.get("/probe?target=gpu_b")
         assert status == 200 and value(samples(body), "probe_success") == 1
 
@@ -890,7 +888,8 @@ def test_check_config_of_a_good_file(tmp_path: Path, fake_nvidia_smi: FakeSmi) -
     result = run_cli("check-config", str(config))
 
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"{config}: ok: 2 probe targets (gpu-a, remote); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm\n"
+    assert result.stdout == (f"{config}: ok: 2 probe targets (gpu-a, remote); "
+                             "engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm\n")
     # Checked on this host, a command that is missing here is worth a warning, not a failure.
     assert result.stderr == (f"mig-exporter: warning: {config}: probe_targets.remote: "
                              "no-such-ssh-here: not found on PATH (on this host)\n")
@@ -942,10 +941,8 @@ def test_a_signal_during_read_leaves_no_nvidia_smi_behind(fake_nvidia_smi: FakeS
         proc.kill()
         proc.wait()
         for pgid in pgids:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 # --- logs: logfmt and JSON -----------------------------------------------------------------------
@@ -1017,6 +1014,7 @@ def test_serve_with_a_web_config_serves_https_with_basic_auth_from_the_environme
     import ssl
 
     import bcrypt
+
     from certs import make_pki
 
     pki = make_pki(tmp_path / "pki")

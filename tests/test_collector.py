@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MIB, sample_value, scenario
 from prometheus_client import CollectorRegistry, generate_latest
 
+from conftest import MIB, sample_value, scenario
 from mig_exporter.errors import CommandTimeout
 from mig_exporter.scrape import ScrapeCollector, Scraper
 from mig_exporter.source_demo import DemoSource
@@ -89,7 +89,8 @@ def test_whole_card_has_empty_profile_and_instance_labels():
     get = _one_scrape(_Fixed(scenario("a100-mig-pending")))
     whole = {"index": "0", "card": "0", "mig_profile": ""}
     assert get("mig_exporter_device_memory_used_bytes", whole) == 5123 * MIB
-    assert get("mig_exporter_device_info", {**whole, "gpu_instance": "", "compute_instance": "", "class": "a100-80g"}) == 1
+    assert get("mig_exporter_device_info",
+               {**whole, "gpu_instance": "", "compute_instance": "", "class": "a100-80g"}) == 1
     assert get("mig_exporter_card_mig_mode", {"card": "0", "state": "current"}) == 0
     assert get("mig_exporter_card_mig_mode", {"card": "0", "state": "pending"}) == 1
     assert get("mig_exporter_card_mig_instances", {"card": "0"}) is None
@@ -136,8 +137,8 @@ def test_an_unexpected_exception_in_a_source_is_a_failed_read_not_a_crash(caplog
 
 
 def test_problems_are_counted_and_logged_once_until_they_clear(caplog):
-    from mig_exporter.source_smi import snapshot_from_smi
     from conftest import fixture_bytes
+    from mig_exporter.source_smi import snapshot_from_smi
 
     broken = snapshot_from_smi(fixture_bytes("h100-mig-processes.xml"), b"garbage")
     fine = scenario("h100-mig-processes")

@@ -101,7 +101,8 @@ def test_command_gets_no_stdin() -> None:
 # --- failure -----------------------------------------------------------------------------------
 
 def test_nonzero_exit_raises_command_failed_with_first_nonempty_stderr_line() -> None:
-    argv = ["sh", "-c", "printf '\\n   \\nFailed to initialize NVML: Driver/library version mismatch\\nsecond line\\n' >&2; exit 3"]
+    argv = ["sh", "-c",
+            "printf '\\n   \\nFailed to initialize NVML: Driver/library version mismatch\\nsecond line\\n' >&2; exit 3"]
     with pytest.raises(CommandFailed) as raised:
         run_command(argv, timeout_s=5)
 

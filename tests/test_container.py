@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, require_tool
 
 pytestmark = pytest.mark.container

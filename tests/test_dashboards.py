@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import yaml
+
 from conftest import REPO, require_tool
 
 GRAFANA = REPO / "dashboards" / "grafana"
@@ -55,7 +56,7 @@ def test_dashboard_structure(name):
     cells = set()
     for panel in d["panels"]:
         g = panel["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24
         for x in range(g["x"], g["x"] + g["w"]):
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps another panel"

@@ -5,18 +5,17 @@ from __future__ import annotations
 import re
 
 from conftest import REPO, scenario
-
+from kube_node import PODS, make_kubelet_logs
 from mig_exporter.attribution import EngineWatch
 from mig_exporter.config import ProbeTarget, parse_config
 from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import CommandFailed
-from mig_exporter.probe import ProbeResult, Prober
+from mig_exporter.podresources import PodResourcesClient
+from mig_exporter.pods import PodWatch
+from mig_exporter.probe import Prober, ProbeResult
 from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import ReadOutcome, Scraper
 from mig_exporter.source_demo import DemoProcs, DemoSource
-from kube_node import PODS, make_kubelet_logs
-from mig_exporter.podresources import PodResourcesClient
-from mig_exporter.pods import PodWatch
 from proc_tree import CONTAINER_NS, make_proc
 from test_pods import demo_proc
 

@@ -8,9 +8,9 @@ import re
 
 import pytest
 from click.testing import CliRunner
+
 from conftest import fixture_bytes
 from fake_nvml import SCENARIOS
-
 from mig_exporter.cli import cli
 from mig_exporter.doctor import PathReading, compare, diagnose, timed_read
 from mig_exporter.source_nvml import NvmlSource
@@ -41,7 +41,8 @@ def test_mig_enabled_with_nothing_carved(fake_nvml_lib, fake_nvidia_smi):
     report = _doctor(fake_nvml_lib, fake_nvidia_smi, "a100-mig-nothing-carved", *_fixture("a100-mig-nothing-carved"))
     assert _codes(report) == ["mig-nothing-carved"]
     finding = report.findings[0]
-    assert finding.message == "card 0 (NVIDIA A100-SXM4-40GB) is in MIG mode with no instance carved: nothing can run on it"
+    assert finding.message == ("card 0 (NVIDIA A100-SXM4-40GB) is in MIG mode with no instance carved: "
+                               "nothing can run on it")
     assert "nvidia-smi mig -cgi" in finding.fix
 
 
@@ -109,7 +110,8 @@ def test_slow_nvidia_smi(fake_nvml_lib, fake_nvidia_smi):
 
 def test_library_loads_but_no_device_is_visible(fake_nvml_lib, fake_nvidia_smi):
     empty = dataclasses.replace(SCENARIOS["demo"](), cards=())
-    xml = b'<?xml version="1.0" ?>\n<nvidia_smi_log><driver_version>550.90.07</driver_version><attached_gpus>0</attached_gpus></nvidia_smi_log>\n'
+    xml = (b'<?xml version="1.0" ?>\n<nvidia_smi_log><driver_version>550.90.07</driver_version>'
+           b'<attached_gpus>0</attached_gpus></nvidia_smi_log>\n')
     report = _doctor(fake_nvml_lib, fake_nvidia_smi, empty, xml, b"No devices were found\n")
     assert _codes(report) == ["no-devices", "no-devices"]
     assert "NVIDIA_VISIBLE_DEVICES" in report.findings[0].fix
@@ -135,7 +137,8 @@ def test_cli_text_output_shows_each_card_and_exits_0_without_warnings(fake_nvml_
     assert "nvidia-smi: ok, 1 card(s), 5 device(s)" in out
     assert "card 0: NVIDIA H200 GPU-68c6414c-e9da-201e-0c0d-1a0dc00f0e71 00000000:4C:00.0 - MIG current enabled, " \
            "pending enabled, 5 instance(s)" in out
-    assert "  device 1001: MIG 2c.3g.71gb GI 1 CI 1 MIG-3134b65a-b3ad-5f32-a1cc-8fa650bdf659 - 30210 MiB used of 71424 MiB" in out
+    assert ("  device 1001: MIG 2c.3g.71gb GI 1 CI 1 MIG-3134b65a-b3ad-5f32-a1cc-8fa650bdf659 - "
+            "30210 MiB used of 71424 MiB") in out
     assert "    pid 7003 M+C /opt/tritonserver/bin/tritonserver 4096 MiB" in out
     assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
 
@@ -171,7 +174,8 @@ def test_a_node_that_reads_through_nvidia_smi_alone_passes_with_a_warning(fake_n
     """docs/sources.md gates a node's readiness on doctor: a node without NVML still reads."""
     import pynvml
 
-    fake_nvml_lib(dataclasses.replace(SCENARIOS["h100-mig-processes"](), init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    scenario = SCENARIOS["h100-mig-processes"]()
+    fake_nvml_lib(dataclasses.replace(scenario, init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
     smi = fake_nvidia_smi(*_fixture("h100-mig-processes"))
     result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", str(smi)])
     assert result.exit_code == 0, result.output
@@ -211,7 +215,8 @@ def test_doctor_demo_shows_a_healthy_report_without_a_gpu():
     out = result.stdout
     assert out.startswith("demo: ok, 2 card(s), 4 device(s) in ")
     assert "nvml" not in out, "the sample is nvidia-smi output; no NVML is read or blamed"
-    assert "  device 1000: MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - 11663 MiB used of 40192 MiB" in out
+    assert ("  device 1000: MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - 11663 MiB used of "
+            "40192 MiB") in out
     assert "    pid 50102 G /usr/local/bin/llama-server 20480 MiB" in out
     assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
     doc = json.loads(CliRunner().invoke(cli, ["doctor", "--demo", "--format", "json"]).stdout)

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import MIB, REPO, SAMPLES
 from kube_node import PODS, make_kubelet_logs
 from test_dashboards import concrete, dashboard_queries
+from test_pods import demo_proc
 from test_prometheus import (
     STARTUP_S,
     _prometheus_binary,
@@ -25,7 +27,6 @@ from test_prometheus import (
     exporter,
     prometheus,
 )
-from test_pods import demo_proc
 
 pytestmark = pytest.mark.prometheus
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"

@@ -9,6 +9,7 @@ exposed memory follows; a process that does not match is never reported.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -184,10 +185,8 @@ def start_named(tmp_path) -> Iterator:
 
     yield start
     for r in running:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(r.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         r.process.wait(10)
         r.process.stdout.close()
 

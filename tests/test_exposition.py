@@ -9,7 +9,6 @@ bodies and Content-Types must be equal byte for byte.
 from __future__ import annotations
 
 import pytest
-from conftest import FIXTURES, SAMPLES, families_of, fixture_bytes, require_real_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
@@ -17,6 +16,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from conftest import FIXTURES, SAMPLES, families_of, fixture_bytes, require_real_corpus
 from mig_exporter import exposition
 from mig_exporter.collector import read_families
 from mig_exporter.exposition import render

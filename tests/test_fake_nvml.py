@@ -13,6 +13,8 @@ import dataclasses
 
 import pynvml
 import pytest
+from lxml import etree
+
 from conftest import FIXTURES, MIB, SAMPLES
 from fake_nvml import (
     NO_INSTANCE_ID,
@@ -24,13 +26,10 @@ from fake_nvml import (
     a100_mig_pending,
     demo,
     fake_nvml,
-    fake_nvml_lib,  # noqa: F401 - the fixture
     h100_mig_processes,
     h200_shared_gpu_instance,
     one_lost_one_no_permission,
 )
-from lxml import etree
-
 from mig_exporter.smi_list import apply_listing, parse_list
 from mig_exporter.smi_xml import parse_query_xml
 from mig_exporter.snapshot import CardReading, Memory, MigInstance, ProcessReading
@@ -605,7 +604,8 @@ def test_other_readings_answer_on_a_card_and_not_on_a_mig_device(nvml):
 
 def test_other_readings_honour_injected_errors_and_a_card_without_a_sensor(nvml):
     fake = nvml(dataclasses.replace(demo(), cards=(
-        dataclasses.replace(demo().cards[1], temperature_c=None, errors={"nvmlDeviceGetClockInfo": pynvml.NVML_ERROR_GPU_IS_LOST}),
+        dataclasses.replace(demo().cards[1], temperature_c=None,
+                            errors={"nvmlDeviceGetClockInfo": pynvml.NVML_ERROR_GPU_IS_LOST}),
     )))
     card = handles(0)
     with pytest.raises(pynvml.NVMLError_NotSupported):

@@ -25,12 +25,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, REAL_CORPUS, SAMPLES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import FIXTURES, REAL_CORPUS, SAMPLES
 from mig_exporter.collector import snapshot_families
 from mig_exporter.errors import ParseError
 from mig_exporter.scrape import Scraper

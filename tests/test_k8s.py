@@ -8,8 +8,8 @@ import copy
 import subprocess
 
 import yaml
-from conftest import REPO, require_tool
 
+from conftest import REPO, require_tool
 from mig_exporter.config import parse_config
 
 K8S = REPO / "deploy" / "k8s"

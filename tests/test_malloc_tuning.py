@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from test_cli import cli_env, serving
 
 libc = ctypes.CDLL(None)

@@ -21,7 +21,9 @@ def test_a_process_matching_gi_but_not_ci_is_not_placed_and_is_reported():
     card = _mig_card(0, [MigInstance(0, 1, 0, Memory())], [ProcessReading(5, "C", "x", 1, 1, 1)])
     s = place([card], driver_version=None, cuda_version=None)
     assert s.processes == ()
-    assert s.problems == ("card 0: process 5 carries GPU instance 1 and compute instance 1, which match no MIG device; not placed",)
+    assert s.problems == (
+        "card 0: process 5 carries GPU instance 1 and compute instance 1, which match no MIG device; not placed",
+    )
 
 
 def test_processes_on_a_card_with_nothing_carved_are_reported_not_lost_silently():
@@ -33,8 +35,9 @@ def test_processes_on_a_card_with_nothing_carved_are_reported_not_lost_silently(
 
 def test_a_pid_listed_twice_on_one_device_is_one_process_with_its_types_joined():
     card = CardReading(index=0, name="Tesla T4", processes=(
-        ProcessReading(7, "C", "/bin/app", 100), ProcessReading(7, "G", "/bin/app", 100), ProcessReading(8, "G", "", None),
-        ProcessReading(8, "C", "", None), ProcessReading(9, "C", "mps", 64), ProcessReading(9, "M", "mps", None),
+        ProcessReading(7, "C", "/bin/app", 100), ProcessReading(7, "G", "/bin/app", 100),
+        ProcessReading(8, "G", "", None), ProcessReading(8, "C", "", None),
+        ProcessReading(9, "C", "mps", 64), ProcessReading(9, "M", "mps", None),
     ))
     s = place([card], driver_version=None, cuda_version=None)
     # Each entry is the process's whole usage on the device: never summed.
@@ -67,8 +70,8 @@ def test_a_mig_index_out_of_range_is_skipped_rather_than_taking_another_devices_
     """Index 100 on card 0 would be 1100, card 1's instance 0; -1000 would be whole card 0.
     Either would repeat a series, and Prometheus refuses a scrape with a repeated series."""
     cards = [
-        _mig_card(0, [MigInstance(0, 1, 0, Memory()), MigInstance(100, 2, 0, Memory()), MigInstance(-1000, 3, 0, Memory())],
-                  []),
+        _mig_card(0, [MigInstance(0, 1, 0, Memory()), MigInstance(100, 2, 0, Memory()),
+                      MigInstance(-1000, 3, 0, Memory())], []),
         _mig_card(1, [MigInstance(0, 1, 0, Memory())], []),
     ]
     s = place(cards, driver_version=None, cuda_version=None)

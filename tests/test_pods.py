@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import MIB, SAMPLES, sample_value, samples_of
 from prometheus_client.parser import text_string_to_metric_families
 
 import kube_node
+from conftest import MIB, SAMPLES, sample_value, samples_of
 from fake_kubelet import Container, Pod
 from kube_node import BY_PID, LLAMA, NOTEBOOK, PODS, TRAINER, VK_LLAMA, VLLM, make_kubelet_logs
 from mig_exporter.cgroup import CgroupIdentity
@@ -262,7 +262,8 @@ def test_end_to_end_read_carries_the_pod_labels(fake_nvidia_smi, fake_kubelet, t
     assert result.returncode == 0, result.stderr
     families = list(text_string_to_metric_families(result.stdout))
     info = {s.labels["pid"]: s.labels for s in samples_of(families, "mig_exporter_process_info")}
-    assert {pid: (l["namespace"], l["pod"], l["container"], l["container_id"]) for pid, l in info.items()} == {
+    assert {pid: (labels["namespace"], labels["pod"], labels["container"], labels["container_id"])
+            for pid, labels in info.items()} == {
         "48213": ("llm", "llama-0", "server", LLAMA.container_id),
         "51877": ("llm", "vllm-6b7f9c-x2x4q", "vllm", VLLM.container_id),
         "50102": ("graphics", "vk-llama-0", "llama", VK_LLAMA.container_id),

@@ -553,7 +553,8 @@ def test_reload_adds_keeps_and_removes_targets(serve: Serve, fake_nvidia_smi: Fa
     exp.write_config({"gpu-a": ([str(fake_a)], None), "gpu-new": ([str(fake_new)], "3s")})
     status, _, body = exp.get("/-/reload", method="POST")
 
-    assert (status, body) == (200, f"reloaded {exp.config_file}: 2 probe targets (gpu-a, gpu-new); engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm\n")
+    assert (status, body) == (200, f"reloaded {exp.config_file}: 2 probe targets (gpu-a, gpu-new); "
+                                   "engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm\n")
     status, body = exp.probe("gpu-new")
     assert status == 200 and value(parse(body), "mig_exporter_device_memory_used_bytes", index="0") == 5371854848
     assert exp.probe("gpu-old")[0] == 400

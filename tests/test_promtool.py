@@ -25,14 +25,13 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
+from conftest import MIB, fixture_bytes, require_tool
 from mig_exporter.attribution import EngineWatch
 from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import ReadError
 from mig_exporter.scrape import ScrapeCollector, Scraper, Source
 from mig_exporter.source_demo import DemoProcs, DemoSource
 from mig_exporter.source_smi import NvidiaSmiSource
-
-from conftest import MIB, fixture_bytes, require_tool
 
 SCENARIOS = [
     "h100-mig-processes",
@@ -101,7 +100,8 @@ CASES: dict[str, Case] = {
         True,
         4,
         [
-            ("mig_exporter_device_memory_used_bytes", {"index": "1000", "card": "0", "mig_profile": "3g.40gb"}, 11663 * MIB),
+            ("mig_exporter_device_memory_used_bytes", {"index": "1000", "card": "0", "mig_profile": "3g.40gb"},
+             11663 * MIB),
             ("mig_exporter_device_memory_used_bytes", {"index": "1", "card": "1", "mig_profile": ""}, 22110 * MIB),
             ("mig_exporter_process_memory_used_bytes", {"pid": "50102", "index": "1", "mig_profile": ""}, 20480 * MIB),
             ("mig_exporter_process_info", {"pid": "50102", "process_type": "G"}, 1),
@@ -140,7 +140,8 @@ CASES: dict[str, Case] = {
             ("mig_exporter_device_memory_reserved_bytes", {"index": "1003"}, 0),
             ("mig_exporter_device_processes", {"index": "1000"}, 2),
             ("mig_exporter_device_processes", {"index": "1001"}, 0),
-            ("mig_exporter_process_memory_used_bytes", {"pid": "21198", "index": "1002", "mig_profile": "1g.10gb"}, 7484 * MIB),
+            ("mig_exporter_process_memory_used_bytes", {"pid": "21198", "index": "1002", "mig_profile": "1g.10gb"},
+             7484 * MIB),
             ("mig_exporter_process_memory_used_bytes", {"pid": "21181", "index": "1000"}, 1272 * MIB),
             ("mig_exporter_card_power_draw_watts", {"card": "0"}, 432.17),
             ("mig_exporter_card_utilization_ratio", {"card": "0"}, None),
@@ -273,7 +274,8 @@ def test_text_exposition_values(case):
     c, registry = case
     samples = _samples(parse_text(generate_latest(registry).decode()))
     assert _matching(samples, "mig_exporter_read_success", {"source": c.source_name}) == [1.0 if c.success else 0.0]
-    assert _matching(samples, "mig_exporter_read_errors_total", {"source": c.source_name}) == [0.0 if c.success else 1.0]
+    errors = _matching(samples, "mig_exporter_read_errors_total", {"source": c.source_name})
+    assert errors == [0.0 if c.success else 1.0]
     assert len(_matching(samples, "mig_exporter_device_info", {})) == c.devices
     assert _matching(samples, "mig_exporter_build_info", {}) == [1.0]
     (duration,) = _matching(samples, "mig_exporter_read_duration_seconds", {"source": c.source_name})

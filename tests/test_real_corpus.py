@@ -4,12 +4,13 @@ and what we read matches the facts checked by hand in real_corpus_facts.py."""
 from __future__ import annotations
 
 import pytest
-from conftest import MIB, REAL_CORPUS, require_real_corpus
-from real_corpus_facts import LIST_FACTS, NOT_PARSED, XML_FACTS
 
+from conftest import MIB, REAL_CORPUS, require_real_corpus
 from mig_exporter.smi_list import parse_list
 from mig_exporter.smi_xml import parse_query_xml
 from mig_exporter.source_smi import snapshot_from_smi
+from real_corpus_facts import LIST_FACTS, NOT_PARSED, XML_FACTS
+
 
 @pytest.fixture(autouse=True)
 def _corpus_is_there() -> None:

@@ -12,9 +12,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import MIB, fixture_bytes
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import MIB, fixture_bytes
 from mig_exporter.scrape import Scraper
 from mig_exporter.server import ExporterServer, parse_listen_address
 from mig_exporter.source_demo import DemoSource
@@ -44,7 +44,8 @@ def test_metrics_from_a_mig_node_through_the_fake_nvidia_smi(serve, fake_nvidia_
     status, headers, body = _get(url + "/metrics")
     assert status == 200
     assert headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    assert _value(body, "mig_exporter_device_memory_used_bytes", {"index": "1000", "mig_profile": "3g.40gb"}) == 3594 * MIB
+    assert _value(body, "mig_exporter_device_memory_used_bytes",
+                  {"index": "1000", "mig_profile": "3g.40gb"}) == 3594 * MIB
     assert _value(body, "mig_exporter_process_memory_used_bytes", {"pid": "21181", "index": "1000"}) == 1272 * MIB
     assert _value(body, "mig_exporter_read_success", {"source": "nvidia-smi"}) == 1
 
@@ -154,8 +155,8 @@ def test_unknown_paths_and_methods(serve):
 
 
 def test_concurrent_scrapes_are_all_answered(serve, fake_nvidia_smi):
-    smi = fake_nvidia_smi(fixture_bytes("h200-shared-gpu-instance.xml"), fixture_bytes("h200-shared-gpu-instance.L.txt"),
-                          delay_s=0.3)
+    smi = fake_nvidia_smi(fixture_bytes("h200-shared-gpu-instance.xml"),
+                          fixture_bytes("h200-shared-gpu-instance.L.txt"), delay_s=0.3)
     url = serve(NvidiaSmiSource(str(smi)))
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=8) as pool:
@@ -185,7 +186,7 @@ def test_bad_listen_address(address):
 def test_gzip_follows_accept_encoding_q_values_and_varies(serve):
     url = serve(DemoSource())
     assert _get(url + "/metrics", {"Accept-Encoding": "gzip;q=0, identity"})[1].get("Content-Encoding") is None
-    status, headers, body = _get(url + "/metrics", {"Accept-Encoding": "GZIP;q=0.5"})
+    _, headers, body = _get(url + "/metrics", {"Accept-Encoding": "GZIP;q=0.5"})
     assert headers["Content-Encoding"] == "gzip" and b"mig_exporter_build_info" in gzip.decompress(body)
     assert headers["Vary"] == "Accept-Encoding"
 
@@ -223,6 +224,24 @@ def test_idle_connections_are_closed_and_resets_log_no_traceback(serve, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_an_http_0_9_request_gets_the_body_alone_and_logs_no_error(serve, capfd, caplog):
+    # "GET /path" without a version: http.server calls do_GET for it and sends
+    # no head. _send once reached into http.server's private header buffer,
+    # which such a request never gets: an AttributeError, logged with two
+    # tracebacks, and no answer.
+    url = serve(DemoSource())
+    host, port = url.removeprefix("http://").split(":")
+    for path, expected in (("/-/healthy", b"Healthy\n"), ("/metrics", b"# HELP ")):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(f"GET {path}\r\n\r\n".encode())
+            answer = b""
+            while chunk := s.recv(65536):  # HTTP/0.9: the server closes the connection after the body
+                answer += chunk
+        assert answer.startswith(expected), answer[:200]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_fifty_concurrent_scrapes_cause_one_nvidia_smi_run(serve, fake_nvidia_smi):
     smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"),
                           delay_s=0.5)
@@ -251,7 +270,7 @@ def test_concurrent_scrapes_share_one_answer_in_every_format(serve, fake_nvidia_
     durations = [_value(b.replace(b"# EOF\n", b""), "mig_exporter_read_duration_seconds", {}) for b in bodies]
     assert len(set(durations)) == runs.count("-q -x") <= 2
     for duration in set(durations):  # the text answers of one scrape are the same bytes
-        plain = {b for r, b, d in zip(results, bodies, durations)
+        plain = {b for r, b, d in zip(results, bodies, durations, strict=True)
                  if d == duration and "openmetrics" not in r[1]["Content-Type"]}
         assert len(plain) <= 1
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import fixture_bytes
 
+from conftest import fixture_bytes
 from mig_exporter.errors import ParseError
 from mig_exporter.smi_list import apply_listing, parse_list
 from mig_exporter.smi_xml import parse_query_xml
@@ -65,7 +65,8 @@ def test_join_falls_back_to_the_index_when_the_listing_masks_uuids():
         "  MIG 1g.10gb     Device  3: (UUID: MIG-00000003-0000-0000-0000-000000000003)\n"
     )
     cards, problems = apply_listing(report.cards, parse_list(masked).gpus)
-    assert [i.profile for i in sorted(cards[0].instances, key=lambda i: i.mig_index)] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
+    profiles = [i.profile for i in sorted(cards[0].instances, key=lambda i: i.mig_index)]
+    assert profiles == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
     assert problems == ()
 
 

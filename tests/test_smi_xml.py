@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MIB, fixture_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import MIB, fixture_bytes
 from mig_exporter.errors import ParseError
 from mig_exporter.smi_xml import _known, _Values, parse_query_xml
 
 
 def _log(*gpus: str, head: str = "<driver_version>550.90.07</driver_version>") -> bytes:
     body = "".join(f'<gpu id="00000000:0{i}:00.0">{g}</gpu>' for i, g in enumerate(gpus))
-    return f'<?xml version="1.0" ?>\n<nvidia_smi_log>{head}<attached_gpus>{len(gpus)}</attached_gpus>{body}</nvidia_smi_log>'.encode()
+    return (f'<?xml version="1.0" ?>\n<nvidia_smi_log>{head}<attached_gpus>{len(gpus)}</attached_gpus>'
+            f'{body}</nvidia_smi_log>').encode()
 
 
 @pytest.mark.parametrize(
@@ -44,13 +45,15 @@ def test_power_draw_is_found_in_each_drivers_layout():
     r535 = "<gpu_power_readings><power_draw>71.5 W</power_draw></gpu_power_readings>"
     r570 = ("<gpu_power_readings><average_power_draw>72.25 W</average_power_draw>"
             "<instant_power_draw>N/A</instant_power_draw></gpu_power_readings>")
-    r570_instant_only = "<gpu_power_readings><average_power_draw>N/A</average_power_draw><instant_power_draw>73 W</instant_power_draw></gpu_power_readings>"
+    r570_instant_only = ("<gpu_power_readings><average_power_draw>N/A</average_power_draw>"
+                         "<instant_power_draw>73 W</instant_power_draw></gpu_power_readings>")
     cards = parse_query_xml(_log(old, r535, r570, r570_instant_only)).cards
     assert [c.power_draw_watts for c in cards] == [70.11, 71.5, 72.25, 73.0]
 
 
 def test_text_broken_across_lines_and_odd_indentation_is_trimmed():
-    gpu = "<product_name>\n      Tesla T4\n   </product_name><fb_memory_usage><total>\n 15360 MiB\n</total></fb_memory_usage>"
+    gpu = ("<product_name>\n      Tesla T4\n   </product_name>"
+           "<fb_memory_usage><total>\n 15360 MiB\n</total></fb_memory_usage>")
     card = parse_query_xml(_log(gpu)).cards[0]
     assert card.name == "Tesla T4" and card.memory.total_bytes == 15360 * MIB
 
@@ -89,7 +92,8 @@ def test_a_mig_device_without_an_index_is_skipped_and_reported():
 
 
 def test_card_order_in_the_report_is_the_index_even_when_minor_numbers_are_not():
-    gpus = [f"<product_name>K80</product_name><minor_number>{m}</minor_number><uuid>GPU-{m}</uuid>" for m in (1, 2, 3, 0)]
+    gpus = [f"<product_name>K80</product_name><minor_number>{m}</minor_number><uuid>GPU-{m}</uuid>"
+            for m in (1, 2, 3, 0)]
     report = parse_query_xml(_log(*gpus))
     assert [(c.index, c.uuid) for c in report.cards] == [(0, "GPU-1"), (1, "GPU-2"), (2, "GPU-3"), (3, "GPU-0")]
 
@@ -180,8 +184,9 @@ def test_documents_in_other_encodings_are_refused(tmp_path, encoding):
 def test_the_parser_itself_expands_no_entity_even_past_the_pre_check():
     """Defence in depth: the lxml parser is configured not to resolve entities,
     whatever the byte-level check lets through."""
-    from mig_exporter.smi_xml import _parser
     from lxml import etree
+
+    from mig_exporter.smi_xml import _parser
 
     doc = b'<!DOCTYPE r [<!ENTITY a "expanded">]><r><v>&a;</v></r>'
     root = etree.fromstring(doc, _parser())
@@ -190,7 +195,8 @@ def test_the_parser_itself_expands_no_entity_even_past_the_pre_check():
 
 @pytest.mark.parametrize("pid", ["\u00b2", "\u0663", "99999999999", "4194304"])
 def test_pids_that_linux_cannot_have_are_skipped(pid):
-    gpu = f"<processes><process_info><pid>{pid}</pid><type>C</type><used_memory>1 MiB</used_memory></process_info></processes>"
+    gpu = (f"<processes><process_info><pid>{pid}</pid><type>C</type><used_memory>1 MiB</used_memory>"
+           "</process_info></processes>")
     report = parse_query_xml(_log(gpu))
     assert report.cards[0].processes == () and report.cards[0].error is None
     assert len(report.problems) == 1

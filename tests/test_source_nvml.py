@@ -16,9 +16,9 @@ import time
 import pynvml
 import pytest
 from click.testing import CliRunner
+
 from conftest import MIB, fixture_bytes, sample_value, scenario
 from fake_nvml import OLD_DRIVER_MISSING, SCENARIOS
-
 from mig_exporter.cli import cli
 from mig_exporter.errors import ReadError
 from mig_exporter.nvml import NvmlUnavailable
@@ -126,7 +126,8 @@ def test_nvml_is_initialised_once_and_again_after_a_driver_error(fake_nvml_lib):
     source.read()
     assert fake.called("nvmlInitWithFlags") == 1
     healthy = fake.scenario
-    fake.set_scenario(dataclasses.replace(healthy, system_errors={"nvmlDeviceGetCount_v2": pynvml.NVML_ERROR_UNINITIALIZED}))
+    fake.set_scenario(dataclasses.replace(
+        healthy, system_errors={"nvmlDeviceGetCount_v2": pynvml.NVML_ERROR_UNINITIALIZED}))
     with pytest.raises(ReadError, match="NVML_ERROR_UNINITIALIZED"):
         source.read()
     fake.set_scenario(healthy)
@@ -153,9 +154,9 @@ def test_a_hung_call_fails_the_read_at_its_deadline_and_later_reads_do_not_pile_
     keep = _hang(fake, "nvmlDeviceGetCount_v2", release, (ctypes.c_void_p,))
     try:
         started = time.monotonic()
-        with pytest.raises(ReadError, match="did not finish within 0.3s"):
+        with pytest.raises(ReadError, match=r"did not finish within 0\.3s"):
             source.read(timeout_s=0.3)
-        with pytest.raises(ReadError, match="did not finish within 0.3s"):
+        with pytest.raises(ReadError, match=r"did not finish within 0\.3s"):
             source.read(timeout_s=0.3)
         assert time.monotonic() - started < 3
         threads = [t for t in threading.enumerate() if t.name == "nvml-read"]
@@ -215,7 +216,8 @@ def test_source_auto_takes_nvml_where_the_library_loads(fake_nvml_lib):
     result = CliRunner().invoke(cli, ["read"])
     assert result.exit_code == 0
     assert 'mig_exporter_read_success{source="nvml"} 1.0' in result.stdout
-    assert 'mig_exporter_device_memory_used_bytes{card="0",index="1002",mig_profile="1g.10gb"} 7.856979968e+09' in result.stdout
+    assert ('mig_exporter_device_memory_used_bytes{card="0",index="1002",mig_profile="1g.10gb"} 7.856979968e+09'
+            in result.stdout)
 
 
 def test_a_process_name_that_is_not_utf8_does_not_fail_the_read(fake_nvml_lib):

@@ -38,7 +38,7 @@ def timed_read(source: NvidiaSmiSource, **kwargs) -> tuple[Snapshot | BaseExcept
     started = time.monotonic()
     try:
         result: Snapshot | BaseException = source.read(**kwargs)
-    except BaseException as e:  # noqa: BLE001 - the test inspects what escaped
+    except BaseException as e:  # the test inspects what escaped
         result = e
     return result, time.monotonic() - started
 
@@ -260,7 +260,8 @@ def test_failed_listing_on_a_non_mig_node_changes_nothing_but_the_problem_line(f
 
 # --- finding the binary ------------------------------------------------------------------------
 
-def test_resolve_finds_a_name_on_path(fake_nvidia_smi: FakeSmi, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_resolve_finds_a_name_on_path(fake_nvidia_smi: FakeSmi, monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path) -> None:
     fake = fake_for(fake_nvidia_smi, "h100-mig-processes")
     empty = tmp_path / "empty-bin"
     empty.mkdir()
@@ -274,7 +275,8 @@ def test_resolve_finds_a_name_on_path(fake_nvidia_smi: FakeSmi, monkeypatch: pyt
     assert sorted(args for _, args in calls(fake)) == ["-L", "-q -x"]
 
 
-def test_resolve_looks_again_at_each_read(fake_nvidia_smi: FakeSmi, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_resolve_looks_again_at_each_read(fake_nvidia_smi: FakeSmi, monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
     # A driver installed after start-up is picked up without a restart.
     # A name no real system has, so the first read fails even on a GPU machine.
     name = "mig-exporter-test-nvidia-smi"
@@ -401,7 +403,8 @@ def test_query_and_listing_run_in_parallel(fake_nvidia_smi: FakeSmi) -> None:
 
 
 def test_describe_names_the_binary_and_timeout() -> None:
-    assert NvidiaSmiSource("/usr/bin/nvidia-smi", timeout_s=7).describe() == "nvidia-smi (/usr/bin/nvidia-smi, timeout 7s)"
+    assert (NvidiaSmiSource("/usr/bin/nvidia-smi", timeout_s=7).describe()
+            == "nvidia-smi (/usr/bin/nvidia-smi, timeout 7s)")
 
 
 def test_a_fast_query_failure_does_not_wait_for_a_hanging_listing(fake_nvidia_smi) -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import TESTS, require_tool
 
 _SOME_TESTS = """
@@ -55,5 +56,5 @@ def test_tools_in_the_venv_are_found_whatever_path_the_caller_has(monkeypatch):
 
 def test_a_missing_tool_fails_the_test_rather_than_skipping_it(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    with pytest.raises(pytest.fail.Exception, match="no-such-tool is not installed: ./scripts/test installs it"):
+    with pytest.raises(pytest.fail.Exception, match=r"no-such-tool is not installed: \./scripts/test installs it"):
         require_tool("no-such-tool")

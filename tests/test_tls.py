@@ -14,9 +14,9 @@ import time
 
 import bcrypt
 import pytest
-from certs import Pair, make_pki, make_server_pair
 from prometheus_client.parser import text_string_to_metric_families
 
+from certs import Pair, make_pki, make_server_pair
 from mig_exporter.scrape import Scraper
 from mig_exporter.server import ExporterServer
 from mig_exporter.source_demo import DemoSource
@@ -111,7 +111,7 @@ def basic(user: str, password: str) -> dict[str, str]:
 
 def test_metrics_over_https_with_a_certificate_made_in_the_test(pki, serve_web):
     address = serve_web(tls_config(pki))
-    status, headers, body = https_get(address, client_context(pki))
+    status, _, body = https_get(address, client_context(pki))
     assert status == 200 and read_success(body) == 1
     conn = socket.create_connection(address)
     with client_context(pki).wrap_socket(conn, server_hostname="127.0.0.1") as tls:

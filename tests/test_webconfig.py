@@ -10,8 +10,8 @@ import threading
 
 import bcrypt
 import pytest
-from certs import make_pki
 
+from certs import make_pki
 from mig_exporter.webconfig import (
     AUTH_CACHE_SIZE,
     BasicAuth,

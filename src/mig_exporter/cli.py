@@ -28,8 +28,8 @@ from mig_exporter.command import kill_running
 from mig_exporter.config import EMPTY, Config, ConfigError, load_config
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
 from mig_exporter.engines import EngineSettings
-from mig_exporter.exposition import render
 from mig_exporter.errors import CommandError
+from mig_exporter.exposition import render
 from mig_exporter.logs import FORMATS, setup_logging
 from mig_exporter.malloc_tuning import limit_arenas
 from mig_exporter.podlogs import DEFAULT_LOG_DIR
@@ -149,9 +149,9 @@ def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> 
 
 def _log_options(default_level: str) -> list[Callable[..., Any]]:
     return [
-        click.option("--log.level", "--log-level", "log_level", type=click.Choice(["debug", "info", "warning", "error"]),
-                     default=default_level, show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True,
-                     help="Log verbosity."),
+        click.option("--log.level", "--log-level", "log_level",
+                     type=click.Choice(["debug", "info", "warning", "error"]), default=default_level,
+                     show_default=True, envvar=_env("LOG_LEVEL"), show_envvar=True, help="Log verbosity."),
         click.option("--log.format", "log_format", type=click.Choice(FORMATS), default="logfmt", show_default=True,
                      envvar=_env("LOG_FORMAT"), show_envvar=True,
                      help="Log lines as logfmt (key=value) or as one JSON object each (ts, level, logger, msg)."),
@@ -456,8 +456,6 @@ def _write_atomically(path: str, data: bytes) -> None:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise

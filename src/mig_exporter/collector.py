@@ -160,13 +160,13 @@ def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
                 mig_mode.add_metric([card, state], 1 if value else 0)
         if c.mig_instances is not None:
             instances.add_metric([card], c.mig_instances)
-        for family, value in (
+        for family, reading in (
             (temperature, c.temperature_celsius),
             (power, c.power_draw_watts),
             (utilization, c.utilization_ratio),
         ):
-            if value is not None:
-                family.add_metric([card], value)
+            if reading is not None:
+                family.add_metric([card], reading)
     yield from (info, ok, mig_mode, instances, temperature, power, utilization)
 
 
@@ -228,7 +228,7 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
         mig_exporter_pod_resources_read_success 1.0
         mig_exporter_device_allocation_info{container="server",index="1000",namespace="llm",pod="llama-0",resource="nvidia.com/mig-3g.40gb"} 1.0
         mig_exporter_pod_memory_used_bytes{container="server",namespace="llm",pod="llama-0"} 1.207959552e+10
-    """
+    """  # noqa: E501 - a sample exposition line: it cannot be wrapped
     if reading.pod_resources_success is not None:
         ok = GaugeMetricFamily(
             "mig_exporter_pod_resources_read_success",
@@ -278,7 +278,9 @@ def read_families(
 ) -> Iterator[Metric]:
     """The exporter's own families about a read."""
     labels = ["source"]
-    ok = GaugeMetricFamily("mig_exporter_read_success", "1 when the last read succeeded, 0 when it failed.", labels=labels)
+    ok = GaugeMetricFamily(
+        "mig_exporter_read_success", "1 when the last read succeeded, 0 when it failed.", labels=labels
+    )
     ok.add_metric([source], 1 if success else 0)
     duration = GaugeMetricFamily(
         "mig_exporter_read_duration_seconds", "How long the read for this scrape took, in seconds.", labels=labels

@@ -12,6 +12,7 @@ exporter stops are killed by ``kill_running()``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import selectors
@@ -203,10 +204,8 @@ def _open_pidfd(pid: int) -> int | None:
 
 
 def _signal_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

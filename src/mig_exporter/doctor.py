@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mig_exporter.errors import ReadError
 from mig_exporter.snapshot import MIB, Device, Snapshot
@@ -301,7 +302,8 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
         head += f" - UNREADABLE: {card.error}"
     lines = [head]
     for d in (d for d in snapshot.devices if d.card == index):
-        kind = f"MIG {d.profile or 'unknown'} GI {d.gpu_instance_id} CI {d.compute_instance_id}" if d.is_mig else "whole card"
+        kind = (f"MIG {d.profile or 'unknown'} GI {d.gpu_instance_id} CI {d.compute_instance_id}" if d.is_mig
+                else "whole card")
         lines.append(f"  device {d.index}: {kind} {d.uuid or ''} - {_mib(d.memory.used_bytes)} used of "
                      f"{_mib(d.memory.total_bytes)}")
         for p in snapshot.processes_on(d.index):
@@ -313,7 +315,7 @@ def _mode(enabled: bool | None) -> str:
     return "unknown" if enabled is None else ("enabled" if enabled else "disabled")
 
 
-def as_json(report: Report) -> dict:
+def as_json(report: Report) -> dict[str, Any]:
     snapshot = report.snapshot
     return {
         "reads": [
@@ -341,8 +343,8 @@ def as_json(report: Report) -> dict:
                     for d in snapshot.devices if d.card == c.index
                 ],
             }
-            for c in (snapshot.cards if snapshot else ())
-        ],
+            for c in snapshot.cards
+        ] if snapshot else [],
         "warnings": [
             {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix} for f in report.findings
         ],

@@ -80,9 +80,7 @@ class EngineRule:
             text = " ".join(process.cmdline)
             if not all(p.search(text) for p in self.cmdline):
                 return False
-        if self.gpu_offload is not None and not self.gpu_offload.asks(process.cmdline):
-            return False
-        return True
+        return self.gpu_offload is None or self.gpu_offload.asks(process.cmdline)
 
     def _exe_matches(self, process: ProcEntry) -> bool:
         # An entry with a slash is a full path; without, a basename.
@@ -248,7 +246,8 @@ def _parse_rule(raw: object, where: str, errors: list[str]) -> EngineRule | None
     for c in comm:
         if len(c.encode()) > COMM_MAX_LEN:
             errors.append(f"{where}.comm: {c!r} is longer than {COMM_MAX_LEN} bytes and can never match: the kernel "
-                          f"cuts process names to {COMM_MAX_LEN} ({c.encode()[:COMM_MAX_LEN].decode(errors='replace')!r}); "
+                          f"cuts process names to {COMM_MAX_LEN} "
+                          f"({c.encode()[:COMM_MAX_LEN].decode(errors='replace')!r}); "
                           "match it with exe: or cmdline: instead")
     exe = _strings(raw.get("exe"), f"{where}.exe", errors)
     patterns: list[re.Pattern[str]] = []

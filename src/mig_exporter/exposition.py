@@ -152,7 +152,7 @@ def _render(families: Sequence[Metric], openmetrics_format: bool) -> bytes:
 class _Line:
     """How to write a sample with these label names: ``template % (*values, number)``."""
 
-    __slots__ = ("sample_name", "count", "pick", "template")
+    __slots__ = ("count", "pick", "sample_name", "template")
 
     def __init__(self, sample_name: str, label_names: Sequence[str], moved: tuple[str, ...]) -> None:
         if not _PLAIN_NAME.match(sample_name) or sample_name in moved:

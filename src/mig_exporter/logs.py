@@ -56,7 +56,8 @@ class LogfmtFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        fields = {"ts": _timestamp(record), "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        fields = {"ts": _timestamp(record), "level": record.levelname, "logger": record.name,
+                  "msg": record.getMessage()}
         exc = _exception(self, record)
         if exc:
             fields["exc"] = exc

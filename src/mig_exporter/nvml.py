@@ -9,6 +9,7 @@ the NVML error name, so callers can decide per call what a failure means
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -97,10 +98,8 @@ class Nvml:
     def shutdown(self) -> None:
         with self._lock:
             if self._initialised:
-                try:
+                with contextlib.suppress(pynvml.NVMLError):
                     pynvml.nvmlShutdown()
-                except pynvml.NVMLError:
-                    pass
                 self._initialised = False
 
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -109,7 +108,8 @@ class Nvml:
             return function(*args, **kwargs)
         except UnicodeDecodeError as e:
             # pynvml decodes the names it returns strictly; a process name that
-            # is not UTF-8 must not fail the read: keep it, with replacements.
+            # is not UTF-8 must not fail the read: keep it, with replacements
+            # (a str, the T of the only calls that decode).
             return e.object.decode("utf-8", errors="replace")  # type: ignore[return-value]
         except _LIBRARY_MISMATCH as e:  # pynvml's own "this symbol's version is missing"
             raise NvmlCallError(getattr(function, "__name__", "nvml"), pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,

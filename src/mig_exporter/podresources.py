@@ -208,7 +208,7 @@ class PodResourcesClient:
         ]
         channel = grpc.insecure_channel("unix:" + os.path.abspath(self.socket_path), options=options)
         try:
-            call = channel.unary_unary(LIST_METHOD)  # bytes in, bytes out: decoded here
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(LIST_METHOD)  # answer decoded here
             answer = call(b"", timeout=deadline)
         except grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None

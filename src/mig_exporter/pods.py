@@ -81,7 +81,7 @@ def allocations(snapshot: Snapshot, pods: Iterable[PodResources]) -> tuple[tuple
                         unmatched.append(f"{pod.namespace}/{pod.name} {devices.resource_name} {device_id}")
                     for index in indexes:
                         found.add(Allocation(index, pod.namespace, pod.name, container.name, devices.resource_name))
-    problems = ()
+    problems: tuple[str, ...] = ()
     if unmatched:
         shown = ", ".join(sorted(unmatched)[:5]) + (", ..." if len(unmatched) > 5 else "")
         problems = (f"{len(unmatched)} device(s) the kubelet allocated are on no device read: {shown}",)

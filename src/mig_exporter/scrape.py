@@ -39,7 +39,8 @@ _MIN_READ_BUDGET_S = 0.05
 class Source(Protocol):
     """A read path: nvidia-smi, NVML or the demo."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def read(self, timeout_s: float | None = None) -> Snapshot: ...
 

@@ -14,8 +14,10 @@ one line with its reason.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import html
+import io
 import logging
 import socket
 import ssl
@@ -167,6 +169,7 @@ class ExporterServer(ThreadingHTTPServer):
     def web_config(self) -> WebConfig | None:
         return self.web.current() if self.web is not None else None
 
+    # The base class also takes a UDP server's (data, socket) pairs: a TCP server's requests are sockets.
     def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
         """Serve one connection, in its own thread; over TLS when configured."""
         web = self.web_config()
@@ -264,15 +267,15 @@ class _Handler(BaseHTTPRequestHandler):
     # As Go's servers: answers go out at once (the one write per answer is in _send).
     disable_nagle_algorithm = True
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:  # do_GET, do_HEAD, do_POST: http.server's naming
         self._discard_body()
         self._dispatch("GET")
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._discard_body()
         self._dispatch("HEAD")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._discard_body()
         self._dispatch("POST")
 
@@ -312,10 +315,8 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:
             log.exception("%s %s from %s failed; answered 503", self.command, _shown_path(self.path),
                           _peer(self.client_address))
-            try:
+            with contextlib.suppress(OSError):
                 self._send(503, b"Request failed; see the exporter's log\n", _TEXT, send_body)
-            except OSError:
-                pass
 
     def _admitted(self, web: WebConfig, send_body: bool) -> bool:
         """The web config's headers, rate limit and basic auth, for every path
@@ -423,23 +424,29 @@ class _Handler(BaseHTTPRequestHandler):
 """
         self._send(200, page.encode(), "text/html; charset=utf-8", send_body)
 
-    def _send(self, status: int, body: bytes, content_type: str, send_body: bool, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in {**getattr(self, "_extra_headers", {}), **(headers or {})}.items():
-            self.send_header(name, value)
+    def _send(self, status: int, body: bytes, content_type: str, send_body: bool,
+              headers: dict[str, str] | None = None) -> None:
         # Headers and body in one write: two small writes on a kept-alive connection wait
-        # ~40 ms for the client's delayed ACK (Nagle).
-        self._headers_buffer.append(b"\r\n")
-        if send_body:
-            self._headers_buffer.append(body)
-        self.flush_headers()
+        # ~40 ms for the client's delayed ACK (Nagle). http.server writes the head to
+        # self.wfile at end_headers(): here, into a buffer sent with the body. An HTTP/0.9
+        # request ("GET /path" alone) gets no head at all, as from http.server itself.
+        wfile = self.wfile
+        self.wfile = head = io.BytesIO()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in {**getattr(self, "_extra_headers", {}), **(headers or {})}.items():
+                self.send_header(name, value)
+            self.end_headers()
+        finally:
+            self.wfile = wfile
+        wfile.write(head.getvalue() + body if send_body else head.getvalue())
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
-    def log_error(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_error(self, format: str, *args: object) -> None:
         """http.server's own refusals (a malformed request line, an unsupported
         method, headers too long): one line each."""
         log.info("request from %s refused: %s", _peer(self.client_address), " ".join((format % args).split()))

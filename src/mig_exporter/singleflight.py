@@ -62,6 +62,7 @@ class SingleFlight(Generic[T]):
             raise ReadError(f"{self.name} did not finish within {timeout_s:.1f}s")
         if flight.error is not None:
             raise flight.error
+        # value is T | None only until work returns: it has, without an error.
         return flight.value  # type: ignore[return-value]
 
     def _landed(self, flight: Flight[T]) -> None:

@@ -116,7 +116,8 @@ def apply_listing(
         for inst in card.instances:
             m = migs.get(inst.mig_index)
             if m is None:
-                problems.append(f"card {card.index}: MIG device {inst.mig_index} not in nvidia-smi -L; profile and UUID unknown")
+                problems.append(f"card {card.index}: MIG device {inst.mig_index} not in nvidia-smi -L; "
+                                "profile and UUID unknown")
                 instances.append(inst)
             else:
                 instances.append(dataclasses.replace(inst, profile=m.profile, uuid=m.uuid))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from lxml import etree
 
@@ -297,7 +298,9 @@ def _child_texts(el: etree._Element) -> dict[str, str | None]:
     """Each child's untrimmed text by tag; the first of a repeated tag, as ``find`` gives."""
     texts: dict[str, str | None] = {}
     for child in el:
-        tag = child.tag  # lxml builds a new string at each access
+        # lxml builds a new string at each access. A str: a parsed tree's tags are, and
+        # comments are removed (the stubs allow bytes or a QName, for a tag set by hand).
+        tag = cast(str, child.tag)
         if tag not in texts:
             texts[tag] = child.text
     return texts

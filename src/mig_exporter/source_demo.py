@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from typing import Any
 
 from mig_exporter.procfs import PidNamespace, ProcTable, parse_process
-from mig_exporter.source_smi import snapshot_from_smi
 from mig_exporter.snapshot import Snapshot
+from mig_exporter.source_smi import snapshot_from_smi
 
 
 def sample_bytes(name: str) -> bytes:
-    return resources.files("mig_exporter").joinpath("samples", name).read_bytes()
+    return resources.files("mig_exporter").joinpath("samples").joinpath(name).read_bytes()
 
 
 class DemoSource:
@@ -45,8 +46,9 @@ class DemoProcs:
     def describe(self) -> str:
         return "bundled demo processes"
 
-    def _document(self) -> dict:
-        return json.loads(sample_bytes("demo-proc.json"))
+    def _document(self) -> dict[str, Any]:
+        document: dict[str, Any] = json.loads(sample_bytes("demo-proc.json"))
+        return document
 
     def read_namespace(self) -> PidNamespace:
         return PidNamespace(self.root, self._document()["self_pid_namespace"])

@@ -218,7 +218,7 @@ class NvmlSource:
             garbled = entries
         if garbled is None:
             return None
-        kept = [(int(p.pid), None) for p in garbled if _possible_pid(p.pid)]
+        kept: list[tuple[int, int | None]] = [(int(p.pid), None) for p in garbled if _possible_pid(p.pid)]
         problems.append(
             f"{where}: {len(garbled) - len(kept)} process entries with impossible pids dropped and the memory of "
             f"{len(kept)} unknown (NVML process struct version mismatch)"

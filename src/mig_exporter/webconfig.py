@@ -186,7 +186,7 @@ class BasicAuth:
             with self._bcrypt_lock:
                 ok = self._cached(key)  # another request may have just checked the same pair
                 if ok is None:
-                    ok = self._bcrypt(password, hashed if known else self._decoy) and known
+                    ok = self._bcrypt(password, hashed if hashed is not None else self._decoy) and known
                     self._remember(key, ok)
         if ok:
             return AuthResult(True, f"user {who}")
@@ -536,7 +536,7 @@ def _ssl_context(tls: TlsSettings, errors: list[str]) -> ssl.SSLContext | None:
     context.maximum_version = TLS_VERSIONS[tls.max_version]
     if tls.prefer_server_cipher_suites:
         context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
-    openssl_ciphers = [CIPHER_SUITES[name] for name in tls.cipher_suites if CIPHER_SUITES[name]]
+    openssl_ciphers = [openssl for name in tls.cipher_suites if (openssl := CIPHER_SUITES[name])]
     if openssl_ciphers:
         try:
             context.set_ciphers(":".join(openssl_ciphers))
