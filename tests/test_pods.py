@@ -297,7 +297,7 @@ def test_grpc_is_not_loaded_where_there_is_no_kubelet(fake_nvidia_smi, tmp_path)
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "sys.stderr.write('GRPC LOADED' if 'grpc' in sys.modules else 'GRPC NOT LOADED')\n")
     result = subprocess.run([sys.executable, "-c", code, "read", "--nvidia-smi", str(smi),
-                             "--kubelet.pod-resources-socket", str(tmp_path / "none.sock")],
+                             "--kubelet.pod-resources-socket", str(tmp_path / "none.sock"), "--log.level", "info"],
                             capture_output=True, text=True, timeout=60)
     assert result.stderr.endswith("GRPC NOT LOADED"), result.stderr
     assert "no kubelet pod-resources socket at" in result.stderr
