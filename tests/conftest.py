@@ -180,18 +180,19 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
 @pytest.fixture
 def serve():
     """Start an ``ExporterServer`` in this process, on 127.0.0.1, and give its URL:
-    ``serve(source_or_scraper, timeout_s=10.0, offset_s=0.5, prober=None)``. Every
-    server started is shut down at the end of the test."""
+    ``serve(source_or_scraper, timeout_s=10.0, offset_s=0.5, prober=None, limits=None)``;
+    ``serve.servers`` holds them. Every server started is shut down at the end of the test."""
     servers: list[ExporterServer] = []
 
-    def start(source, timeout_s: float = 10.0, offset_s: float = 0.5, prober=None) -> str:
+    def start(source, timeout_s: float = 10.0, offset_s: float = 0.5, prober=None, limits=None) -> str:
         scraper = source if isinstance(source, Scraper) else Scraper(source)
         server = ExporterServer(("127.0.0.1", 0), scraper, timeout_s=timeout_s, timeout_offset_s=offset_s,
-                                prober=prober)
+                                prober=prober, limits=limits)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return server.url
 
+    start.servers = servers  # type: ignore[attr-defined]
     yield start
     for server in servers:
         server.shutdown()

@@ -110,7 +110,7 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
                         default_timeout_s=default_timeout_s, config_file=str(config_file))
         server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10.0,
                                 timeout_offset_s=offset_s, prober=prober)
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return Exporter(server.url, server, config_file)
 
@@ -314,7 +314,7 @@ def test_methods_other_than_get_run_nothing(serve: Serve, fake_nvidia_smi: FakeS
 
 def test_without_a_config_file_probe_and_reload_say_so(tmp_path: Path) -> None:
     server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10.0)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         exp = Exporter(server.url, server, tmp_path / "none.yml")
         assert exp.probe("gpu-a") == (400, "no probe targets: serve was started without --config.file\n")

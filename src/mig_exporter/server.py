@@ -2,14 +2,15 @@
 ``/-/ready`` and ``POST /-/reload``; HTTPS and basic auth with a web config
 file (``webconfig.py``).
 
-Every scrape reads the source afresh; scrapes are served concurrently, one
-thread each, and requests that arrive while a scrape is in flight share it
-and its encoded answer (``shared_scrape.py``). A failed read still answers
-200 with ``read_success 0``; no request ever gets a traceback. ``/probe`` and ``/-/reload`` exist when serve
-has a config file (``probe.py``). The TLS handshake runs in the connection's
-own thread, so a slow or hostile client never holds up the others; a failed
-handshake is one log line. Every answer that is not a success is logged,
-one line with its reason.
+Connections are owned by one event loop (``connections.py``): it accepts,
+caps, times out and reads each request whole, then a bounded pool of workers
+answers it here. Every scrape reads the source afresh; requests that arrive
+while a scrape is in flight share it and its encoded answer
+(``shared_scrape.py``). A failed read still answers 200 with
+``read_success 0``; no request ever gets a traceback. ``/probe`` and
+``/-/reload`` exist when serve has a config file (``probe.py``). Every answer
+that is not a success is logged, one line with its reason, rate-limited per
+reason.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import io
 import logging
 import socket
 import ssl
-import sys
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client.core import Metric
 
 from mig_exporter import __version__
+from mig_exporter.connections import Connection, ConnectionLoop, Limits, Request, peer_name
 from mig_exporter.probe import BadProbeRequest, ProbeBusy, Prober
 from mig_exporter.scrape import Scraper
 from mig_exporter.shared_scrape import Answer, SharedScrapes
@@ -42,13 +44,9 @@ MIN_BUDGET_S = 0.1
 _MAX_DISCARDED_BODY = 64 * 1024
 _TEXT = "text/plain; charset=utf-8"
 _PATHS = ("/", "/metrics", "/probe", "/-/healthy", "/-/ready", "/-/reload")
-# A client gets this long to finish the TLS handshake.
-TLS_HANDSHAKE_TIMEOUT_S = 10.0
-_TLS_HANDSHAKE_RECORD = 0x16
-_PLAIN_HTTP_ON_TLS = (
-    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\nConnection: close\r\n"
-    b"Content-Length: 48\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
-)
+# socketserver's default backlog of 5 drops connections when many probes
+# arrive at once; the client then retries only after a second.
+_BACKLOG = 128
 
 
 def read_budget(limit_s: float, header: str | None, offset_s: float) -> float:
@@ -81,21 +79,10 @@ def _accepts_gzip(header: str) -> bool:
     return False
 
 
-class ExporterServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    # socketserver's default backlog of 5 drops connections when many probes
-    # arrive at once; the client then retries only after a second.
-    request_queue_size = 128
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        """One log line, not socketserver's traceback on stderr: a client that
-        hangs up mid-answer is routine."""
-        error = sys.exc_info()[1]
-        if isinstance(error, (ConnectionError, TimeoutError)):
-            log.debug("connection from %s ended: %s", client_address, error)
-        else:
-            log.error("request from %s failed", client_address, exc_info=error)
+class ExporterServer:
+    """The exporter's HTTP server: a listening socket, the connection loop that owns every
+    connection (``connections.py``), and the handler that answers a complete request in a
+    worker. ``serve_forever``, ``shutdown`` and ``server_close`` as socketserver's."""
 
     def __init__(
         self,
@@ -106,6 +93,7 @@ class ExporterServer(ThreadingHTTPServer):
         timeout_offset_s: float = 0.5,
         prober: Prober | None = None,
         web: WebSettings | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.scraper = scraper
         self.prober = prober
@@ -113,28 +101,44 @@ class ExporterServer(ThreadingHTTPServer):
         self.tls = web is not None and web.config.tls is not None
         self.timeout_s = timeout_s
         self.timeout_offset_s = timeout_offset_s
+        self.limits = limits or Limits()
         self.scrapes = SharedScrapes(self._scrape_families, self._late_families)
-        host, port = address
-        # An empty host is every address, as Go's net.Listen(":PORT"): one IPv6
-        # socket that takes IPv4 too, or IPv4 alone where the kernel has no IPv6.
-        self.dual_stack = host == "" and socket.has_dualstack_ipv6()
-        if self.dual_stack:
-            self.address_family = socket.AF_INET6
-            try:
-                super().__init__(("::", port), _Handler)
-                return
-            except OSError as e:
-                if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
-                    raise
-                log.debug("IPv6 is not available (%s); listening on IPv4 only", e.strerror or e)
-                self.dual_stack = False
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        super().__init__((host or "0.0.0.0", port), _Handler)
+        self.socket = _listen(address)
+        self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
+        self.loop = ConnectionLoop(self.socket, self.limits, self._handle, self._tls, self._client_allowed)
 
-    def server_bind(self) -> None:
-        if self.dual_stack:
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        super().server_bind()
+    def serve_forever(self) -> None:
+        self.loop.run()
+
+    def shutdown(self) -> None:
+        """Stop ``serve_forever`` and wait for it (from another thread)."""
+        self.loop.stop()
+
+    def server_close(self) -> None:
+        self.loop.close()
+        self.socket.close()
+
+    def __enter__(self) -> ExporterServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server_close()
+
+    def _handle(self, conn: Connection, request: Request) -> bool:
+        """Answer one request (in a worker); whether the connection may be kept."""
+        handler = _Handler(conn, request, self)
+        return not handler.close_connection
+
+    def _tls(self) -> tuple[ssl.SSLContext | None, str]:
+        web = self.web_config()
+        if web is None or web.ssl_context is None:
+            return None, ""
+        settings = f"min_version {web.tls.min_version}, client_auth_type {web.tls.client_auth_type}" if web.tls else ""
+        return web.ssl_context, settings
+
+    def _client_allowed(self, cert: Any) -> tuple[bool, str]:
+        web = self.web_config()
+        return (True, "") if web is None else web.client_allowed(cert)
 
     def _scrape_families(self, budget_s: float) -> list[Metric]:
         return self._with_probe_counters(self.scraper.families(budget_s))
@@ -169,103 +173,56 @@ class ExporterServer(ThreadingHTTPServer):
     def web_config(self) -> WebConfig | None:
         return self.web.current() if self.web is not None else None
 
-    # The base class also takes a UDP server's (data, socket) pairs: a TCP server's requests are sockets.
-    def finish_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
-        """Serve one connection, in its own thread; over TLS when configured."""
-        web = self.web_config()
-        if web is None or web.ssl_context is None:
-            super().finish_request(request, client_address)
-            return
-        tls = _tls_handshake(request, client_address, web)
-        if tls is None:
-            return
-        try:
-            super().finish_request(tls, client_address)
-        finally:
-            tls.close()
-
     def scrape_timeout(self, header: str | None) -> float:
         """The read's budget: ``--timeout``, or Prometheus' scrape timeout less
         the offset when that is shorter, so the answer arrives in time."""
         return read_budget(self.timeout_s, header, self.timeout_offset_s)
 
 
+def _listen(address: tuple[str, int]) -> socket.socket:
+    """The listening socket. An empty host is every address, as Go's net.Listen(":PORT"):
+    one IPv6 socket that takes IPv4 too, or IPv4 alone where the kernel has no IPv6."""
+    host, port = address
+    if host == "" and socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=_BACKLOG,
+                                        dualstack_ipv6=True)
+        except OSError as e:
+            if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                raise
+            log.debug("IPv6 is not available (%s); listening on IPv4 only", e.strerror or e)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host or "0.0.0.0", port), family=family, backlog=_BACKLOG)
+
+
 def _url(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def _peer(address: object) -> str:
-    if isinstance(address, tuple) and len(address) >= 2:
-        host, port = address[:2]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return str(address)
-
-
-def _tls_handshake(sock: socket.socket, client_address: tuple[str, int], web: WebConfig) -> ssl.SSLSocket | None:
-    """The connection wrapped in TLS, or ``None`` (logged, one line) when the
-    handshake fails, the client speaks plain HTTP, or its certificate's SANs
-    are not allowed."""
-    assert web.ssl_context is not None
-    peer = _peer(client_address)
-    sock.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
-    try:
-        first = sock.recv(1, socket.MSG_PEEK)
-    except OSError as e:
-        log.debug("connection from %s ended before the TLS handshake: %s", peer, e)
-        return None
-    if not first:
-        # A TCP check (a load balancer, a port probe): nothing to report.
-        log.debug("connection from %s closed before the TLS handshake", peer)
-        return None
-    if first[0] != _TLS_HANDSHAKE_RECORD:
-        log.warning("connection from %s: plain HTTP sent to the HTTPS port; answered 400", peer)
-        try:
-            # Take the request off the socket first: closing one with unread data sends a reset,
-            # which may reach the client before the answer does.
-            sock.settimeout(0.5)
-            sock.recv(65536)
-            sock.sendall(_PLAIN_HTTP_ON_TLS)
-        except OSError:
-            pass
-        return None
-    tls: ssl.SSLSocket | None = None
-    try:
-        tls = web.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        tls.do_handshake()
-    except (ssl.SSLError, OSError) as e:
-        settings = (f"min_version {web.tls.min_version}, client_auth_type {web.tls.client_auth_type}"
-                    if web.tls else "")
-        log.warning("TLS handshake with %s failed: %s (%s)", peer, _tls_reason(e), settings)
-        if tls is not None:
-            tls.close()
-        return None
-    allowed, reason = web.client_allowed(tls.getpeercert())
-    if not allowed:
-        log.warning("TLS connection from %s refused: %s", peer, reason)
-        tls.close()
-        return None
-    return tls
-
-
-def _tls_reason(e: BaseException) -> str:
-    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_message:
-        return f"client certificate not verified: {e.verify_message}"
-    if isinstance(e, ssl.SSLError) and e.reason:
-        return e.reason.lower().replace("_", " ")
-    if isinstance(e, TimeoutError | socket.timeout):
-        return f"no handshake within {TLS_HANDSHAKE_TIMEOUT_S:g}s"
-    return " ".join(str(e).split()) or type(e).__name__
+_peer = peer_name
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: ExporterServer
+    """Answers one complete request, read by the connection loop, in a worker thread.
+
+    http.server parses it (from memory: the loop has read it whole) and calls do_GET and
+    the like; the answer goes straight to the socket, head and body in one write."""
+
+    # Not a socketserver.BaseServer: the loop reads requests, the handler only answers them.
+    server: ExporterServer  # type: ignore[assignment]
     server_version = f"mig-exporter/{__version__}"
     protocol_version = "HTTP/1.1"
-    # An idle or half-open connection is dropped after this many seconds
-    # instead of holding a thread for ever.
-    timeout = 30
-    # As Go's servers: answers go out at once (the one write per answer is in _send).
-    disable_nagle_algorithm = True
+
+    def __init__(self, conn: Connection, request: Request, server: ExporterServer) -> None:
+        # Not BaseRequestHandler's __init__: there is no socket to read, only the request.
+        self.server = server
+        self.request = conn.sock
+        self.connection = conn.sock
+        self.client_address = conn.peer
+        self.rfile = io.BytesIO(request.data)
+        self.wfile = _SocketWriter(conn.sock)
+        self.close_connection = True
+        self.handle_one_request()
 
     def do_GET(self) -> None:  # do_GET, do_HEAD, do_POST: http.server's naming
         self._discard_body()
@@ -336,11 +293,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _fail(self, status: int, message: str, send_body: bool, headers: dict[str, str] | None = None,
               reason: str | None = None, level: int | None = None) -> None:
-        """Answer an error, and log it: one line, with the reason."""
+        """Answer an error, and log it: one line, with the reason, rate-limited per
+        status and reason (a flood of them is a few lines and a count)."""
         if level is None:
             level = logging.WARNING if status in (401, 429) or status >= 500 else logging.INFO
-        log.log(level, "%s %s from %s: answered %d: %s", self.command, _shown_path(self.path),
-                _peer(self.client_address), status, reason or message)
+        self.server.loop.limited.log((status, reason or message), level, "%s %s from %s: answered %d: %s",
+                                     self.command, _shown_path(self.path), _peer(self.client_address), status,
+                                     reason or message)
         self._send(status, f"{message}\n".encode(), _TEXT, send_body, headers)
 
     def _metrics(self, send_body: bool) -> None:
@@ -448,8 +407,26 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_error(self, format: str, *args: object) -> None:
         """http.server's own refusals (a malformed request line, an unsupported
-        method, headers too long): one line each."""
-        log.info("request from %s refused: %s", _peer(self.client_address), " ".join((format % args).split()))
+        method, too many headers): one line each, rate-limited."""
+        reason = " ".join((format % args).split())
+        self.server.loop.limited.log(("http.server", format), logging.INFO, "request from %s refused: %s",
+                                     _peer(self.client_address), reason)
+
+
+class _SocketWriter(io.BufferedIOBase):
+    """Writes go straight to the socket, whole (socketserver's own writer, which cannot be
+    imported as API): the handler writes each answer once, head and body together."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: bytes) -> int:  # type: ignore[override]  # bytes-like in, all of it out
+        self._sock.sendall(b)
+        with memoryview(b) as view:
+            return view.nbytes
 
 
 def _shown_path(path: str) -> str:
