@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,8 +108,10 @@ class Server:
 
 
 @contextmanager
-def serving(*args: str, env: dict[str, str] | None = None, startup_s: float = 15) -> Iterator[Server]:
-    """Start ``serve`` on 127.0.0.1, learn its port from the log, and always kill it at the end."""
+def serving(*args: str, env: dict[str, str] | None = None, startup_s: float = 15,
+            preexec_fn: Callable[[], None] | None = None) -> Iterator[Server]:
+    """Start ``serve`` on 127.0.0.1, learn its port from the log, and always kill it at the end.
+    ``preexec_fn`` runs in the child before it starts (to set a resource limit)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mig_exporter", "serve", *args],
         env=env if env is not None else cli_env(),
@@ -117,6 +119,7 @@ def serving(*args: str, env: dict[str, str] | None = None, startup_s: float = 15
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=preexec_fn,
     )
     lines: queue.Queue[str | None] = queue.Queue()
     log: list[str] = []

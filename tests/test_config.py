@@ -162,3 +162,41 @@ def test_load_config_of_a_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.yml")
     assert raised.value.errors == ("cannot read: No such file or directory",)
     assert str(raised.value) == f"{tmp_path / 'missing.yml'}: cannot read: No such file or directory"
+
+
+# --- YAML the config may not use: anchors and aliases, deep nesting, a huge file ----------------
+
+REFUSED = "anchors and aliases are not allowed in this file; write the value out in full"
+
+
+@pytest.mark.parametrize("text, error", [
+    ("a: &x 1\nb: *x\n", f"line 1, column 4: YAML anchor &x: {REFUSED}"),
+    ("probe_targets:\n  a:\n    command: *x\n", f"line 3, column 14: YAML alias *x: {REFUSED}"),
+    ("probe_targets:\n  a: &target\n    command: [nvidia-smi]\n  b: *target\n",
+     f"line 2, column 6: YAML anchor &target: {REFUSED}"),
+    ("probe_targets:\n  a: {<<: *base}\n", f"line 2, column 11: YAML alias *base: {REFUSED}"),
+    ("x: &" + "a" * 100 + " 1\n", f"line 1, column 4: YAML anchor &{'a' * 40}...: {REFUSED}"),
+])
+def test_anchors_and_aliases_are_refused_naming_the_line(text: str, error: str) -> None:
+    assert errors_of(text) == [error]
+
+
+def test_nesting_deeper_than_32_levels_is_refused_naming_the_line() -> None:
+    assert errors_of("[" * 5000 + "]" * 5000) == [
+        "line 1, column 33: nested more than 32 levels deep; no setting in this file goes that deep"
+    ]
+    with pytest.raises(ConfigError, match="probe_targets: must be a mapping"):
+        parse_config("probe_targets: " + "[" * 31 + "]" * 31)  # 32 levels with the top mapping: not refused
+
+
+def test_a_file_over_1_mib_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "mig.yml"
+    path.write_text("# a comment\n" * 100_000)  # 1.2 MB of valid YAML
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert raised.value.errors == ("larger than 1 MiB; a config file is a few KB (is it the right file?)",)
+    with pytest.raises(ConfigError) as raised:
+        load_config("/dev/zero")  # endless: read no further than the limit
+    assert raised.value.errors == ("larger than 1 MiB; a config file is a few KB (is it the right file?)",)
+    path.write_text("# a comment\n" * 80_000 + "probe_targets:\n  a: {command: [nvidia-smi]}\n")  # 0.96 MB
+    assert list(load_config(path).probe_targets) == ["a"]

@@ -639,3 +639,51 @@ def test_a_reload_hands_the_new_config_to_the_engine_watch(tmp_path):
     path.write_text("engines:\n  presets: {vllm: maybe}\n")
     ok, _ = prober.reload()
     assert not ok and len(seen) == 1, "a bad file is not handed on"
+
+
+def test_an_unexpected_error_in_a_reload_is_a_failed_reload_in_one_line(
+    serve: Serve, fake_nvidia_smi: FakeSmi, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mig_exporter.probe
+
+    exp = serve({"gpu-a": ([str(h100(fake_nvidia_smi))], None)})
+
+    def broken(path):
+        raise MemoryError
+
+    monkeypatch.setattr(mig_exporter.probe, "load_config", broken)
+    with caplog.at_level(logging.INFO, logger="mig_exporter"):
+        status, _, body = exp.get("/-/reload", method="POST")
+
+    assert status == 400
+    assert body.splitlines() == [
+        f"reloading {exp.config_file} failed; kept the previous config, 1 probe target (gpu-a); "
+        "engines: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm:",
+        "  unexpected error: MemoryError",
+    ]
+    assert value(exp.metrics(), "mig_exporter_config_last_reload_successful") == 0
+    assert exp.probe("gpu-a")[0] == 200
+    problems = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(problems) == 1 and problems[0].exc_info is None, [r.getMessage() for r in problems]
+    assert problems[0].getMessage().endswith("kept the previous config, 1 probe target (gpu-a); engines: llama.cpp, "
+                                             "ollama, vllm, sglang, tgi, triton, tensorrt-llm: unexpected error: "
+                                             "MemoryError")
+
+
+def test_a_failing_reload_hook_is_a_failed_reload_that_keeps_the_targets(tmp_path, caplog):
+    path = tmp_path / "mig-exporter.yml"
+    path.write_text("probe_targets:\n  gpu-a: {command: [nvidia-smi]}\n")
+
+    def broken(config):
+        raise ValueError("engine watch refused it")
+
+    prober = Prober(load_config(path), config_file=str(path), on_reload=broken)
+    path.write_text("probe_targets:\n  gpu-b: {command: [nvidia-smi]}\n")
+    ok, message = prober.reload()
+    assert not ok and message.splitlines()[-1] == "  unexpected error: ValueError: engine watch refused it"
+    assert list(prober.config.probe_targets) == ["gpu-a"]
+    assert value(parse_metrics(prober), "mig_exporter_config_last_reload_successful") == 0
+
+
+def parse_metrics(prober: Prober) -> dict[tuple[str, frozenset], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value for f in prober.families() for s in f.samples}

@@ -309,3 +309,61 @@ def test_tls_cannot_be_switched_on_by_a_reload(pki, tmp_path):
     settings = WebSettings(str(web), check_interval_s=0)
     web.write_text(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n")
     assert settings.current().tls is None
+
+
+# --- YAML the web config may not use -----------------------------------------------------------
+
+def test_anchors_and_aliases_are_refused_as_in_the_config_file(tmp_path):
+    assert errors_of(f"basic_auth_users:\n  alice: &h {HASH}\n  bob: *h\n") == [
+        "line 2, column 10: YAML anchor &h: anchors and aliases are not allowed in this file; "
+        "write the value out in full"
+    ]
+    assert errors_of("tls_server_config:\n  min_version: *v\n") == [
+        "line 2, column 16: YAML alias *v: anchors and aliases are not allowed in this file; "
+        "write the value out in full"
+    ]
+    assert errors_of("[" * 100 + "]" * 100) == [
+        "line 1, column 33: nested more than 32 levels deep; no setting in this file goes that deep"
+    ]
+    web = tmp_path / "web.yml"
+    web.write_text("# a comment\n" * 100_000)
+    with pytest.raises(WebConfigError) as raised:
+        load_web_config(web)
+    assert raised.value.errors == ("larger than 1 MiB; a config file is a few KB (is it the right file?)",)
+
+
+def test_a_reload_into_an_alias_bomb_keeps_the_config_in_force(tmp_path, caplog):
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
+    settings = WebSettings(str(web), check_interval_s=0)
+    lines = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"{n}: &{n} [" + ", ".join([f"*{b}"] * 9) + "]" for n, b in zip("bcdefghi", "abcdefgh", strict=True)]
+    web.write_text("bomb:\n" + "".join(f"  {line}\n" for line in lines) + "tls_server_config: {min_version: *i}\n")
+    assert settings.current().users == ("alice",)
+    assert settings.current().users == ("alice",)
+    failures = [r for r in caplog.records if "reloading" in r.getMessage()]
+    assert len(failures) == 1 and "line 2, column 6: YAML anchor &a" in failures[0].getMessage()
+
+
+def test_an_unexpected_error_in_a_reload_keeps_the_config_in_force(tmp_path, caplog, monkeypatch):
+    import logging
+
+    import mig_exporter.webconfig
+
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
+    settings = WebSettings(str(web), check_interval_s=0)
+
+    def broken(path):
+        raise RuntimeError("a bug\nin two lines")
+
+    monkeypatch.setattr(mig_exporter.webconfig, "load_web_config", broken)
+    web.write_text(f"basic_auth_users:\n  bob: {HASH}\n")
+    with caplog.at_level(logging.INFO, logger="mig_exporter"):
+        assert settings.current().users == ("alice",)
+        assert settings.current().users == ("alice",)
+    failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in failures] == [
+        f"reloading {web} failed; kept the web config in force: unexpected error: RuntimeError: a bug in two lines"
+    ]
+    assert failures[0].exc_info is None

@@ -13,6 +13,11 @@ A target's ``command`` is an argv prefix, run without a shell; the probe
 appends ``-q -x`` and ``-L``. Names are restricted to ``TARGET_NAME``, so a
 name can never be read as a path, an option or shell syntax. Loading checks
 the whole file and reports every error at once (``ConfigError.errors``).
+
+The YAML is read by ``_Loader``, for this file and the web config alike: at
+most ``MAX_FILE_BYTES``, no anchors or aliases (an alias bomb of a few hundred
+bytes would otherwise expand to gigabytes once checked or shown), at most
+``MAX_DEPTH`` levels of nesting, no key given twice.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -38,6 +42,12 @@ _DURATION_UNITS_S = (3600.0, 60.0, 1.0, 0.001)
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,79}")
 _TOP_LEVEL_KEYS = ("probe_targets", "engines")
 _TARGET_KEYS = ("command", "timeout")
+# A config is a few KB; a file over this is the wrong file, and is not read further.
+MAX_FILE_BYTES = 1 << 20
+# No setting goes deeper than a few levels; this stops a file of brackets
+# before the composer's recursion does, with a line to point at.
+MAX_DEPTH = 32
+_SHOWN_ANCHOR_CHARS = 40
 
 
 class ConfigError(Exception):
@@ -91,22 +101,19 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and check the file; raises ``ConfigError`` with every problem."""
     source = str(path)
     try:
-        text = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(source, [f"cannot read: {e.strerror or e}"]) from None
+        text = _read_file(path)
+    except ValueError as e:
+        raise ConfigError(source, [str(e)]) from None
     return parse_config(text, source)
 
 
 def parse_config(text: str | bytes, source: str = "<config>") -> Config:
     """Check a config's text; raises ``ConfigError`` with every problem."""
-    loader = _Loader(text)
     try:
-        document = loader.get_single_data()
+        document, duplicates = _parse_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(source, [_yaml_error(e)]) from None
-    finally:
-        loader.dispose()
-    errors = list(loader.duplicates)
+    errors = duplicates
     targets: dict[str, ProbeTarget] = {}
     if document is None:
         document = {}
@@ -205,13 +212,65 @@ def _timeout(value: Any, where: str, errors: list[str]) -> float | None:
     return seconds
 
 
+def _read_file(path: str | os.PathLike[str]) -> bytes:
+    """A config file's bytes; ``ValueError`` with the one-line reason when it
+    cannot be read or is larger than ``MAX_FILE_BYTES``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES >> 20} MiB; a config file is a few KB (is it the right file?)")
+    return data
+
+
+def _parse_yaml(text: str | bytes) -> tuple[Any, list[str]]:
+    """The document, and one line per key given twice; raises ``yaml.YAMLError``
+    (``_yaml_error`` makes it a line)."""
+    if len(text) > MAX_FILE_BYTES:
+        raise _Refused(f"larger than {MAX_FILE_BYTES >> 20} MiB; a config file is a few KB", None)
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data(), loader.duplicates
+    finally:
+        loader.dispose()
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """Valid YAML that a config file may not use (``_Loader``)."""
+
+    def __init__(self, problem: str, mark: Any) -> None:  # an event's start_mark, or None
+        super().__init__(problem=problem, problem_mark=mark)
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, noting keys given twice (it would keep the last
-    silently, and a target defined twice is a mistake worth reporting)."""
+    """PyYAML's safe loader, refusing anchors and aliases and deep nesting
+    while it composes, before any object is built, and noting keys given
+    twice (it would keep the last silently, and a target defined twice is a
+    mistake worth reporting)."""
 
     def __init__(self, stream: str | bytes) -> None:
         super().__init__(stream)
         self.duplicates: list[str] = []
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event: yaml.Event = self.peek_event()  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            shown = anchor if len(anchor) <= _SHOWN_ANCHOR_CHARS else anchor[:_SHOWN_ANCHOR_CHARS] + "..."
+            kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            raise _Refused(f"YAML {kind}{shown}: anchors and aliases are not allowed in this file; "
+                           "write the value out in full", event.start_mark)
+        if self._depth >= MAX_DEPTH:
+            raise _Refused(f"nested more than {MAX_DEPTH} levels deep; no setting in this file goes that deep",
+                           event.start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -238,7 +297,16 @@ def _yaml_error(e: yaml.YAMLError) -> str:
     mark = getattr(e, "problem_mark", None)
     problem = getattr(e, "problem", None) or str(e)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    if isinstance(e, _Refused):
+        return f"{where}{problem}"
     return f"{where}not valid YAML: {' '.join(str(problem).split())}"
+
+
+def _one_line(e: BaseException) -> str:
+    """An unexpected exception as one bounded line of a log or an answer."""
+    text = " ".join(str(e)[:400].split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _kind(value: Any) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mig_exporter.collector import snapshot_families
-from mig_exporter.config import TARGET_NAME, Config, ConfigError, ProbeTarget, load_config
+from mig_exporter.config import TARGET_NAME, Config, ConfigError, ProbeTarget, _one_line, load_config
 from mig_exporter.scrape import ReadOutcome, Scraper
 from mig_exporter.source_smi import DEFAULT_TIMEOUT_S, NvidiaSmiSource
 
@@ -214,28 +214,36 @@ class Prober:
     def reload(self) -> tuple[bool, str]:
         """Read ``config_file`` again. A bad file keeps the config in use;
         either way the answer is (ok, what happened: a line, then one line
-        per error)."""
+        per error). Never raises: an unexpected error is a failed reload too
+        (``mig_exporter_config_last_reload_successful`` 0), logged in one line
+        (its traceback at debug level)."""
         if self.config_file is None:
             return False, "no config file to reload: serve was started without --config.file"
         with self._reload_lock:
             try:
                 config = load_config(self.config_file)
+                if self.on_reload is not None:  # first: should it fail, the probe targets stay as they are
+                    self.on_reload(config)
             except ConfigError as e:
-                with self._lock:
-                    self._reload_ok = False
-                    kept = self._config.summary()
-                summary = f"reloading {self.config_file} failed; kept the previous config, {kept}"
-                log.error("%s: %s", summary, "; ".join(e.errors))
-                return False, "\n".join([f"{summary}:", *(f"  {error}" for error in e.errors)])
+                return self._reload_failed(e.errors)
+            except Exception as e:  # a bug, or MemoryError: the exporter goes on with the config in use
+                log.debug("reloading %s failed", self.config_file, exc_info=True)
+                return self._reload_failed([f"unexpected error: {_one_line(e)}"])
             self._apply(config)
-            if self.on_reload is not None:
-                self.on_reload(config)
             with self._lock:
                 self._reload_ok = True
                 self._reload_success_time = time.time()
             message = f"reloaded {self.config_file}: {config.summary()}"
             log.info("%s", message)
             return True, message
+
+    def _reload_failed(self, errors: Sequence[str]) -> tuple[bool, str]:
+        with self._lock:
+            self._reload_ok = False
+            kept = self._config.summary()
+        summary = f"reloading {self.config_file} failed; kept the previous config, {kept}"
+        log.error("%s: %s", summary, "; ".join(errors))
+        return False, "\n".join([f"{summary}:", *(f"  {error}" for error in errors)])
 
     def _apply(self, config: Config) -> None:
         """Use ``config``. Counters of targets that stay keep counting; a new

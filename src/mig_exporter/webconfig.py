@@ -12,11 +12,13 @@ uses works here unchanged::
       prometheus: $2y$10$...         # bcrypt; htpasswd -nBC 10 "" | tr -d ':\\n'
 
 Loading checks the whole file, certificates and keys included, and reports
-every error at once (``WebConfigError.errors``). Everything the toolkit
+every error at once (``WebConfigError.errors``). Every setting the toolkit
 accepts is accepted; where Python's ``ssl`` cannot do exactly what Go's
 ``crypto/tls`` does, the nearest safe behaviour is used and docs/security.md
-says so. ``WebSettings`` re-reads the file and the certificates when they
-change (a rotated certificate is served from the next connection on).
+says so. The YAML itself is read as the config file's is (``config._Loader``):
+at most 1 MiB, no anchors or aliases, at most 32 levels deep. ``WebSettings``
+re-reads the file and the certificates when they change (a rotated
+certificate is served from the next connection on).
 """
 
 from __future__ import annotations
@@ -36,14 +38,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import bcrypt
 import yaml
 
-from mig_exporter.config import _kind, _Loader, _show, _yaml_error, parse_duration
+from mig_exporter.config import _kind, _one_line, _parse_yaml, _read_file, _show, _yaml_error, parse_duration
 
 log = logging.getLogger("mig_exporter.web")
 
@@ -317,21 +318,17 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     ``WebConfigError`` with every problem."""
     source = str(path)
     try:
-        text = Path(path).read_bytes()
-    except OSError as e:
-        raise WebConfigError(source, [f"cannot read: {e.strerror or e}"]) from None
+        text = _read_file(path)
+    except ValueError as e:
+        raise WebConfigError(source, [str(e)]) from None
     return parse_web_config(text, source, base_dir=os.path.dirname(os.path.abspath(source)))
 
 
 def parse_web_config(text: str | bytes, source: str = "<web config>", base_dir: str = ".") -> WebConfig:
-    loader = _Loader(text)
     try:
-        document = loader.get_single_data()
+        document, errors = _parse_yaml(text)
     except yaml.YAMLError as e:
         raise WebConfigError(source, [_yaml_error(e)]) from None
-    finally:
-        loader.dispose()
-    errors = list(loader.duplicates)
     if document is None:
         document = {}
     if not isinstance(document, dict):
@@ -632,6 +629,12 @@ class WebSettings:
             except WebConfigError as e:
                 self._failed_stamp = stamp
                 log.error("reloading %s failed; kept the web config in force: %s", self.path, "; ".join(e.errors))
+                return self._config
+            except Exception as e:  # a bug: the server keeps the config in force, and the log says so once
+                self._failed_stamp = stamp
+                log.error("reloading %s failed; kept the web config in force: unexpected error: %s", self.path,
+                          _one_line(e))
+                log.debug("reloading %s failed", self.path, exc_info=True)
                 return self._config
             self._config = config
             self._stamp = self._stamp_of(config)
