@@ -268,3 +268,32 @@ def test_headers_and_rate_limit_from_the_web_config(pki, serve_web, caplog):
     assert https_get(address, context, "/-/healthy")[0] == 200
     assert https_get(address, context, "/-/healthy")[0] == 429
     assert len(warnings_matching(caplog, "answered 429")) == 1
+
+
+def test_failed_guesses_are_counted_against_the_peer_that_sent_them(tmp_path):
+    # The handler hands the client's address to basic auth, whose fair queue puts a guessing
+    # peer's checks behind everyone else's first tries (tests/test_webconfig.py).
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  prometheus: {HASH}\n")
+    server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5,
+                            web=WebSettings(str(web), check_interval_s=0))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host, port = server.server_address[:2]
+        guesser = http.client.HTTPConnection(host, port, timeout=10, source_address=("127.0.0.2", 0))
+        for i in range(3):
+            guesser.request("GET", "/metrics", headers=basic("prometheus", f"guess-{i}"))
+            response = guesser.getresponse()
+            response.read()
+            assert response.status == 401
+        guesser.close()
+        scraper = http.client.HTTPConnection(host, port, timeout=10)
+        scraper.request("GET", "/metrics", headers=basic("prometheus", PASSWORD))
+        assert scraper.getresponse().status == 200
+        scraper.close()
+        auth = server.web_config().auth
+        assert auth is not None
+        assert (auth._gate.failures("127.0.0.2"), auth._gate.failures("127.0.0.1")) == (3, 0)
+    finally:
+        server.shutdown()
+        server.server_close()

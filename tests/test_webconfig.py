@@ -7,17 +7,20 @@ import base64
 import os
 import ssl
 import threading
+import time
 
 import bcrypt
 import pytest
 
 from certs import make_pki
 from mig_exporter.webconfig import (
-    AUTH_CACHE_SIZE,
+    AUTH_BCRYPT_SLOTS,
+    AUTH_FAILED_CACHE_SIZE,
     BasicAuth,
     TokenBucket,
     WebConfigError,
     WebSettings,
+    _peer_group,
     load_web_config,
     parse_web_config,
 )
@@ -243,32 +246,223 @@ def test_concurrent_first_scrapes_verify_once():
     assert results == [True] * 20 and counting.calls == 1
 
 
-def test_the_cache_is_bounded_and_keeps_the_most_recently_used():
-    counting = CountingBcrypt()
-    auth = BasicAuth({"prometheus": HASH.encode()}, verify=counting)
-    auth.check(basic("prometheus", "s3cret"))
-    for i in range(AUTH_CACHE_SIZE * 2):  # a guessing client
-        auth.check(basic("prometheus", f"guess-{i}"))
-        auth.check(basic("prometheus", "s3cret"))  # the real scraper keeps its entry fresh
-    assert len(auth._cache) == AUTH_CACHE_SIZE
-    assert counting.calls == 1 + AUTH_CACHE_SIZE * 2
-    assert auth.check(basic("prometheus", "s3cret")).ok and counting.calls == 1 + AUTH_CACHE_SIZE * 2
+class FakeBcrypt:
+    """bcrypt's contract without its cost: a hash in ``plain`` matches the password it was made
+    for, anything else (a decoy) matches nothing. Records each call's password and cost; a call
+    for a password in ``block`` waits for ``release``."""
+
+    def __init__(self, plain: dict[bytes, bytes], block: tuple[bytes, ...] = ()) -> None:
+        self.plain = plain
+        self.block = block
+        self.calls: list[tuple[bytes, int]] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self, password: bytes, hashed: bytes) -> bool:
+        with self.lock:
+            self.calls.append((password, int(hashed[4:6])))
+        if password in self.block:
+            self.entered.set()
+            assert self.release.wait(10), "the test never released the blocked check"
+        return self.plain.get(hashed) == password
+
+    def passwords(self) -> list[bytes]:
+        with self.lock:
+            return [password for password, _ in self.calls]
+
+
+def until(condition, what: str, limit_s: float = 10.0) -> None:
+    """Wait, bounded, for another thread to get somewhere."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def started(target, *args) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_flood_of_wrong_passwords_never_evicts_a_verified_credential():
+    fake = FakeBcrypt({HASH.encode(): b"s3cret"})
+    auth = BasicAuth({"prometheus": HASH.encode()}, verify=fake)
+    assert auth.check(basic("prometheus", "s3cret"), peer=("10.0.0.7", 40000)).ok
+    guesses_each, peers = 1000, 4
+
+    def guess(n: int) -> None:
+        for i in range(guesses_each):
+            assert not auth.check(basic("prometheus", f"guess-{n}-{i}"), peer=(f"10.0.0.{66 + n}", 50000 + i)).ok
+
+    threads = [started(guess, n) for n in range(peers)]
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert len(fake.calls) == 1 + guesses_each * peers, "every distinct guess paid its check"
+    assert len(auth._verified) == 1 and len(auth._failed) == AUTH_FAILED_CACHE_SIZE
+    before = len(fake.calls)
+    for _ in range(100):
+        assert auth.check(basic("prometheus", "s3cret"), peer=("10.0.0.7", 40001)).ok
+    assert len(fake.calls) == before, "the verified credential is still cached: no bcrypt after the flood"
+
+
+def test_only_verified_pairs_can_push_a_verified_pair_out():
+    hashes = {f"user{i}": bcrypt.hashpw(f"pw{i}".encode(), bcrypt.gensalt(rounds=4)) for i in range(4)}
+    fake = FakeBcrypt({h: f"pw{i}".encode() for i, h in enumerate(hashes.values())})
+    auth = BasicAuth(hashes, cache_size=3, verify=fake)
+    for i in range(3):
+        assert auth.check(basic(f"user{i}", f"pw{i}")).ok
+    assert auth.check(basic("user0", "pw0")).ok  # user0 is now the most recently used
+    assert len(fake.calls) == 3
+    for i in range(AUTH_FAILED_CACHE_SIZE * 3):
+        auth.check(basic("user1", f"guess-{i}"))
+    assert {user for user, _ in auth._verified} == {b"user0", b"user1", b"user2"}
+    assert auth.check(basic("user3", "pw3")).ok  # a fourth verified pair: the least recently used goes
+    assert {user for user, _ in auth._verified} == {b"user0", b"user2", b"user3"}
+    calls = len(fake.calls)
+    assert auth.check(basic("user1", "pw1")).ok and len(fake.calls) == calls + 1
 
 
 def test_the_cache_holds_no_password():
     auth = BasicAuth({"prometheus": HASH.encode()})
     auth.check(basic("prometheus", "s3cret"))
-    ((user, digest),) = auth._cache
+    auth.check(basic("prometheus", "wrong"))
+    ((user, digest),) = auth._verified
     assert user == b"prometheus" and b"s3cret" not in digest and len(digest) == 32
+    ((_, wrong_digest),) = auth._failed
+    assert b"wrong" not in wrong_digest and len(wrong_digest) == 32
 
 
-def test_an_unknown_user_pays_a_bcrypt_check_of_the_same_cost():
+def test_a_cached_credential_never_waits_for_a_check_in_flight():
+    fake = FakeBcrypt({HASH.encode(): b"s3cret"}, block=(b"guess",))
+    auth = BasicAuth({"prometheus": HASH.encode()}, verify=fake)
+    assert auth.check(basic("prometheus", "s3cret"), peer=("10.0.0.7", 1)).ok
+    guess = started(auth.check, basic("prometheus", "guess"), ("10.0.0.66", 2))
+    assert fake.entered.wait(10)
+    results: list[bool] = []
+    scrape = started(lambda: results.append(auth.check(basic("prometheus", "s3cret"), peer=("10.0.0.7", 3)).ok))
+    scrape.join(10)
+    alive = scrape.is_alive()
+    fake.release.set()
+    guess.join(10)
+    assert not alive and results == [True], "a cached credential waited for a bcrypt check in flight"
+    assert fake.passwords() == [b"s3cret", b"guess"]
+
+
+def test_a_peer_that_has_not_failed_is_checked_before_a_guessing_peers_queue():
+    fake = FakeBcrypt({HASH.encode(): b"s3cret"}, block=(b"blocker",))
+    auth = BasicAuth({"prometheus": HASH.encode()}, verify=fake)
+    attacker, scraper = ("10.0.0.66", 1), ("10.0.0.7", 2)
+    for i in range(3):
+        assert not auth.check(basic("prometheus", f"early-{i}"), peer=attacker).ok
+    assert auth._gate.failures("10.0.0.66") == 3
+    threads = [started(auth.check, basic("prometheus", "blocker"), attacker)]
+    assert fake.entered.wait(10)
+    threads += [started(auth.check, basic("prometheus", f"queued-{i}"), attacker) for i in range(5)]
+    until(lambda: auth._gate.waiting() == 5, "the guesses to queue")
+    results: list[bool] = []
+    threads.append(started(lambda: results.append(auth.check(basic("prometheus", "s3cret"), peer=scraper).ok)))
+    until(lambda: auth._gate.waiting() == 6, "the scraper to queue")
+    fake.release.set()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads) and results == [True]
+    order = fake.passwords()
+    assert order[:5] == [b"early-0", b"early-1", b"early-2", b"blocker", b"s3cret"], (
+        "the scraper's first check waited behind the guesses queued before it")
+    assert sorted(order[5:]) == [f"queued-{i}".encode() for i in range(5)]
+    assert auth._gate.failures("10.0.0.66") == 9 and auth._gate.failures("10.0.0.7") == 0
+
+
+def test_checks_from_one_peer_share_one_bcrypt_slot_and_hand_it_on():
+    # Guesses from one peer run one after another; every one is answered, none is lost in the queue.
+    fake = FakeBcrypt({HASH.encode(): b"s3cret"})
+    auth = BasicAuth({"prometheus": HASH.encode()}, verify=fake)
+    outcomes: list[bool] = []
+    lock = threading.Lock()
+
+    def guess(i: int) -> None:
+        ok = auth.check(basic("prometheus", "s3cret" if i == 25 else f"g{i}"), peer=("10.0.0.66", i)).ok
+        with lock:
+            outcomes.append(ok)
+
+    threads = [started(guess, i) for i in range(50)]
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(outcomes) == [False] * 49 + [True] and len(fake.calls) == 50
+    assert auth._gate.waiting() == 0 and auth._gate._free == AUTH_BCRYPT_SLOTS
+
+
+@pytest.mark.parametrize("peer, group", [
+    (("127.0.0.1", 5000), "127.0.0.1"),
+    (("::ffff:10.1.2.3", 5000, 0, 0), "10.1.2.3"),
+    (("2001:db8:1:2::1", 5000, 0, 0), "2001:db8:1:2::/64"),
+    (("2001:db8:1:2:ffff:ffff:ffff:ffff", 5000, 0, 0), "2001:db8:1:2::/64"),
+    (("fe80::1%eth0", 5000, 0, 2), "fe80::/64"),
+    ("10.0.0.1", "10.0.0.1"),
+    (None, ""),
+    ("/run/socket", "/run/socket"),
+])
+def test_peers_are_counted_by_host_and_ipv6_by_slash_64(peer, group):
+    assert _peer_group(peer) == group
+
+
+# Two users of different costs: the check must take the same work whoever is named.
+LOW = bcrypt.hashpw(b"low-secret", bcrypt.gensalt(rounds=4))
+HIGH = bcrypt.hashpw(b"high-secret", bcrypt.gensalt(rounds=6))
+
+
+class RecordingBcrypt:
+    """Real bcrypt; records the cost of each hash checked and whether it was a configured user's."""
+
+    def __init__(self, users: tuple[bytes, ...]) -> None:
+        self.users = users
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, password: bytes, hashed: bytes) -> bool:
+        self.calls.append((int(hashed[4:6]), hashed in self.users))
+        return bcrypt.checkpw(password, hashed)
+
+
+@pytest.mark.parametrize("user, password, ok, own", [
+    ("mallory", "x", False, None),      # unknown: decoys at both costs, the highest included
+    ("low", "wrong", False, 4),
+    ("high", "wrong", False, 6),
+    ("low", "low-secret", True, 4),
+    ("high", "high-secret", True, 6),
+])
+def test_every_check_does_the_work_of_every_configured_cost(user, password, ok, own):
+    recording = RecordingBcrypt((LOW, HIGH))
+    auth = BasicAuth({"low": LOW, "high": HIGH}, verify=recording)
+    assert auth.check(basic(user, password)).ok is ok
+    assert [cost for cost, _ in recording.calls] == [4, 6], "the same checks, in the same order, for everyone"
+    assert [cost for cost, users in recording.calls if users] == ([own] if own else [])
+    if own is None:
+        assert (6, False) in recording.calls, "an unknown user pays a check at the highest cost"
+
+
+def test_the_decoys_match_no_password_and_cost_nothing_to_make(monkeypatch):
+    def no_hashing(*_: object) -> bytes:
+        raise AssertionError("a decoy was hashed at load: a reload would stall connections")
+
+    monkeypatch.setattr(bcrypt, "hashpw", no_hashing)
+    top = "$2b$31$" + HASH[7:]  # cost 31: hashing anything at that cost would take days
+    auth = BasicAuth({"a": LOW, "b": top.encode()})
+    assert sorted(auth._decoys) == [4, 31]
+    decoy = auth._decoys[4]
+    monkeypatch.undo()
+    assert len(decoy) == 60 and decoy.startswith(b"$2b$04$")
+    assert not any(bcrypt.checkpw(p, decoy) for p in (b"", b"x", b"low-secret"))
+
+
+def test_single_cost_users_pay_one_check():
     counting = CountingBcrypt()
-    cost10 = bcrypt.hashpw(b"x", bcrypt.gensalt(rounds=10))
-    auth = BasicAuth({"prometheus": cost10}, verify=counting)
+    auth = BasicAuth({"prometheus": HASH.encode(), "grafana": HASH.encode()}, verify=counting)
     assert not auth.check(basic("mallory", "x")).ok
     assert counting.calls == 1
-    assert auth._decoy[4:6] == b"10"
 
 
 # --- rate limit --------------------------------------------------------------------------------

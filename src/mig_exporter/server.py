@@ -284,7 +284,7 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         if web.auth is None:
             return True
-        result = web.auth.check(self.headers.get("Authorization"))
+        result = web.auth.check(self.headers.get("Authorization"), peer=self.client_address)
         if result.ok:
             return True
         self._fail(401, "Unauthorized", send_body, {"WWW-Authenticate": 'Basic realm="mig-exporter"'},
