@@ -177,3 +177,11 @@ def test_a_real_scrape_reads_back_with_its_values():
     key = ("mig_exporter_process_memory_used_bytes",
            (("card", "0"), ("index", "1000"), ("mig_profile", "3g.40gb"), ("pid", "21180")))
     assert samples[key] == 2296 * 1024 * 1024
+
+
+def test_an_accept_header_prometheus_client_cannot_read_gets_the_text_format():
+    """Found by the raw-request fuzzing: choose_encoder raises TypeError on some version= values."""
+    full = GaugeMetricFamily("mig_exporter_card_mig_instances", "Instances.", labels=["card"])
+    full.add_metric(["0"], 3)
+    body, content_type = render([full], "application/openmetrics-text;version=a.b.c")
+    assert content_type.startswith("text/plain") and b'instances{card="0"} 3.0\n' in body

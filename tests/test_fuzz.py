@@ -369,3 +369,88 @@ def test_the_fuzz_checks_can_fail():
     bugs.records.append("read from nvidia-smi failed unexpectedly")
     with pytest.raises(AssertionError, match="unexpectedly"):
         check_answer(200, b"mig_exporter_read_success 0\n", bugs)
+
+
+# --- raw request bytes against a live server ---------------------------------------------------
+
+_REQUESTS = [
+    b"GET /metrics HTTP/1.1\r\nHost: node:10064\r\nAccept: application/openmetrics-text;version=1.0.0\r\n"
+    b"Accept-Encoding: gzip\r\nX-Prometheus-Scrape-Timeout-Seconds: 10\r\n\r\n",
+    b"HEAD /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /-/ready HTTP/1.0\r\n\r\n",
+    b"POST /-/reload HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello",
+    b"GET /probe?target=node&module=x HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Basic cHJvbWV0aGV1czpzZWNyZXQ=\r\n\r\n",
+    b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+]
+_ODD = [b"\xc2\xb2", b"-1", b"99999999999999999999", b"0, 7", b"\xff\xfe", b"\x00", b"\r", b"\n", b" ", b"\t",
+        b":", b"HTTP/0.9", b"HTTP/2.0", b"HTTP/1.1 HTTP/1.1", b"%", b"?" * 3, b"/" * 300, b"Content-Length: 3\r\n"]
+
+
+@st.composite
+def raw_requests(draw) -> bytes:
+    """A request a client might send, mutated: bytes replaced, inserted and cut, odd values
+    spliced in, headers repeated; or bytes at random."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.binary(min_size=1, max_size=600))
+    data = bytearray(draw(st.sampled_from(_REQUESTS)))
+    for _ in range(draw(st.integers(0, 4))):
+        at = draw(st.integers(0, len(data)))
+        kind = draw(st.integers(0, 3))
+        if kind == 0 and data:
+            data[min(at, len(data) - 1)] = draw(st.integers(0, 255))
+        elif kind == 1:
+            data[at:at] = draw(st.sampled_from(_ODD))
+        elif kind == 2:
+            del data[at:at + draw(st.integers(1, 40))]
+        else:
+            data[at:at] = b"Content-Length: " + draw(st.sampled_from(_ODD)) + b"\r\n"
+    return bytes(data)
+
+
+@pytest.fixture(scope="module")
+def raw_server():
+    server = ExporterServer(("127.0.0.1", 0), Scraper(_Fed()), timeout_s=5)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    bugs = _Bugs()
+    logging.getLogger("mig_exporter").addHandler(bugs)
+    yield server.server_address[:2], bugs
+    logging.getLogger("mig_exporter").removeHandler(bugs)
+    server.shutdown()
+    server.server_close()
+
+
+def check_raw_answer(address: tuple[str, int], data: bytes, bugs: _Bugs) -> None:
+    """Send ``data``, half-close, read what comes back: nothing (closed), or answers whose
+    status lines are none of them 500; and nothing logged at ERROR (a traceback)."""
+    import socket
+
+    with socket.create_connection(address, timeout=10) as s:
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # closed on us mid-send: a refusal
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    statuses = re.findall(rb"HTTP/1\.[01] (\d{3}) ", answer)
+    assert not answer or (answer.startswith(b"HTTP/1.") and statuses), answer[:300]
+    assert b"500" not in statuses, answer[:300]
+    assert bugs.records == [], bugs.records
+
+
+@settings(max_examples=FAST, **FUZZ_SETTINGS)
+@given(raw_requests())
+def test_no_request_bytes_make_a_traceback_or_a_500(raw_server, data):
+    check_raw_answer(*raw_server[:1], data, raw_server[1])
+
+
+@pytest.mark.fuzz
+@settings(max_examples=FULL, **FUZZ_SETTINGS)
+@given(raw_requests())
+def test_raw_requests_fuzz_10000(raw_server, data):
+    check_raw_answer(*raw_server[:1], data, raw_server[1])

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import calls, fixture_bytes
 
+from conftest import calls, fixture_bytes
 from mig_exporter.config import parse_config
 from mig_exporter.connections import Limits, parse_head, raise_open_file_limit
 from mig_exporter.probe import Prober
@@ -253,7 +253,8 @@ def test_malformed_framing_is_a_400_and_closes(serve, caplog, head, reason):
 
 
 def test_the_same_length_twice_is_one_length():
-    assert parse_head(b"GET / HTTP/1.1\r\nContent-Length: 4\r\ncontent-length: 04\r\n\r\n", 1024) == ("/", 4, False)
+    head = parse_head(b"GET / HTTP/1.1\r\nContent-Length: 4\r\ncontent-length: 04\r\n\r\n", 1024)
+    assert (head.path, head.body_bytes, head.close_after) == ("/", 4, False)
 
 
 def test_an_http_0_9_probe_runs_nothing(serve, fake_nvidia_smi):
@@ -305,3 +306,47 @@ def test_a_thread_per_connection_is_gone(serve):
     assert _healthy_within(url)
     for s in held:
         s.close()
+
+
+def test_a_flood_of_guesses_waits_in_its_own_pool_not_in_front_of_a_verified_scraper(tmp_path):
+    """Credentials that need a bcrypt check are answered by the "auth" pool; a scraper whose
+    credentials are verified (cached) goes straight to the main pool, whatever the guesses do."""
+    import base64
+
+    import bcrypt
+
+    from mig_exporter.scrape import Scraper
+    from mig_exporter.server import ExporterServer
+    from mig_exporter.webconfig import WebSettings
+
+    hashed = bcrypt.hashpw(b"right", bcrypt.gensalt(rounds=12)).decode()  # ~0.25 s a check
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  prometheus: {hashed}\n")
+    server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5,
+                            web=WebSettings(str(web), check_interval_s=0),
+                            limits=Limits(auth_workers=1, auth_queued_requests=4))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def get(user: str, password: str) -> tuple[bytes, float]:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        answer = _exchange(url, f"GET /metrics HTTP/1.1\r\nAuthorization: Basic {token}\r\n"
+                                f"Connection: close\r\n\r\n".encode(), 30)
+        return answer, time.monotonic()
+
+    try:
+        assert get("prometheus", "right")[0].startswith(b"HTTP/1.1 200")  # verified, now cached
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            guesses = [pool.submit(get, "prometheus", f"guess-{i}") for i in range(12)]
+            time.sleep(0.3)
+            scrape, scraped_at = get("prometheus", "right")
+            results = [g.result() for g in guesses]
+        assert scrape.startswith(b"HTTP/1.1 200")
+        refused = [a for a, _ in results if a.startswith(b"HTTP/1.1 503")]
+        unauthorized = [(a, t) for a, t in results if a.startswith(b"HTTP/1.1 401")]
+        assert refused, "a full auth pool answers guesses 503 at once"
+        assert len(refused) + len(unauthorized) == 12
+        assert max(t for _, t in unauthorized) > scraped_at, "the scrape did not wait for the guesses"
+    finally:
+        server.shutdown()
+        server.server_close()

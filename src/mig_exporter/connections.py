@@ -42,11 +42,13 @@ _PLAIN_HTTP_ON_TLS = (
 )
 _END_OF_HEAD = re.compile(rb"\r?\n\r?\n")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
+_VERSION = re.compile(rb"HTTP/([0-9])\.[0-9]")
 _RECV_BYTES = 65536
 # How long a closing connection is drained so that unread request bytes do not turn the
 # close into a reset that overtakes the answer.
 _LINGER_S = 2.0
 _ACCEPT_BACKOFF_S = 0.1
+_TITLES = {400: "Bad Request", 505: "HTTP Version Not Supported"}
 _TICK_S = 0.25
 
 
@@ -69,6 +71,9 @@ class Limits:
     workers: int = 32
     queued_requests: int = 256
     health_workers: int = 2
+    # Requests whose credentials are not cached wait for a bcrypt check here (webconfig.py).
+    auth_workers: int = 8
+    auth_queued_requests: int = 64
 
 
 def raise_open_file_limit() -> tuple[int, int]:
@@ -95,6 +100,7 @@ class Request:
     data: bytes
     path: str
     close_after: bool  # a body the loop did not read (chunked, or too large): close after answering
+    authorization: str | None = None
 
 
 class BadRequest(Exception):
@@ -104,19 +110,32 @@ class BadRequest(Exception):
         self.reason = reason
 
 
-def parse_head(head: bytes, max_body_bytes: int) -> tuple[str, int | None, bool]:
-    """(path, body length or None when the body is not to be read, close after answering)
-    of a request head, or BadRequest. Only what framing needs; http.server parses the rest."""
+@dataclass(frozen=True, slots=True)
+class Head:
+    path: str
+    body_bytes: int | None  # None: the body is not to be read (chunked, or too large)
+    close_after: bool
+    authorization: str | None
+
+
+def parse_head(head: bytes, max_body_bytes: int) -> Head:
+    """What framing and routing need of a request head, or BadRequest; http.server parses
+    the rest in the worker."""
     lines = re.split(rb"\r?\n", head)
     words = lines[0].split()
     if len(words) != 3:
         # "GET /path" alone is HTTP/0.9, which has no head and no status line to answer with.
         raise BadRequest(400, "no HTTP version in the request line" if len(words) == 2
                          else "malformed request line")
-    if not words[2].startswith(b"HTTP/"):
-        raise BadRequest(400, "malformed request line")
+    version = _VERSION.fullmatch(words[2])
+    if version is None:
+        # http.server would answer it as HTTP/0.9: a body without a status line.
+        raise BadRequest(400, "malformed HTTP version")
+    if version.group(1) != b"1":
+        raise BadRequest(505, "HTTP version not supported")
     lengths: set[bytes] = set()
     chunked = False
+    authorization: str | None = None
     for line in lines[1:]:
         if not line:
             continue
@@ -134,6 +153,8 @@ def parse_head(head: bytes, max_body_bytes: int) -> tuple[str, int | None, bool]
                 lengths.add(item.lstrip(b"0") or b"0")
         elif name == b"transfer-encoding":
             chunked = True
+        elif name == b"authorization":
+            authorization = value.strip().decode("latin-1")
     if len(lengths) > 1:
         # RFC 9112 6.3: differing lengths are a smuggling attempt or a broken client.
         raise BadRequest(400, "conflicting Content-Length headers")
@@ -141,11 +162,11 @@ def parse_head(head: bytes, max_body_bytes: int) -> tuple[str, int | None, bool]
         raise BadRequest(400, "both Transfer-Encoding and Content-Length")
     path = urlsplit(words[1].decode("latin-1")).path
     if chunked:
-        return path, None, True
+        return Head(path, None, True, authorization)
     length = int(lengths.pop()) if lengths else 0
     if length > max_body_bytes:
-        return path, None, True
-    return path, length, False
+        return Head(path, None, True, authorization)
+    return Head(path, length, False, authorization)
 
 
 class _Pool:
@@ -155,6 +176,7 @@ class _Pool:
     def __init__(self, name: str, size: int, queued: int) -> None:
         self.name = name
         self.size = size
+        self.queued = queued
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=queued)
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -247,6 +269,7 @@ class ConnectionLoop:
         handle: Callable[[Connection, Request], bool],
         tls: Callable[[], tuple[ssl.SSLContext | None, str]],
         client_allowed: Callable[[Any], tuple[bool, str]],  # getpeercert()'s dict
+        route: Callable[[Request], str] | None = None,
     ) -> None:
         self.listener = listener
         self.limits = limits
@@ -264,8 +287,15 @@ class ConnectionLoop:
         self._stopped = threading.Event()
         self._stopped.set()
         self._accept_paused_until: float | None = None
-        self.pool = _Pool("http", limits.workers, limits.queued_requests)
-        self.health_pool = _Pool("http-health", limits.health_workers, limits.queued_requests)
+        # "main" answers the requests; "health" /-/healthy alone, so it answers while scrapes fill
+        # "main"; "auth" holds requests whose credentials need a bcrypt check, so a flood of
+        # guesses waits there and never in front of a scraper whose credentials are verified.
+        self.pools = {
+            "main": _Pool("http", limits.workers, limits.queued_requests),
+            "health": _Pool("http-health", limits.health_workers, limits.queued_requests),
+            "auth": _Pool("http-auth", limits.auth_workers, limits.auth_queued_requests),
+        }
+        self.route = route or (lambda request: "health" if request.path == "/-/healthy" else "main")
         self._last_sweep = 0.0
         # Refusals, one line per reason and a count of the rest (per server: tests start many).
         self.limited = RateLimitedLog(log)
@@ -308,8 +338,8 @@ class ConnectionLoop:
     def close(self) -> None:
         for conn in list(self.connections.values()):
             self._close(conn)
-        self.pool.stop()
-        self.health_pool.stop()
+        for pool in self.pools.values():
+            pool.stop()
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
@@ -532,29 +562,31 @@ class ConnectionLoop:
             return
         head = bytes(buffer[: end.end()])
         try:
-            path, length, close_after = parse_head(head, self.limits.max_body_bytes)
+            parsed = parse_head(head, self.limits.max_body_bytes)
         except BadRequest as e:
-            self._refuse(conn, e.status, "Bad Request", e.reason)
+            self._refuse(conn, e.status, _TITLES[e.status], e.reason)
             return
+        length = parsed.body_bytes
         if length is None:
-            request = Request(head, path, close_after=True)
+            request = Request(head, parsed.path, True, parsed.authorization)
             del buffer[:]
         else:
             if len(buffer) < len(head) + length:
                 return  # the body is still on its way, within the same deadline
-            request = Request(bytes(buffer[: len(head) + length]), path, close_after)
+            request = Request(bytes(buffer[: len(head) + length]), parsed.path, parsed.close_after,
+                              parsed.authorization)
             del buffer[: len(head) + length]
         self._dispatch(conn, request)
 
     def _dispatch(self, conn: Connection, request: Request) -> None:
         conn.state = _BUSY
         self._unwatch(conn)
-        pool = self.health_pool if request.path == "/-/healthy" else self.pool
+        pool = self.pools[self.route(request)]
         if not pool.submit(lambda: self._work(conn, request)):
             conn.state = _HEAD
             self._watch(conn, selectors.EVENT_READ)
             self._refuse(conn, 503, "Service Unavailable", f"{pool.size} workers busy and "
-                         f"{self.limits.queued_requests} requests waiting")
+                         f"{pool.queued} requests waiting")
 
     def _work(self, conn: Connection, request: Request) -> None:
         """In a worker: answer, then give the connection back to the loop."""

@@ -51,6 +51,15 @@ class _Families:
         return self._families
 
 
+def negotiate(accept: str | None) -> tuple[Callable[..., bytes], str]:
+    """prometheus_client's encoder and Content-Type for an Accept header. One it cannot read
+    (it raises on some malformed ``version=`` values) gets the text format, as no header does."""
+    try:
+        return exposition.choose_encoder(accept or "")
+    except Exception:
+        return exposition.choose_encoder("")
+
+
 def render(families: Sequence[Metric], accept: str | None) -> tuple[bytes, str]:
     """The body and Content-Type for a client sending ``Accept: accept``.
 
@@ -58,7 +67,7 @@ def render(families: Sequence[Metric], accept: str | None) -> tuple[bytes, str]:
     nothing (no pod on a node, no engine running), and prometheus_client would
     print them."""
     families = [f for f in families if f.samples]
-    encoder, content_type = exposition.choose_encoder(accept or "")
+    encoder, content_type = negotiate(accept)
     fast = _fast_encoder(encoder)
     if fast is not None:
         try:

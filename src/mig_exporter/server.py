@@ -105,7 +105,8 @@ class ExporterServer:
         self.scrapes = SharedScrapes(self._scrape_families, self._late_families)
         self.socket = _listen(address)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
-        self.loop = ConnectionLoop(self.socket, self.limits, self._handle, self._tls, self._client_allowed)
+        self.loop = ConnectionLoop(self.socket, self.limits, self._handle, self._tls, self._client_allowed,
+                                   self._route)
 
     def serve_forever(self) -> None:
         self.loop.run()
@@ -128,6 +129,13 @@ class ExporterServer:
         """Answer one request (in a worker); whether the connection may be kept."""
         handler = _Handler(conn, request, self)
         return not handler.close_connection
+
+    def _route(self, request: Request) -> str:
+        """The worker pool for a request: credentials that need a bcrypt check wait in "auth"."""
+        web = self.web_config()
+        if web is not None and web.auth is not None and web.auth.needs_check(request.authorization):
+            return "auth"
+        return "health" if request.path == "/-/healthy" else "main"
 
     def _tls(self) -> tuple[ssl.SSLContext | None, str]:
         web = self.web_config()

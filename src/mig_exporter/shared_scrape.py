@@ -20,10 +20,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from prometheus_client import exposition
 from prometheus_client.core import Metric
 
-from mig_exporter.exposition import render
+from mig_exporter.exposition import negotiate, render
 from mig_exporter.singleflight import Flight
 
 # A scrape ends at its deadline plus the few ms a killed command takes to
@@ -44,7 +43,7 @@ class Answer:
         """The body and Content-Type for ``Accept: accept``, gzipped if ``compress``."""
         # Keyed on what the header asks for, not its spelling; one lock per encoding,
         # so a request for another format does not wait for this one.
-        key = (exposition.choose_encoder(accept)[1], compress)
+        key = (negotiate(accept)[1], compress)
         with self._lock:
             encoding = self._encodings.get(key)
             if encoding is None:

@@ -190,24 +190,28 @@ class BasicAuth:
 
     def check(self, header: str | None, peer: object = None) -> AuthResult:
         """``peer``: the client's address (a socket address or a host), for the fair queue."""
-        if not header:
-            return AuthResult(False, "no credentials")
-        scheme, _, encoded = header.strip().partition(" ")
-        if scheme.lower() != "basic":
-            return AuthResult(False, f"{_shown(scheme)} credentials, not Basic")
-        try:
-            decoded = base64.b64decode(encoded.strip(), validate=True)
-        except (binascii.Error, ValueError):
-            return AuthResult(False, "Basic credentials that are not valid base64")
-        user, colon, password = decoded.partition(b":")
-        if not colon:
-            return AuthResult(False, "Basic credentials without a ':' between user and password")
+        parsed = _basic_credentials(header)
+        if isinstance(parsed, AuthResult):
+            return parsed
+        user, password = parsed
         who = _shown(user.decode("utf-8", errors="replace"))
         known = user in self._users
-        key = (user, hmac.new(self._key, password, hashlib.sha256).digest())
-        if self._outcome(key, password, peer):
+        if self._outcome(self._key_of(user, password), password, peer):
             return AuthResult(True, f"user {who}")
         return AuthResult(False, f"wrong password for user {who}" if known else f"unknown user {who}")
+
+    def needs_check(self, header: str | None) -> bool:
+        """Whether ``check(header)`` would run bcrypt: well-formed Basic credentials that are
+        in neither cache. The server routes those to a pool of their own."""
+        parsed = _basic_credentials(header)
+        if isinstance(parsed, AuthResult):
+            return False
+        key = self._key_of(*parsed)
+        with self._lock:
+            return not (self._verified.peek(key) or self._failed.peek(key))
+
+    def _key_of(self, user: bytes, password: bytes) -> tuple[bytes, bytes]:
+        return user, hmac.new(self._key, password, hashlib.sha256).digest()
 
     def _outcome(self, key: tuple[bytes, bytes], password: bytes, peer: object) -> bool:
         with self._lock:
@@ -259,6 +263,23 @@ class BasicAuth:
             return False
 
 
+def _basic_credentials(header: str | None) -> tuple[bytes, bytes] | AuthResult:
+    """(user, password) of an ``Authorization: Basic`` header, or the failure it is."""
+    if not header:
+        return AuthResult(False, "no credentials")
+    scheme, _, encoded = header.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return AuthResult(False, f"{_shown(scheme)} credentials, not Basic")
+    try:
+        decoded = base64.b64decode(encoded.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return AuthResult(False, "Basic credentials that are not valid base64")
+    user, colon, password = decoded.partition(b":")
+    if not colon:
+        return AuthResult(False, "Basic credentials without a ':' between user and password")
+    return user, password
+
+
 @dataclass(slots=True)
 class _Flight:
     """A check in progress; requests for the same pair wait for its outcome."""
@@ -279,6 +300,10 @@ class _Lru:
             return False
         self._items.move_to_end(key)
         return True
+
+    def peek(self, key: tuple[bytes, bytes]) -> bool:
+        """Whether ``key`` is held, without making it recent."""
+        return key in self._items
 
     def put(self, key: tuple[bytes, bytes]) -> None:
         self._items[key] = None
