@@ -26,6 +26,7 @@ from mig_exporter import __version__
 from mig_exporter.attribution import EngineWatch
 from mig_exporter.command import kill_running
 from mig_exporter.config import EMPTY, Config, ConfigError, load_config
+from mig_exporter.connections import Limits, raise_open_file_limit
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
 from mig_exporter.engines import EngineSettings
 from mig_exporter.errors import CommandError
@@ -262,16 +263,24 @@ def _load_config(path: str) -> Config:
 @click.option("--probe.max-concurrent", "max_concurrent", type=click.IntRange(min=1, max=1024),
               default=DEFAULT_MAX_CONCURRENT, show_default=True, envvar=_env("PROBE_MAX_CONCURRENT"),
               show_envvar=True, help="Probes that may run at once; beyond that /probe answers 503 at once.")
+@click.option("--web.max-connections", "max_connections", type=click.IntRange(min=8, max=65536),
+              default=Limits().max_connections, show_default=True, envvar=_env("WEB_MAX_CONNECTIONS"),
+              show_envvar=True,
+              help="Connections open at once. At the cap, the least useful one is closed (a client that has not "
+                   "sent a whole request, oldest first; else the longest idle). Lowered to fit the open-file limit.")
 @click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False), default=None,
               envvar=_env("WEB_CONFIG_FILE"), show_envvar=True,
               help="exporter-toolkit web config (YAML): TLS (tls_server_config) and basic auth (basic_auth_users, "
                    "bcrypt). Re-read when it or its certificates change. docs/security.md.")
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
           config_file: str | None, proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
-          listen_address: str, timeout_offset: float, max_concurrent: int, web_config_file: str | None) -> None:
+          listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
+          web_config_file: str | None) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
+    before, after = raise_open_file_limit()
+    log.debug("open-file limit %d, raised from %d", after, before)
     demo = _is_demo(source, demo)
     try:
         address = parse_listen_address(listen_address)
@@ -289,7 +298,8 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
         server = ExporterServer(address, Scraper(chosen, engines, pods=pods), timeout_s=timeout,
-                                timeout_offset_s=timeout_offset, prober=prober, web=web)
+                                timeout_offset_s=timeout_offset, prober=prober, web=web,
+                                limits=Limits(max_connections=max_connections))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
 
