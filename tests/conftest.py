@@ -94,6 +94,21 @@ def calls(fake: Path) -> list[tuple[int, str]]:
     return out
 
 
+def escaped(fake: Path) -> list[int]:
+    """The pids of the grandchildren the fake's ``escape`` runs left, from their pid files."""
+    return sorted(int(f.read_text()) for f in fake.parent.glob("escaped.*") if not f.name.endswith(".tmp"))
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a process still running (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
 def _proc_stats() -> list[tuple[int, str, int, int]]:
     out = []
     for entry in os.listdir("/proc"):
@@ -130,7 +145,12 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
     ``xml``/``listing``: bytes printed for ``-q -x`` and ``-L``.
     ``mode``: ``ok``; ``hang`` (sleeps, with a child of its own, after printing
     part of the output); ``fail`` (prints ``stderr`` and exits ``exit_code``);
-    ``garbage`` (prints random bytes); ``flood`` (prints without end).
+    ``garbage`` (prints random bytes); ``flood`` (prints without end);
+    ``escape`` (prints the output, then leaves a grandchild that escaped the
+    process group: double-forked, in a session of its own (``setsid``), deaf to
+    SIGTERM, holding stdout open, sleeping 600 s; exits 0 once the grandchild
+    has written its pid to ``escaped.<pid of the run>`` beside the script, see
+    ``escaped()``); ``escape-hang`` (the same, then sleeps instead of exiting).
     ``list_mode`` does the same for ``-L`` alone. Each call is logged to
     ``calls.log`` beside the script, one line per run.
     """
@@ -153,12 +173,20 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
 
         def action(which: str, what: str) -> str:
             out = shlex.quote(str(d / which))
+            # The grandchild writes its pid once it has left the group (setsid), under a
+            # name of the run's own; the run waits for that (at most 5 s) before going on.
+            pidfile = shlex.quote(str(d / "escaped.")) + "$$"
+            grandchild = "trap '' TERM; echo $$ > \"$0.tmp\"; mv \"$0.tmp\" \"$0\"; exec sleep 600"
+            escape = (f"cat {out}; ( setsid sh -c {shlex.quote(grandchild)} {pidfile} & ); "
+                      f"i=0; while [ ! -e {pidfile} ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i + 1)); done")
             return {
                 "ok": f"cat {out}",
                 "hang": f"head -c 100 {out}; sleep 600 & sleep 600",
                 "fail": f"echo {shlex.quote(stderr)} >&2; exit {exit_code}",
                 "garbage": "head -c 4096 /dev/urandom",
                 "flood": "yes '<gpu>'",
+                "escape": escape,
+                "escape-hang": f"{escape}; sleep 600",
             }[what]
 
         script.write_text(

@@ -24,7 +24,7 @@ from click.core import ParameterSource
 
 from mig_exporter import __version__
 from mig_exporter.attribution import EngineWatch
-from mig_exporter.command import kill_running
+from mig_exporter.command import kill_running, reaping
 from mig_exporter.config import EMPTY, Config, ConfigError, load_config
 from mig_exporter.connections import Limits, raise_open_file_limit
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
@@ -323,10 +323,11 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     # the cyclic collector stops walking it at each full collection, a scrape's
     # largest cost after the work itself on a node with many processes.
     gc.freeze()
-    with server:
+    # A child subreaper: what a read's commands leave behind is handed to us, to kill and reap.
+    with _reaping(), server:
         server.serve_forever()
-    # Reads still in flight would otherwise leave nvidia-smi running.
-    killed = kill_running()
+        # Reads still in flight would otherwise leave nvidia-smi running.
+        killed = kill_running()
     if killed:
         log.info("killed %d command(s) still running at shutdown", killed)
 
@@ -381,7 +382,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=output is None, strict_about_path=False,
                           unready=f"writing read_success 0 to {output}")
     scraper = Scraper(chosen, engines, pods=pods)
-    with _signals_kill_commands():
+    with _reaping(), _signals_kill_commands():
         # The encoder serve uses, text format.
         text, _content_type = render(scraper.families(timeout), None)
     if output is None:
@@ -434,6 +435,16 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     else:
         click.echo(render_text(report), nl=False)
     sys.exit(report.exit_code)
+
+
+@contextlib.contextmanager
+def _reaping() -> Iterator[None]:
+    """This process reaps what its commands leave (command.reaping), and says so when it cannot."""
+    with reaping() as subreaper:
+        if not subreaper and os.getpid() != 1:
+            log.warning("cannot become a child subreaper (prctl PR_SET_CHILD_SUBREAPER refused): children that "
+                        "leave nvidia-smi's process group may outlive their read")
+        yield
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from mig_exporter.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, run_command
+from mig_exporter.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, OutputBudget, run_command
 from mig_exporter.errors import CommandError, CommandNotFound, ReadError
 from mig_exporter.placement import place
 from mig_exporter.singleflight import SingleFlight
@@ -70,6 +70,8 @@ class NvidiaSmiSource:
 
     ``binary`` is the binary (a path, or a name looked up on PATH), or an argv
     prefix whose first element is one: the read appends ``-q -x`` and ``-L``.
+    ``max_output_bytes`` is the read's cap: what its two commands may write to
+    stdout, together.
     """
 
     name = "nvidia-smi"
@@ -128,17 +130,19 @@ class NvidiaSmiSource:
         # -L runs in parallel with -q -x so a read costs the slower of the two.
         listing: dict[str, object] = {}
         cancel = threading.Event()
+        # The cap is the read's: both commands together hold at most max_output_bytes.
+        output = OutputBudget(self.max_output_bytes)
 
         def run_listing() -> None:
             try:
-                listing["result"] = run_command([*prefix, "-L"], budget, self.max_output_bytes, cancel)
+                listing["result"] = run_command([*prefix, "-L"], budget, cancel=cancel, output_budget=output)
             except CommandError as e:
                 listing["error"] = f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {e}"
 
         worker = threading.Thread(target=run_listing, name="nvidia-smi-L", daemon=True)
         worker.start()
         try:
-            query = run_command([*prefix, "-q", "-x"], budget, self.max_output_bytes)
+            query = run_command([*prefix, "-q", "-x"], budget, output_budget=output)
         except BaseException:
             cancel.set()  # the read has failed; -L is no longer wanted
             raise
