@@ -454,8 +454,13 @@ def _kill_orphans() -> int:
         running = set(_running.values())
         left = 0
         for pid in pids - _children.keys():
-            if running and reaper.environment_value(pid, TOKEN_VARIABLE) in running:
-                continue  # its command's own sweep will come
+            if running:
+                environ = reaper.read_environ(pid)
+                if environ == b"" and not reaper.is_zombie(pid):
+                    left += 1  # mid-exec, its environment not shown yet: the next pass reads it
+                    continue
+                if environ and reaper.value_in(environ, TOKEN_VARIABLE) in running:
+                    continue  # its command's own sweep will come
             # Our child until we reap it, and only a sweep (under this lock)
             # reaps it: the pid cannot have gone to a stranger.
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -87,13 +87,32 @@ def child_pids(proc: str = "/proc") -> set[int]:
 def environment_value(pid: int, name: str, proc: str = "/proc") -> str | None:
     """The value of ``name`` in the environment ``pid`` was started with, or
     None (not set, not readable, or a zombie: its environment is gone)."""
+    environ = read_environ(pid, proc)
+    return None if environ is None else value_in(environ, name)
+
+
+def read_environ(pid: int, proc: str = "/proc") -> bytes | None:
+    """``/proc/PID/environ``: None when it cannot be read; b"" for a zombie, and for a
+    moment during an exec, when the kernel has no environment to show."""
     try:
         with open(f"{proc}/{pid}/environ", "rb") as f:
-            environ = f.read()
+            return f.read()
     except OSError:
         return None
+
+
+def value_in(environ: bytes, name: str) -> str | None:
     prefix = name.encode() + b"="
     for entry in environ.split(b"\0"):
         if entry.startswith(prefix):
             return entry[len(prefix):].decode(errors="replace")
     return None
+
+
+def is_zombie(pid: int, proc: str = "/proc") -> bool:
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2:][:1] == b"Z"
