@@ -15,8 +15,10 @@ What is refused here (a malformed head, headers too large, a head too slow, a co
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import functools
 import logging
 import queue
 import re
@@ -71,9 +73,10 @@ class Limits:
     workers: int = 32
     queued_requests: int = 256
     health_workers: int = 2
-    # Requests whose credentials are not cached wait for a bcrypt check here (webconfig.py).
-    auth_workers: int = 8
-    auth_queued_requests: int = 64
+    # Requests whose credentials are not cached wait for a bcrypt check here (webconfig.py), in its
+    # fair queue; more wait in the loop without a thread.
+    auth_workers: int = 32
+    auth_queued_requests: int = 0
 
 
 def raise_open_file_limit() -> tuple[int, int]:
@@ -177,25 +180,26 @@ class _Pool:
         self.name = name
         self.size = size
         self.queued = queued
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=queued)
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # bounded by submit
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads waiting for work
         self._waiting = 0  # work waiting for a thread
 
     def submit(self, work: Callable[[], None]) -> bool:
-        """Queue ``work``; False when the queue is full."""
-        try:
-            self._queue.put_nowait(work)
-        except queue.Full:
-            return False
+        """Queue ``work``; False when every thread is busy and ``queued`` are waiting already
+        (with ``queued`` 0: when no thread is free or can be started)."""
         with self._lock:
+            free = self._idle + self.size - len(self._threads)
+            if self._waiting >= free + self.queued:
+                return False
             self._waiting += 1
             if self._waiting > self._idle and len(self._threads) < self.size:
                 thread = threading.Thread(target=self._run, name=f"{self.name}-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
                 self._idle += 1
                 thread.start()
+        self._queue.put_nowait(work)
         return True
 
     def _run(self) -> None:
@@ -217,16 +221,14 @@ class _Pool:
         with self._lock:
             count = len(self._threads)
         for _ in range(count):
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:
-                break
+            self._queue.put_nowait(None)
 
 
 # Connection states.
 _HANDSHAKE = "handshake"  # TLS: waiting for the first byte, then the handshake
 _HEAD = "head"  # waiting for a request, or reading one
 _BUSY = "busy"  # a worker has it
+_PARKED = "parked"  # a whole request waiting, without a thread, for a place in the "auth" pool
 _CLOSING = "closing"  # answered; draining what the client still sends, then closed
 
 
@@ -297,6 +299,7 @@ class ConnectionLoop:
         }
         self.route = route or (lambda request: "health" if request.path == "/-/healthy" else "main")
         self._last_sweep = 0.0
+        self._parked: collections.deque[tuple[Connection, Request]] = collections.deque()
         # Refusals, one line per reason and a count of the rest (per server: tests start many).
         self.limited = RateLimitedLog(log)
 
@@ -318,6 +321,7 @@ class ConnectionLoop:
                     else:
                         self._ready(key.data, mask)
                 self._take_back()
+                self._unpark()
                 now = time.monotonic()
                 if now - self._last_sweep >= _TICK_S:
                     self._last_sweep = now
@@ -459,6 +463,12 @@ class ConnectionLoop:
                 self._read(conn)
             elif conn.state == _CLOSING:
                 self._drain(conn)
+            elif conn.state == _PARKED:  # a client that gives up is closed; what it sends is kept
+                data = self._recv(conn)
+                if data == b"":
+                    self._close(conn)
+                elif data:
+                    conn.buffer += data
         except (BlockingIOError, InterruptedError):
             return  # woken for nothing
         except (ConnectionError, TimeoutError) as e:
@@ -579,14 +589,35 @@ class ConnectionLoop:
         self._dispatch(conn, request)
 
     def _dispatch(self, conn: Connection, request: Request) -> None:
-        conn.state = _BUSY
-        self._unwatch(conn)
-        pool = self.pools[self.route(request)]
-        if not pool.submit(lambda: self._work(conn, request)):
-            conn.state = _HEAD
-            self._watch(conn, selectors.EVENT_READ)
-            self._refuse(conn, 503, "Service Unavailable", f"{pool.size} workers busy and "
-                         f"{pool.queued} requests waiting")
+        route = self.route(request)
+        pool = self.pools[route]
+        if pool.submit(lambda: self._work(conn, request)):
+            conn.state = _BUSY
+            self._unwatch(conn)
+            return
+        if route == "auth":
+            # Guesses wait here, holding no thread, rather than being told 503 and coming straight
+            # back: a refused flood costs the CPU the scrapers need. Evictable like a slow client.
+            conn.state = _PARKED
+            conn.deadline = time.monotonic() + self.limits.header_timeout_s
+            self._parked.append((conn, request))
+            return
+        self._refuse(conn, 503, "Service Unavailable", f"{pool.size} workers busy and "
+                     f"{pool.queued} requests waiting")
+
+    def _unpark(self) -> None:
+        """Hand parked requests to the "auth" pool while it takes them."""
+        pool = self.pools["auth"]
+        while self._parked:
+            conn, request = self._parked[0]
+            if id(conn) not in self.connections or conn.state != _PARKED:
+                self._parked.popleft()
+                continue
+            if not pool.submit(functools.partial(self._work, conn, request)):
+                return
+            self._parked.popleft()
+            conn.state = _BUSY
+            self._unwatch(conn)
 
     def _work(self, conn: Connection, request: Request) -> None:
         """In a worker: answer, then give the connection back to the loop."""
@@ -682,7 +713,10 @@ class ConnectionLoop:
         for conn in list(self.connections.values()):
             if conn.state == _BUSY or now < conn.deadline:
                 continue
-            if conn.state == _HEAD and conn.buffer:
+            if conn.state == _PARKED:
+                self._refuse(conn, 503, "Service Unavailable",
+                             f"no place to check the credentials within {self.limits.header_timeout_s:g}s")
+            elif conn.state == _HEAD and conn.buffer:
                 self._refuse(conn, 408, "Request Timeout",
                              f"no whole request within {self.limits.header_timeout_s:g}s")
             elif conn.state == _HANDSHAKE:
