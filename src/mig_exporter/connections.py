@@ -272,6 +272,7 @@ class ConnectionLoop:
         tls: Callable[[], tuple[ssl.SSLContext | None, str]],
         client_allowed: Callable[[Any], tuple[bool, str]],  # getpeercert()'s dict
         route: Callable[[Request], str] | None = None,
+        priority: Callable[[Connection], int] | None = None,
     ) -> None:
         self.listener = listener
         self.limits = limits
@@ -298,6 +299,8 @@ class ConnectionLoop:
             "auth": _Pool("http-auth", limits.auth_workers, limits.auth_queued_requests),
         }
         self.route = route or (lambda request: "health" if request.path == "/-/healthy" else "main")
+        # Which parked request goes first: the lowest (the peer with the fewest failed checks).
+        self.priority = priority or (lambda conn: 0)
         self._last_sweep = 0.0
         self._parked: collections.deque[tuple[Connection, Request]] = collections.deque()
         # Refusals, one line per reason and a count of the rest (per server: tests start many).
@@ -606,16 +609,22 @@ class ConnectionLoop:
                      f"{pool.queued} requests waiting")
 
     def _unpark(self) -> None:
-        """Hand parked requests to the "auth" pool while it takes them."""
+        """Hand parked requests to the "auth" pool while it takes them: first those of the peers
+        with the fewest failed checks, oldest first among equals, so a peer sending guesses waits
+        behind its own guesses and a new scraper does not."""
         pool = self.pools["auth"]
         while self._parked:
-            conn, request = self._parked[0]
-            if id(conn) not in self.connections or conn.state != _PARKED:
-                self._parked.popleft()
-                continue
+            live = [(conn, request) for conn, request in self._parked
+                    if id(conn) in self.connections and conn.state == _PARKED]
+            if len(live) != len(self._parked):
+                self._parked = collections.deque(live)
+                if not live:
+                    return
+            index = min(range(len(live)), key=lambda i: self.priority(live[i][0]))
+            conn, request = live[index]
             if not pool.submit(functools.partial(self._work, conn, request)):
                 return
-            self._parked.popleft()
+            del self._parked[index]
             conn.state = _BUSY
             self._unwatch(conn)
 

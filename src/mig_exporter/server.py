@@ -106,7 +106,7 @@ class ExporterServer:
         self.socket = _listen(address)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
         self.loop = ConnectionLoop(self.socket, self.limits, self._handle, self._tls, self._client_allowed,
-                                   self._route)
+                                   self._route, self._auth_priority)
 
     def serve_forever(self) -> None:
         self.loop.run()
@@ -136,6 +136,10 @@ class ExporterServer:
         if web is not None and web.auth is not None and web.auth.needs_check(request.authorization):
             return "auth"
         return "health" if request.path == "/-/healthy" else "main"
+
+    def _auth_priority(self, conn: Connection) -> int:
+        web = self.web_config()
+        return web.auth.failures_of(conn.peer) if web is not None and web.auth is not None else 0
 
     def _tls(self) -> tuple[ssl.SSLContext | None, str]:
         web = self.web_config()

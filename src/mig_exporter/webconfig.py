@@ -210,6 +210,10 @@ class BasicAuth:
         with self._lock:
             return not (self._verified.peek(key) or self._failed.peek(key))
 
+    def failures_of(self, peer: object) -> int:
+        """Failed checks counted against ``peer``'s group: who waits least for a check."""
+        return self._gate.failures(_peer_group(peer))
+
     def _key_of(self, user: bytes, password: bytes) -> tuple[bytes, bytes]:
         return user, hmac.new(self._key, password, hashlib.sha256).digest()
 
