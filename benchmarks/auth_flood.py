@@ -28,9 +28,7 @@ import base64
 import http.client
 import json
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +37,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: benchmarks/ is on the path, its parent is not
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.load import Server  # noqa: E402  (after the path is set)
+
 COST = 10
 HIGH_COST = 12
 PASSWORD = "scrape-secret"
@@ -78,46 +81,6 @@ def timing(rounds: int) -> dict[str, float]:
             assert not auth.check(header(user, f"guess-{i}")["Authorization"]).ok
             taken[label].append(time.perf_counter() - started)
     return {f"{label}_median_ms": ms(statistics.median(values)) for label, values in taken.items()}
-
-
-class Server:
-    """``mig-exporter serve --demo`` with the given web config, on 127.0.0.1 and a free port."""
-
-    def __init__(self, src: Path, web: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_EXPORTER_")}
-        env["PYTHONPATH"] = str(src)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mig_exporter", "serve", "--demo", "--web.config.file", str(web),
-             "--web.listen-address", "127.0.0.1:0"],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.port: int | None = None
-        self.refusals = 0
-        ready = threading.Event()
-
-        def drain() -> None:
-            assert self.proc.stderr is not None
-            for line in self.proc.stderr:
-                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-                if m:
-                    self.port = int(m.group(1))
-                    ready.set()
-                if "answered 401" in line:
-                    self.refusals += 1
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(30) or self.port is None:
-            self.stop()
-            raise SystemExit("serve did not start")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class Client:
@@ -190,7 +153,7 @@ def flood(src: Path, attackers: int, seconds: float, scrapers: int, interval_s: 
     users = {u: bcrypt.hashpw(p.encode(), bcrypt.gensalt(rounds=COST)).decode() for u, p in {**legit, **fresh}.items()}
     web = tmp / f"web-{attackers}.yml"
     web.write_text("basic_auth_users:\n" + "".join(f"  {u}: {h}\n" for u, h in users.items()))
-    server = Server(src, web)
+    server = Server(["--demo", "--web.config.file", str(web)], src)
     assert server.port is not None
     try:
         for user, password in legit.items():  # verified, so cached, before the flood

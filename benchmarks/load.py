@@ -83,12 +83,14 @@ def rss_kib(pid: int) -> int:
 
 
 class Server:
-    def __init__(self, fake: Path, config: Path) -> None:
+    """``mig-exporter serve ARGS`` on 127.0.0.1 and a free port, the code of ``src``; its
+    WARNING and ERROR lines are kept. auth_flood.py runs its servers through this too."""
+
+    def __init__(self, args: list[str], src: Path = REPO / "src") -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MIG_EXPORTER_")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mig_exporter", "serve", "--nvidia-smi", str(fake), "--config.file", str(config),
-             "--web.listen-address", "127.0.0.1:0", "--probe.max-concurrent", "4", "--timeout", "10"],
+            [sys.executable, "-m", "mig_exporter", "serve", *args, "--web.listen-address", "127.0.0.1:0"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.warnings: list[str] = []
         self.port: int | None = None
@@ -210,7 +212,8 @@ def main() -> int:
         fake = large_node(directory)
         config = directory / "mig.yml"
         config.write_text(f"probe_targets:\n  node:\n    command: ['{fake}']\n    timeout: 10s\n")
-        server = Server(fake, config)
+        server = Server(["--nvidia-smi", str(fake), "--config.file", str(config), "--probe.max-concurrent", "4",
+                         "--timeout", "10"])
         port = server.port
         assert port is not None
         figures: dict[str, object] = {"cards": CARDS, "xml_bytes": (directory / "q.xml").stat().st_size}

@@ -56,25 +56,15 @@ def run_limited(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     return result, time.monotonic() - started
 
 
-def test_check_config_refuses_an_alias_bomb_at_once(tmp_path: Path) -> None:
-    config = tmp_path / "mig.yml"
-    config.write_text(CONFIG_BOMB)
+@pytest.mark.parametrize("command, bomb", [("check-config", CONFIG_BOMB), ("check-web-config", WEB_CONFIG_BOMB)])
+def test_checking_an_alias_bomb_refuses_it_at_once(tmp_path: Path, command: str, bomb: str) -> None:
+    path = tmp_path / "file.yml"
+    path.write_text(bomb)
 
-    result, took = run_limited("check-config", str(config))
-
-    assert result.returncode == 1 and result.stdout == ""
-    assert error_message(result.stderr) == f"{config}: {ANCHOR_ERROR}"
-    assert took < QUICKLY_S
-
-
-def test_check_web_config_refuses_an_alias_bomb_at_once(tmp_path: Path) -> None:
-    web = tmp_path / "web.yml"
-    web.write_text(WEB_CONFIG_BOMB)
-
-    result, took = run_limited("check-web-config", str(web))
+    result, took = run_limited(command, str(path))
 
     assert result.returncode == 1 and result.stdout == ""
-    assert error_message(result.stderr) == f"{web}: {ANCHOR_ERROR}"
+    assert error_message(result.stderr) == f"{path}: {ANCHOR_ERROR}"
     assert took < QUICKLY_S
 
 
