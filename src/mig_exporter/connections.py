@@ -70,7 +70,7 @@ class Limits:
     tls_handshake_timeout_s: float = 10.0
     # Writing one answer: a client that does not read holds a worker at most this long.
     write_timeout_s: float = 30.0
-    workers: int = 32
+    workers: int = 64
     queued_requests: int = 256
     health_workers: int = 2
     # Requests whose credentials are not cached wait for a bcrypt check here (webconfig.py), in its
