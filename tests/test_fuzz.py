@@ -384,7 +384,9 @@ _REQUESTS = [
     b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
 ]
 _ODD = [b"\xc2\xb2", b"-1", b"99999999999999999999", b"0, 7", b"\xff\xfe", b"\x00", b"\r", b"\n", b" ", b"\t",
-        b":", b"HTTP/0.9", b"HTTP/2.0", b"HTTP/1.1 HTTP/1.1", b"%", b"?" * 3, b"/" * 300, b"Content-Length: 3\r\n"]
+        b":", b"HTTP/0.9", b"HTTP/2.0", b"HTTP/1.1 HTTP/1.1", b"%", b"?" * 3, b"/" * 300, b"Content-Length: 3\r\n",
+        b"//[", b"[", b"]",
+        b"Authorization: Basic eDp5\r\n"]
 
 
 @st.composite
@@ -411,16 +413,17 @@ def raw_requests(draw) -> bytes:
 @pytest.fixture(scope="module")
 def raw_server():
     server = ExporterServer(("127.0.0.1", 0), Scraper(_Fed()), timeout_s=5)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
     bugs = _Bugs()
     logging.getLogger("mig_exporter").addHandler(bugs)
-    yield server.server_address[:2], bugs
+    yield server.server_address[:2], bugs, loop
     logging.getLogger("mig_exporter").removeHandler(bugs)
     server.shutdown()
     server.server_close()
 
 
-def check_raw_answer(address: tuple[str, int], data: bytes, bugs: _Bugs) -> None:
+def check_raw_answer(address: tuple[str, int], data: bytes, bugs: _Bugs, loop: threading.Thread) -> None:
     """Send ``data``, half-close, read what comes back: nothing (closed), or answers whose
     status lines are none of them 500; and nothing logged at ERROR (a traceback)."""
     import socket
@@ -441,16 +444,17 @@ def check_raw_answer(address: tuple[str, int], data: bytes, bugs: _Bugs) -> None
     assert not answer or (answer.startswith(b"HTTP/1.") and statuses), answer[:300]
     assert b"500" not in statuses, answer[:300]
     assert bugs.records == [], bugs.records
+    assert loop.is_alive(), "the connection loop died"
 
 
 @settings(max_examples=FAST, **FUZZ_SETTINGS)
 @given(raw_requests())
 def test_no_request_bytes_make_a_traceback_or_a_500(raw_server, data):
-    check_raw_answer(*raw_server[:1], data, raw_server[1])
+    check_raw_answer(raw_server[0], data, raw_server[1], raw_server[2])
 
 
 @pytest.mark.fuzz
 @settings(max_examples=FULL, **FUZZ_SETTINGS)
 @given(raw_requests())
 def test_raw_requests_fuzz_10000(raw_server, data):
-    check_raw_answer(*raw_server[:1], data, raw_server[1])
+    check_raw_answer(raw_server[0], data, raw_server[1], raw_server[2])

@@ -43,6 +43,7 @@ _PLAIN_HTTP_ON_TLS = (
     b"Content-Length: 48\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
 )
 _END_OF_HEAD = re.compile(rb"\r?\n\r?\n")
+_BLANK_LINES = re.compile(rb"(?:\r?\n)+")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 _VERSION = re.compile(rb"HTTP/([0-9])\.[0-9]")
 _RECV_BYTES = 65536
@@ -50,6 +51,7 @@ _RECV_BYTES = 65536
 # close into a reset that overtakes the answer.
 _LINGER_S = 2.0
 _ACCEPT_BACKOFF_S = 0.1
+_CAP_RECOVERY_S = 10.0
 _TITLES = {400: "Bad Request", 505: "HTTP Version Not Supported"}
 _TICK_S = 0.25
 
@@ -124,6 +126,10 @@ class Head:
 def parse_head(head: bytes, max_body_bytes: int) -> Head:
     """What framing and routing need of a request head, or BadRequest; http.server parses
     the rest in the worker."""
+    if b"\0" in head or re.search(rb"\r(?!\n)", head):
+        # http.client splits header lines at a bare CR; a NUL has no place in a head. Both would
+        # let the loop and the handler read different headers.
+        raise BadRequest(400, "a bare CR or a NUL in the request head")
     lines = re.split(rb"\r?\n", head)
     words = lines[0].split()
     if len(words) != 3:
@@ -157,13 +163,18 @@ def parse_head(head: bytes, max_body_bytes: int) -> Head:
         elif name == b"transfer-encoding":
             chunked = True
         elif name == b"authorization":
+            if authorization is not None:  # the loop routes on one, the handler must check that one
+                raise BadRequest(400, "more than one Authorization header")
             authorization = value.strip().decode("latin-1")
     if len(lengths) > 1:
         # RFC 9112 6.3: differing lengths are a smuggling attempt or a broken client.
         raise BadRequest(400, "conflicting Content-Length headers")
     if chunked and lengths:
         raise BadRequest(400, "both Transfer-Encoding and Content-Length")
-    path = urlsplit(words[1].decode("latin-1")).path
+    try:
+        path = urlsplit(words[1].decode("latin-1")).path
+    except ValueError:  # "//[" and the like: an IPv6 literal that does not close
+        raise BadRequest(400, "malformed request target") from None
     if chunked:
         return Head(path, None, True, authorization)
     length = int(lengths.pop()) if lengths else 0
@@ -202,6 +213,10 @@ class _Pool:
         self._queue.put_nowait(work)
         return True
 
+    def has_room(self) -> bool:
+        with self._lock:
+            return self._waiting < self._idle + self.size - len(self._threads) + self.queued
+
     def _run(self) -> None:
         while True:
             work = self._queue.get()
@@ -235,8 +250,8 @@ _CLOSING = "closing"  # answered; draining what the client still sends, then clo
 class Connection:
     """One client connection, as the loop sees it."""
 
-    __slots__ = ("buffer", "deadline", "key", "opened", "peer", "served", "sock", "state", "tls_started",
-                 "want_write")
+    __slots__ = ("buffer", "deadline", "head", "in_head", "key", "opened", "peer", "scanned", "served", "sock",
+                 "state", "tls_started", "want_write")
 
     def __init__(self, sock: socket.socket, peer: tuple[str, int], now: float) -> None:
         self.sock: socket.socket = sock
@@ -249,6 +264,9 @@ class Connection:
         self.tls_started = False
         self.want_write = False
         self.key: int | None = None
+        self.in_head = False  # a request has begun (more than blank lines): its deadline runs
+        self.scanned = 0  # bytes of the buffer known to hold no end of head
+        self.head: tuple[int, Head] | None = None  # a head read whole, waiting for its body
 
 
 def peer_name(address: object) -> str:
@@ -290,6 +308,8 @@ class ConnectionLoop:
         self._stopped = threading.Event()
         self._stopped.set()
         self._accept_paused_until: float | None = None
+        self._last_emfile = 0.0
+        self._cap = self.max_connections  # what max_connections goes back up to after EMFILE
         # "main" answers the requests; "health" /-/healthy alone, so it answers while scrapes fill
         # "main"; "auth" holds requests whose credentials need a bcrypt check, so a flood of
         # guesses waits there and never in front of a scraper whose credentials are verified.
@@ -309,35 +329,44 @@ class ConnectionLoop:
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
+        """Serve until ``stop()``; a ``stop()`` that came first is not lost."""
+        if self._stop.is_set():
+            return
         self._stopped.clear()
-        self._stop.clear()
-        self.listener.setblocking(False)
-        self._selector.register(self.listener, selectors.EVENT_READ, None)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         try:
+            self.listener.setblocking(False)
+            self._selector.register(self.listener, selectors.EVENT_READ, None)
+            self._selector.register(self._wake_r, selectors.EVENT_READ, None)
             while not self._stop.is_set():
-                for key, mask in self._selector.select(_TICK_S):
-                    if key.fileobj is self.listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        self._drain_wake()
-                    else:
-                        self._ready(key.data, mask)
-                self._take_back()
-                self._unpark()
-                now = time.monotonic()
-                if now - self._last_sweep >= _TICK_S:
-                    self._last_sweep = now
-                    self._sweep(now)
-                    self.limited.flush()
+                try:
+                    self._turn()
+                except Exception:  # a bug must not leave the port open and deaf
+                    log.exception("the connection loop failed; going on")
+                    time.sleep(0.01)  # and not in a tight loop, should it fail again
         finally:
             for fileobj in (self.listener, self._wake_r):
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(fileobj)
             self._stopped.set()
 
+    def _turn(self) -> None:
+        for key, mask in self._selector.select(_TICK_S):
+            if key.fileobj is self.listener:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                self._drain_wake()
+            else:
+                self._ready(key.data, mask)
+        self._take_back()
+        self._unpark()
+        now = time.monotonic()
+        if now - self._last_sweep >= _TICK_S:
+            self._last_sweep = now
+            self._sweep(now)
+            self.limited.flush()
+
     def stop(self) -> None:
-        """End ``run`` and wait for it."""
+        """End ``run`` and wait for it (at once, if it is not running)."""
         self._stop.set()
         self.wake()
         self._stopped.wait()
@@ -378,7 +407,11 @@ class ConnectionLoop:
                     if self._accept_paused_until is not None:
                         return
                     continue
-                raise
+                # A pending network error on the new connection (EPROTO, ENETDOWN, EHOSTUNREACH, ...):
+                # that connection is lost, the listener is not.
+                self.limited.log(("accept", e.errno), logging.WARNING, "accepting a connection failed: %s",
+                                 e.strerror or e)
+                continue
             now = time.monotonic()
             if len(self.connections) >= self.max_connections and not self._evict(now):
                 self.limited.log("cap", logging.WARNING, "connection from %s refused: %d connections open, "
@@ -393,15 +426,18 @@ class ConnectionLoop:
         connection makes room as at the cap. Only when every connection is busy does accept
         pause, briefly: a full table is never a spin on accept()."""
         now = time.monotonic()
+        self._last_emfile = now
         cap = max(8, len(self.connections) - 16)
         if cap < self.max_connections:
             self.max_connections = cap
         self.limited.log("emfile", logging.WARNING, "cannot accept a connection: %s (%d open); the connection "
                          "cap is now %d", e.strerror or e, len(self.connections), self.max_connections)
-        while len(self.connections) > self.max_connections:
+        evicted = 0
+        while len(self.connections) > self.max_connections or not evicted:
             if not self._evict(now):
                 break
-        if len(self.connections) > self.max_connections:  # every connection is busy
+            evicted += 1
+        if not evicted:  # every connection is busy, or the descriptors are held elsewhere
             with contextlib.suppress(KeyError, ValueError):
                 self._selector.unregister(self.listener)
             self._accept_paused_until = now + _ACCEPT_BACKOFF_S
@@ -466,12 +502,14 @@ class ConnectionLoop:
                 self._read(conn)
             elif conn.state == _CLOSING:
                 self._drain(conn)
-            elif conn.state == _PARKED:  # a client that gives up is closed; what it sends is kept
+            elif conn.state == _PARKED:  # a client that gives up is closed; what it sends is kept, within bounds
                 data = self._recv(conn)
                 if data == b"":
                     self._close(conn)
                 elif data:
                     conn.buffer += data
+                    if len(conn.buffer) > self.limits.max_header_bytes + self.limits.max_body_bytes:
+                        self._close(conn)
         except (BlockingIOError, InterruptedError):
             return  # woken for nothing
         except (ConnectionError, TimeoutError) as e:
@@ -479,6 +517,9 @@ class ConnectionLoop:
             self._close(conn)
         except OSError as e:
             log.debug("connection from %s failed: %s", peer_name(conn.peer), e)
+            self._close(conn)
+        except Exception:  # a bug: this connection goes, the loop and the others stay
+            log.exception("connection from %s failed", peer_name(conn.peer))
             self._close(conn)
 
     def _handshake(self, conn: Connection) -> None:
@@ -553,32 +594,36 @@ class ConnectionLoop:
         if not data:
             self._close(conn)
             return
-        now = time.monotonic()
-        if not conn.buffer and conn.served:
-            # The first byte of a kept-alive connection's next request: its head's clock starts.
-            conn.deadline = now + self.limits.header_timeout_s
         conn.buffer += data
         self._next_request(conn)
 
     def _next_request(self, conn: Connection) -> None:
         """Hand a complete request in the buffer to a worker, refuse a bad one, or wait for more."""
         buffer = conn.buffer
-        while buffer[:2] == b"\r\n" or buffer[:1] == b"\n":  # RFC 9112 2.2: empty lines before a request
-            del buffer[: 2 if buffer[:1] == b"\r" else 1]
-        if not buffer:
-            return
-        end = _END_OF_HEAD.search(buffer, 0, self.limits.max_header_bytes + 4)
-        if end is None:
-            if len(buffer) > self.limits.max_header_bytes:
-                self._refuse(conn, 431, "Request Header Fields Too Large",
-                             f"headers over {self.limits.max_header_bytes} bytes")
-            return
-        head = bytes(buffer[: end.end()])
-        try:
-            parsed = parse_head(head, self.limits.max_body_bytes)
-        except BadRequest as e:
-            self._refuse(conn, e.status, _TITLES[e.status], e.reason)
-            return
+        if not conn.in_head:
+            blank = _BLANK_LINES.match(buffer)  # RFC 9112 2.2: empty lines before a request are ignored
+            if blank:
+                del buffer[: blank.end()]
+            if not buffer:
+                return  # they do not start a request, nor its deadline
+            conn.in_head = True
+            if conn.served:  # a kept-alive connection's next request: its head's clock starts now
+                conn.deadline = time.monotonic() + self.limits.header_timeout_s
+        if conn.head is None:
+            end = _END_OF_HEAD.search(buffer, max(0, conn.scanned - 3), self.limits.max_header_bytes + 4)
+            if end is None:
+                conn.scanned = len(buffer)
+                if len(buffer) > self.limits.max_header_bytes:
+                    self._refuse(conn, 431, "Request Header Fields Too Large",
+                                 f"headers over {self.limits.max_header_bytes} bytes")
+                return
+            try:
+                conn.head = end.end(), parse_head(bytes(buffer[: end.end()]), self.limits.max_body_bytes)
+            except BadRequest as e:
+                self._refuse(conn, e.status, _TITLES[e.status], e.reason)
+                return
+        head_bytes, parsed = conn.head
+        head = bytes(buffer[:head_bytes])
         length = parsed.body_bytes
         if length is None:
             request = Request(head, parsed.path, True, parsed.authorization)
@@ -589,6 +634,7 @@ class ConnectionLoop:
             request = Request(bytes(buffer[: len(head) + length]), parsed.path, parsed.close_after,
                               parsed.authorization)
             del buffer[: len(head) + length]
+        conn.head, conn.scanned, conn.in_head = None, 0, False
         self._dispatch(conn, request)
 
     def _dispatch(self, conn: Connection, request: Request) -> None:
@@ -613,7 +659,7 @@ class ConnectionLoop:
         with the fewest failed checks, oldest first among equals, so a peer sending guesses waits
         behind its own guesses and a new scraper does not."""
         pool = self.pools["auth"]
-        while self._parked:
+        while self._parked and pool.has_room():
             live = [(conn, request) for conn, request in self._parked
                     if id(conn) in self.connections and conn.state == _PARKED]
             if len(live) != len(self._parked):
@@ -715,6 +761,9 @@ class ConnectionLoop:
     def _sweep(self, now: float) -> None:
         """Deadlines: a head too slow, a connection idle too long, a linger done; and accept
         again once its pause is over."""
+        if self.max_connections < self._cap and now - self._last_emfile > _CAP_RECOVERY_S:
+            # No EMFILE for a while: the descriptors held elsewhere may be back; grow again.
+            self.max_connections = min(self._cap, self.max_connections + max(8, self.max_connections // 8))
         if self._accept_paused_until is not None and now >= self._accept_paused_until:
             self._accept_paused_until = None
             with contextlib.suppress(KeyError, ValueError):
