@@ -131,12 +131,13 @@ def parse_head(head: bytes, max_body_bytes: int) -> Head:
         # let the loop and the handler read different headers.
         raise BadRequest(400, "a bare CR or a NUL in the request head")
     lines = re.split(rb"\r?\n", head)
-    words = lines[0].split()
+    # Split as http.server does, as text: it also splits at \x85 and \xa0, which bytes.split() keeps.
+    words = lines[0].decode("latin-1").split()
     if len(words) != 3:
         # "GET /path" alone is HTTP/0.9, which has no head and no status line to answer with.
         raise BadRequest(400, "no HTTP version in the request line" if len(words) == 2
                          else "malformed request line")
-    version = _VERSION.fullmatch(words[2])
+    version = _VERSION.fullmatch(words[2].encode("latin-1"))
     if version is None:
         # http.server would answer it as HTTP/0.9: a body without a status line.
         raise BadRequest(400, "malformed HTTP version")
@@ -172,7 +173,7 @@ def parse_head(head: bytes, max_body_bytes: int) -> Head:
     if chunked and lengths:
         raise BadRequest(400, "both Transfer-Encoding and Content-Length")
     try:
-        path = urlsplit(words[1].decode("latin-1")).path
+        path = urlsplit(words[1]).path
     except ValueError:  # "//[" and the like: an IPv6 literal that does not close
         raise BadRequest(400, "malformed request target") from None
     if chunked:
