@@ -81,15 +81,18 @@ class CommandResult:
 
 
 class OutputBudget:
-    """The stdout bytes the commands of one read may hold, in all: shared by
-    them (``-q -x`` and ``-L`` run in parallel), so a read that floods on both
-    holds at most ``limit``, not ``limit`` per command. A command that fails
-    gives its share back as its output is dropped: a flooding ``-L`` costs the
-    read its MIG names, not its ``-q -x``."""
+    """The stdout bytes one or more commands may hold, in all. A read gives each
+    of its commands (``-q -x`` and ``-L`` run in parallel) a share of its cap
+    (``read_cap``), so a read that floods on both holds at most the cap, not
+    the cap per command; fixed shares, because with one shared count the
+    command that crossed the cap first was killed, which could be a ``-q -x``
+    of a few KiB beside a flooding ``-L``. A command that fails gives back
+    what it took as its output is dropped."""
 
-    def __init__(self, limit: int, *, shared: bool = True) -> None:
+    def __init__(self, limit: int, *, shared: bool = True, read_cap: int | None = None) -> None:
         self.limit = limit
         self.shared = shared
+        self.read_cap = read_cap
         self._used = 0
         self._lock = threading.Lock()
 
@@ -110,6 +113,9 @@ class OutputBudget:
             self._used -= size
 
     def refusal(self, shown: str) -> str:
+        if self.read_cap is not None:
+            return (f"{shown}: wrote more than {self.limit} bytes, its share of the read's output cap of "
+                    f"{self.read_cap} bytes; process group killed")
         if not self.shared:
             return f"{shown}: wrote more than {self.limit} bytes; process group killed"
         return f"{shown}: the read's commands (one cap for them all) wrote more than {self.limit} bytes; " \

@@ -130,12 +130,16 @@ class NvidiaSmiSource:
         # -L runs in parallel with -q -x so a read costs the slower of the two.
         listing: dict[str, object] = {}
         cancel = threading.Event()
-        # The cap is the read's: both commands together hold at most max_output_bytes.
-        output = OutputBudget(self.max_output_bytes)
+        # The cap is the read's: both commands together hold at most max_output_bytes. -L prints a
+        # line per device (a few KiB on the largest node); -q -x gets the rest.
+        cap = self.max_output_bytes
+        listing_output = OutputBudget(cap // 16, read_cap=cap)
+        output = OutputBudget(cap - cap // 16, read_cap=cap)
 
         def run_listing() -> None:
             try:
-                listing["result"] = run_command([*prefix, "-L"], budget, cancel=cancel, output_budget=output)
+                listing["result"] = run_command([*prefix, "-L"], budget, cancel=cancel,
+                                                output_budget=listing_output)
             except CommandError as e:
                 listing["error"] = f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {e}"
 
