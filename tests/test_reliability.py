@@ -226,7 +226,8 @@ def _failure_lines(caplog) -> list[str]:
     ("fail", "exit status 9: NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."),
     ("hang", "timed out after"),
     ("garbage", "nvidia-smi -q -x output "),  # random bytes: not UTF-8, or not XML
-    ("flood", "wrote more than 1048576 bytes; process group killed"),
+    ("flood", "wrote more than 983040 bytes, its share of the read's output cap of 1048576 bytes; "
+              "process group killed"),
 ])
 def test_each_failed_read_logs_one_line_with_its_reason(serve, fake_nvidia_smi, caplog, mode, reason):
     smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"),
