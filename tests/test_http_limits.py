@@ -263,78 +263,40 @@ def test_health_answers_while_every_worker_is_busy_and_the_queue_is_full(serve, 
 
 # --- framing: a 400 that runs nothing ----------------------------------------------------------------
 
-@pytest.mark.parametrize("head, reason", [
-    (b"GET /-/healthy\r\n\r\n", b"no HTTP version in the request line"),
-    (b"GET /metrics HTTP/1.1\r\nContent-Length: \xc2\xb2\r\n\r\n", b"invalid Content-Length"),
-    (b"GET /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", b"invalid Content-Length"),
-    (b"GET /metrics HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: 44\r\n\r\n", b"conflicting Content-Length"),
-    (b"GET /metrics HTTP/1.1\r\nContent-Length: 0, 44\r\n\r\n", b"conflicting Content-Length"),
-    (b"POST /-/reload HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n",
+@pytest.mark.parametrize("head, status, reason", [
+    (b"GET /-/healthy\r\n\r\n", 400, b"no HTTP version in the request line"),
+    (b"GET /metrics HTTP/1.1\r\nContent-Length: \xc2\xb2\r\n\r\n", 400, b"invalid Content-Length"),
+    (b"GET /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, b"invalid Content-Length"),
+    (b"GET /metrics HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: 44\r\n\r\n", 400,
+     b"conflicting Content-Length"),
+    (b"GET /metrics HTTP/1.1\r\nContent-Length: 0, 44\r\n\r\n", 400, b"conflicting Content-Length"),
+    (b"POST /-/reload HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n", 400,
      b"both Transfer-Encoding and Content-Length"),
-    (b"GET /metrics HTTP/1.1\r\n folded: x\r\n\r\n", b"folded header line"),
-    (b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n", b"malformed header line"),
+    (b"GET /metrics HTTP/1.1\r\n folded: x\r\n\r\n", 400, b"folded header line"),
+    (b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n", 400, b"malformed header line"),
+    # Found in review: "//[" made urlsplit raise in the loop thread, which died with the port open;
+    # a bare CR let the loop route on one Authorization header and the handler check another.
+    (b"GET //[ HTTP/1.1\r\n\r\n", 400, b"malformed request target"),
+    (b"GET /metrics HTTP/1.1\r\nX-A: a\rAuthorization: Basic eDp5\r\n\r\n", 400, b"a bare CR or a NUL"),
+    (b"GET /metrics HTTP/1.1\r\nX-A: a\x00b\r\n\r\n", 400, b"a bare CR or a NUL"),
+    (b"GET /metrics HTTP/1.1\r\nAuthorization: Basic eDp5\r\nAuthorization: Bearer x\r\n\r\n", 400,
+     b"more than one Authorization header"),
+    (b"GET /metrics HTTP/2.0\r\n\r\n", 505, b"HTTP version not supported"),
+    (b"GET /metrics HTTP/1.x\r\n\r\n", 400, b"malformed HTTP version"),
+    # Found by the 10 000-case fuzzing: http.server splits the line at \x85 (NEL), so it saw two
+    # words and answered as HTTP/0.9, a body without a status line.
+    (b"GET \x85 HTTP/1.1\r\n\r\n", 400, b"no HTTP version in the request line"),
 ])
-def test_malformed_framing_is_a_400_and_closes(serve, caplog, head, reason):
+def test_a_head_the_handler_could_read_otherwise_is_refused_and_closes(serve, caplog, head, status, reason):
+    """Each is refused by the loop before http.server sees it; nothing after it on the connection
+    is served, nothing is logged at ERROR, and the loop lives on."""
     url = serve(DemoSource())
     caplog.set_level(logging.INFO, logger="mig_exporter.http")
     answer = _exchange(url, head + b"GET /-/healthy HTTP/1.1\r\nHost: smuggled\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") and reason in answer
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()) and reason in answer, answer
     assert answer.count(b"HTTP/1.1") == 1, "nothing after the bad request was served"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-
-
-@pytest.mark.parametrize("head, reason", [
-    (b"GET //[ HTTP/1.1\r\n\r\n", b"malformed request target"),
-    (b"GET /metrics HTTP/1.1\r\nX-A: a\rAuthorization: Basic eDp5\r\n\r\n", b"a bare CR or a NUL"),
-    (b"GET /metrics HTTP/1.1\r\nX-A: a\x00b\r\n\r\n", b"a bare CR or a NUL"),
-    (b"GET /metrics HTTP/1.1\r\nAuthorization: Basic eDp5\r\nAuthorization: Bearer x\r\n\r\n",
-     b"more than one Authorization header"),
-    (b"GET /metrics HTTP/2.0\r\n\r\n", b"HTTP version not supported"),
-    (b"GET /metrics HTTP/1.x\r\n\r\n", b"malformed HTTP version"),
-    # Found by the 10 000-case fuzzing: http.server splits the line at \x85 (NEL), so it saw two
-    # words and answered as HTTP/0.9, a body without a status line.
-    (b"GET \x85 HTTP/1.1\r\n\r\n", b"no HTTP version in the request line"),
-])
-def test_heads_the_handler_would_read_otherwise_are_refused_and_the_loop_lives_on(serve, head, reason):
-    """Found in review: "//[" made urlsplit raise in the loop thread, which died with the port
-    open; a bare CR let the loop route on one Authorization header and the handler check another."""
-    url = serve(DemoSource())
-    answer = _exchange(url, head)
-    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 505")) and reason in answer, answer
     assert _healthy_within(url, 2.0)
-
-
-def test_blank_lines_neither_start_a_request_nor_keep_a_connection_alive(serve):
-    url = serve(DemoSource(), limits=Limits(idle_timeout_s=1.0, header_timeout_s=1.0))
-    s = socket.create_connection(_address(url), timeout=5)
-    s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
-    time.sleep(0.2)
-    assert s.recv(65536).endswith(b"Healthy\n")
-    started = time.monotonic()
-    closed = False
-    while time.monotonic() - started < 4 and not closed:
-        try:
-            s.sendall(b"\r\n")
-        except OSError:
-            closed = True
-            break
-        if select.select([s], [], [], 0.3)[0]:
-            closed = s.recv(65536) == b""
-    s.close()
-    assert closed and time.monotonic() - started < 3.0
-
-
-def test_a_stop_before_the_loop_runs_is_not_lost():
-    from mig_exporter.scrape import Scraper
-    from mig_exporter.server import ExporterServer
-
-    server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5)
-    server.shutdown()
-    runner = threading.Thread(target=server.serve_forever, daemon=True)
-    runner.start()
-    runner.join(5)
-    assert not runner.is_alive()
-    server.server_close()
 
 
 def test_the_same_length_twice_is_one_length():

@@ -252,7 +252,7 @@ class Connection:
     """One client connection, as the loop sees it."""
 
     __slots__ = ("buffer", "deadline", "head", "in_head", "key", "opened", "peer", "scanned", "served", "sock",
-                 "state", "tls_started", "want_write")
+                 "state", "tls_started")
 
     def __init__(self, sock: socket.socket, peer: tuple[str, int], now: float) -> None:
         self.sock: socket.socket = sock
@@ -263,7 +263,6 @@ class Connection:
         self.deadline = now
         self.served = 0
         self.tls_started = False
-        self.want_write = False
         self.key: int | None = None
         self.in_head = False  # a request has begun (more than blank lines): its deadline runs
         self.scanned = 0  # bytes of the buffer known to hold no end of head

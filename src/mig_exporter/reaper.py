@@ -84,13 +84,6 @@ def child_pids(proc: str = "/proc") -> set[int]:
     return pids
 
 
-def environment_value(pid: int, name: str, proc: str = "/proc") -> str | None:
-    """The value of ``name`` in the environment ``pid`` was started with, or
-    None (not set, not readable, or a zombie: its environment is gone)."""
-    environ = read_environ(pid, proc)
-    return None if environ is None else value_in(environ, name)
-
-
 def read_environ(pid: int, proc: str = "/proc") -> bytes | None:
     """``/proc/PID/environ``: None when it cannot be read; b"" for a zombie, and for a
     moment during an exec, when the kernel has no environment to show."""

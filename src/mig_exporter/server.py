@@ -41,7 +41,6 @@ DEFAULT_PORT = 10064
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
 SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
 MIN_BUDGET_S = 0.1
-_MAX_DISCARDED_BODY = 64 * 1024
 _TEXT = "text/plain; charset=utf-8"
 _PATHS = ("/", "/metrics", "/probe", "/-/healthy", "/-/ready", "/-/reload")
 # socketserver's default backlog of 5 drops connections when many probes
@@ -211,9 +210,6 @@ def _url(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-_peer = peer_name
-
-
 class _Handler(BaseHTTPRequestHandler):
     """Answers one complete request, read by the connection loop, in a worker thread.
 
@@ -237,15 +233,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.handle_one_request()
 
     def do_GET(self) -> None:  # do_GET, do_HEAD, do_POST: http.server's naming
-        self._discard_body()
         self._dispatch("GET")
 
     def do_HEAD(self) -> None:
-        self._discard_body()
         self._dispatch("HEAD")
 
     def do_POST(self) -> None:
-        self._discard_body()
         self._dispatch("POST")
 
     def _dispatch(self, method: str) -> None:
@@ -283,7 +276,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the client went away; nothing to answer
         except Exception:
             log.exception("%s %s from %s failed; answered 503", self.command, _shown_path(self.path),
-                          _peer(self.client_address))
+                          peer_name(self.client_address))
             with contextlib.suppress(OSError):
                 self._send(503, b"Request failed; see the exporter's log\n", _TEXT, send_body)
 
@@ -310,7 +303,7 @@ class _Handler(BaseHTTPRequestHandler):
         if level is None:
             level = logging.WARNING if status in (401, 429) or status >= 500 else logging.INFO
         self.server.loop.limited.log((status, reason or message), level, "%s %s from %s: answered %d: %s",
-                                     self.command, _shown_path(self.path), _peer(self.client_address), status,
+                                     self.command, _shown_path(self.path), peer_name(self.client_address), status,
                                      reason or message)
         self._send(status, f"{message}\n".encode(), _TEXT, send_body, headers)
 
@@ -356,15 +349,6 @@ class _Handler(BaseHTTPRequestHandler):
         if compress:
             extra["Content-Encoding"] = "gzip"
         self._send(200, body, content_type, send_body, extra)
-
-    def _discard_body(self) -> None:
-        """Read a request's body (none is expected) so the connection stays in
-        step; one too large or chunked closes the connection instead."""
-        length = self.headers.get("Content-Length", "0").strip()
-        if length.isdigit() and int(length) <= _MAX_DISCARDED_BODY and "Transfer-Encoding" not in self.headers:
-            self.rfile.read(int(length))
-        else:
-            self.close_connection = True
 
     def _landing(self, send_body: bool) -> None:
         source = html.escape(self.server.scraper.source.describe())
@@ -422,7 +406,7 @@ class _Handler(BaseHTTPRequestHandler):
         method, too many headers): one line each, rate-limited."""
         reason = " ".join((format % args).split())
         self.server.loop.limited.log(("http.server", format), logging.INFO, "request from %s refused: %s",
-                                     _peer(self.client_address), reason)
+                                     peer_name(self.client_address), reason)
 
 
 class _SocketWriter(io.BufferedIOBase):
