@@ -212,7 +212,8 @@ def test_read_prints_the_series_of_a_mig_node(fake_nvidia_smi: FakeSmi, tmp_path
     assert value(parsed, "mig_exporter_device_memory_total_bytes", index="1000", mig_profile="3g.40gb") == 42412802048
     assert value(parsed, "mig_exporter_device_memory_free_bytes", index="1002") == 2491 * MIB
     assert value(parsed, "mig_exporter_device_info", index="1003", mig_profile="1g.10gb",
-                 uuid="MIG-45ee6ebc-57f4-5590-941e-1f037860cf29", gpu_instance="10", compute_instance="0") == 1
+                 uuid="MIG-45ee6ebc-57f4-5590-941e-1f037860cf29", gpu_instance="10", compute_instance="0",
+                 device="0/mig3") == 1
 
     assert label_sets(parsed, "mig_exporter_process_memory_used_bytes") == [
         {"card": "0", "index": "1000", "mig_profile": "3g.40gb", "pid": "21180"},

@@ -61,7 +61,7 @@ def test_mig_node_series():
                                              **outside_kubernetes}) == 1
     assert get("mig_exporter_device_info", {
         **dev, "uuid": "MIG-ae36563d-8b6d-5a25-a43a-846eb31e7ea4", "gpu_instance": "9", "compute_instance": "0",
-        "class": "h100-80g-mig-1g.10gb", "name": "NVIDIA H100 80GB HBM3 MIG 1g.10gb"}) == 1
+        "class": "h100-80g-mig-1g.10gb", "name": "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "device": "0/mig2"}) == 1
     assert get("mig_exporter_device_info", {"index": "0"}) is None
     assert get("mig_exporter_card_mig_mode", {"card": "0", "state": "current"}) == 1
     assert get("mig_exporter_card_mig_mode", {"card": "0", "state": "pending"}) == 1
@@ -90,7 +90,7 @@ def test_whole_card_has_empty_profile_and_instance_labels():
     whole = {"index": "0", "card": "0", "mig_profile": ""}
     assert get("mig_exporter_device_memory_used_bytes", whole) == 5123 * MIB
     assert get("mig_exporter_device_info",
-               {**whole, "gpu_instance": "", "compute_instance": "", "class": "a100-80g"}) == 1
+               {**whole, "gpu_instance": "", "compute_instance": "", "class": "a100-80g", "device": "0"}) == 1
     assert get("mig_exporter_card_mig_mode", {"card": "0", "state": "current"}) == 0
     assert get("mig_exporter_card_mig_mode", {"card": "0", "state": "pending"}) == 1
     assert get("mig_exporter_card_mig_instances", {"card": "0"}) is None

@@ -70,8 +70,8 @@ def test_compare_tolerates_mib_rounding_but_not_a_moved_process():
     assert compare(a, b) == []
     moved = dataclasses.replace(a, processes=tuple(
         dataclasses.replace(p, device_index=1003) if p.pid == 21198 else p for p in a.processes))
-    assert compare(a, moved) == ["process 21198 on device 1002 seen by one path only",
-                                 "process 21198 on device 1003 seen by one path only"]
+    assert compare(a, moved) == ["process 21198 on device 0/mig2 (1002) seen by one path only",
+                                 "process 21198 on device 0/mig3 (1003) seen by one path only"]
 
 
 def test_memory_in_use_with_no_process_listed_points_at_host_pid(fake_nvml_lib, fake_nvidia_smi):
@@ -86,7 +86,7 @@ def test_memory_in_use_with_no_process_listed_points_at_host_pid(fake_nvml_lib, 
     report = _doctor(fake_nvml_lib, fake_nvidia_smi, hidden, hidden_xml, listing)
     # 3594 MiB on 1000 and 7493 MiB on 1002; 17 and 9 MiB on the idle ones are below the threshold.
     assert _codes(report) == ["memory-without-processes", "memory-without-processes"]
-    assert report.findings[0].message == "device 1000 holds 3594 MiB but no process is listed"
+    assert report.findings[0].message == "device 0/mig0 (1000) holds 3594 MiB but no process is listed"
     assert "hostPID: true" in report.findings[0].fix
 
 
@@ -137,7 +137,7 @@ def test_cli_text_output_shows_each_card_and_exits_0_without_warnings(fake_nvml_
     assert "nvidia-smi: ok, 1 card(s), 5 device(s)" in out
     assert "card 0: NVIDIA H200 GPU-68c6414c-e9da-201e-0c0d-1a0dc00f0e71 00000000:4C:00.0 - MIG current enabled, " \
            "pending enabled, 5 instance(s)" in out
-    assert ("  device 1001: MIG 2c.3g.71gb GI 1 CI 1 MIG-3134b65a-b3ad-5f32-a1cc-8fa650bdf659 - "
+    assert ("  device 0/mig1 (1001): MIG 2c.3g.71gb GI 1 CI 1 MIG-3134b65a-b3ad-5f32-a1cc-8fa650bdf659 - "
             "30210 MiB used of 71424 MiB") in out
     assert "    pid 7003 M+C /opt/tritonserver/bin/tritonserver 4096 MiB" in out
     assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
@@ -154,7 +154,8 @@ def test_cli_json_output_and_exit_1_on_warnings(fake_nvml_lib, fake_nvidia_smi):
     assert doc["exit_code"] == 1
     assert doc["cards"][0]["mig_instances"] == 0 and doc["cards"][0]["devices"] == []
     device = doc["cards"][1]["devices"][0]
-    assert (device["index"], device["mig_profile"], device["gpu_instance"]) == (1100, "7g.40gb", 0)
+    assert (device["index"], device["device"], device["mig_profile"], device["gpu_instance"]) == (
+        1100, "1/mig0", "7g.40gb", 0)
     assert device["processes"] == [{"pid": 3301, "type": "C", "name": "/usr/bin/python3", "used_bytes": 4092 * 1048576}]
 
 
@@ -215,7 +216,7 @@ def test_doctor_demo_shows_a_healthy_report_without_a_gpu():
     out = result.stdout
     assert out.startswith("demo: ok, 2 card(s), 4 device(s) in ")
     assert "nvml" not in out, "the sample is nvidia-smi output; no NVML is read or blamed"
-    assert ("  device 1000: MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - 11663 MiB used of "
+    assert ("  device 0/mig0 (1000): MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - 11663 MiB used of "
             "40192 MiB") in out
     assert "    pid 50102 G /usr/local/bin/llama-server 20480 MiB" in out
     assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")

@@ -78,3 +78,12 @@ def test_a_mig_index_out_of_range_is_skipped_rather_than_taking_another_devices_
     assert [d.index for d in s.devices] == [1000, 1100]
     assert s.problems == ("card 0: MIG device index -1000 is out of range (0 to 99); skipped",
                           "card 0: MIG device index 100 is out of range (0 to 99); skipped")
+
+
+def test_every_device_has_the_name_people_read_beside_its_placement_index():
+    mig = _mig_card(1, [MigInstance(2, 3, 0, Memory()), MigInstance(0, 1, 0, Memory())], [])
+    whole = CardReading(index=0, uuid="GPU-0", name="NVIDIA A100-SXM4-80GB", mig_current=False,
+                        mig_pending=False, memory=Memory(total_bytes=81920 * 2**20), utilization_ratio=0.5,
+                        instances=(), processes=())
+    s = place([whole, mig], driver_version=None, cuda_version=None)
+    assert {d.index: d.display_name for d in s.devices} == {0: "0", 1100: "1/mig0", 1102: "1/mig2"}

@@ -39,8 +39,9 @@ def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
     info = GaugeMetricFamily(
         "mig_exporter_device_info",
         "A device a workload runs on: a whole card, or one MIG instance of a card in MIG mode. "
-        "Compute instances of one gpu_instance share its memory.",
-        labels=["index", "card", "mig_profile", "uuid", "gpu_instance", "compute_instance", "class", "name"],
+        "Compute instances of one gpu_instance share its memory. device is the name people read: "
+        "card/migN for a MIG instance (1/mig2 is index 1102), the card's index for a whole card.",
+        labels=["index", "card", "mig_profile", "uuid", "gpu_instance", "compute_instance", "class", "name", "device"],
     )
     memory = {
         field: GaugeMetricFamily(
@@ -73,6 +74,7 @@ def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
                 _int_label(d.compute_instance_id),
                 d.device_class or "",
                 d.name or "",
+                d.display_name,
             ],
             1,
         )

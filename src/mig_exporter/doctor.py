@@ -199,7 +199,7 @@ def _unlisted_memory_findings(snapshot: Snapshot) -> Iterable[Finding]:
         if used is not None and used > UNLISTED_MEMORY_THRESHOLD_BYTES and not listed.get(device.index):
             yield Finding(
                 "memory-without-processes",
-                f"device {device.index} holds {used // MIB} MiB but no process is listed",
+                f"device {_device_name(device)} holds {used // MIB} MiB but no process is listed",
                 "the exporter probably does not see the host's PID namespace: run it with hostPID: true "
                 "(Kubernetes) or --pid=host (docker)",
             )
@@ -220,16 +220,17 @@ def compare(a: Snapshot, b: Snapshot) -> list[str]:
                 out.append(f"card {index} {attr}: {getattr(ca, attr)!r} vs {getattr(cb, attr)!r}")
     a_devices = {d.index: d for d in a.devices}
     b_devices = {d.index: d for d in b.devices}
+    names = {i: _device_name(d) for i, d in (*b_devices.items(), *a_devices.items())}
     for index in sorted(set(a_devices) | set(b_devices)):
         da, db = a_devices.get(index), b_devices.get(index)
         if da is None or db is None:
-            out.append(f"device {index} seen by one path only")
+            out.append(f"device {names[index]} seen by one path only")
             continue
         out.extend(_device_differences(da, db))
     a_procs = {(p.device_index, p.pid): p for p in a.processes}
     b_procs = {(p.device_index, p.pid): p for p in b.processes}
     for key in sorted(set(a_procs) ^ set(b_procs)):
-        out.append(f"process {key[1]} on device {key[0]} seen by one path only")
+        out.append(f"process {key[1]} on device {names.get(key[0], key[0])} seen by one path only")
     for key in sorted(set(a_procs) & set(b_procs)):
         pa, pb = a_procs[key], b_procs[key]
         if pa.type != pb.type:
@@ -241,14 +242,21 @@ def compare(a: Snapshot, b: Snapshot) -> list[str]:
 
 def _device_differences(a: Device, b: Device) -> list[str]:
     out = []
+    name = _device_name(a)
     for attr in ("uuid", "profile", "gpu_instance_id", "compute_instance_id", "device_class"):
         if getattr(a, attr) != getattr(b, attr):
-            out.append(f"device {a.index} {attr}: {getattr(a, attr)!r} vs {getattr(b, attr)!r}")
+            out.append(f"device {name} {attr}: {getattr(a, attr)!r} vs {getattr(b, attr)!r}")
     if not _close(a.memory.total_bytes, b.memory.total_bytes, _TOTAL_TOLERANCE_BYTES):
-        out.append(f"device {a.index} memory total: {_mib(a.memory.total_bytes)} vs {_mib(b.memory.total_bytes)}")
+        out.append(f"device {name} memory total: {_mib(a.memory.total_bytes)} vs {_mib(b.memory.total_bytes)}")
     if not _close(a.memory.used_bytes, b.memory.used_bytes, _USED_TOLERANCE_BYTES):
-        out.append(f"device {a.index} memory used: {_mib(a.memory.used_bytes)} vs {_mib(b.memory.used_bytes)}")
+        out.append(f"device {name} memory used: {_mib(a.memory.used_bytes)} vs {_mib(b.memory.used_bytes)}")
     return out
+
+
+def _device_name(d: Device) -> str:
+    """``1/mig2 (1102)``: the name people read, and the placement index the
+    metrics carry; a whole card is just its index."""
+    return f"{d.display_name} ({d.index})" if d.is_mig else d.display_name
 
 
 def _close(a: int | None, b: int | None, tolerance: int) -> bool:
@@ -304,7 +312,7 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
     for d in (d for d in snapshot.devices if d.card == index):
         kind = (f"MIG {d.profile or 'unknown'} GI {d.gpu_instance_id} CI {d.compute_instance_id}" if d.is_mig
                 else "whole card")
-        lines.append(f"  device {d.index}: {kind} {d.uuid or ''} - {_mib(d.memory.used_bytes)} used of "
+        lines.append(f"  device {_device_name(d)}: {kind} {d.uuid or ''} - {_mib(d.memory.used_bytes)} used of "
                      f"{_mib(d.memory.total_bytes)}")
         for p in snapshot.processes_on(d.index):
             lines.append(f"    pid {p.pid} {p.type} {p.name or '?'} {_mib(p.used_bytes)}")
@@ -331,7 +339,7 @@ def as_json(report: Report) -> dict[str, Any]:
                 "error": c.error,
                 "devices": [
                     {
-                        "index": d.index, "mig_profile": d.profile, "uuid": d.uuid,
+                        "index": d.index, "device": d.display_name, "mig_profile": d.profile, "uuid": d.uuid,
                         "gpu_instance": d.gpu_instance_id, "compute_instance": d.compute_instance_id,
                         "class": d.device_class, "memory_total_bytes": d.memory.total_bytes,
                         "memory_used_bytes": d.memory.used_bytes,

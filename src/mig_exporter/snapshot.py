@@ -125,6 +125,12 @@ class Device:
     def is_mig(self) -> bool:
         return self.mig_index is not None
 
+    @property
+    def display_name(self) -> str:
+        """What people read: ``1/mig2`` for MIG instance 2 of card 1 (placement
+        index 1102), ``1`` for whole card 1."""
+        return f"{self.card}/mig{self.mig_index}" if self.mig_index is not None else str(self.card)
+
 
 @dataclass(frozen=True, slots=True)
 class Process:
