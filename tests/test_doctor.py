@@ -216,8 +216,8 @@ def test_doctor_demo_shows_a_healthy_report_without_a_gpu():
     out = result.stdout
     assert out.startswith("demo: ok, 2 card(s), 4 device(s) in ")
     assert "nvml" not in out, "the sample is nvidia-smi output; no NVML is read or blamed"
-    assert ("  device 0/mig0 (1000): MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - 11663 MiB used of "
-            "40192 MiB") in out
+    assert ("  device 0/mig0 (1000): MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - "
+            "11663 MiB used of 40192 MiB") in out
     assert "    pid 50102 G /usr/local/bin/llama-server 20480 MiB" in out
     assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
     doc = json.loads(CliRunner().invoke(cli, ["doctor", "--demo", "--format", "json"]).stdout)
