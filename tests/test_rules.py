@@ -8,6 +8,7 @@ tests fail: ``scripts/test`` installs it.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,8 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     assert by_name["EngineHoldsNoGPUMemory"]["for"] == "2m"
     assert by_name["GPUExporterReadFailing"]["for"] == "5m"
+    assert by_name["GPUExporterReadFailing"]["keep_firing_for"] == "5m"
+    assert [name for name, rule in by_name.items() if "keep_firing_for" in rule] == ["GPUExporterReadFailing"]
     assert by_name["GPUDeviceMemoryNearlyFull"]["for"] == "10m"
     assert by_name["GPUAllocatedButUnused"]["for"] == "30m"
     records = [r["record"] for r in _rules() if "record" in r]
@@ -85,6 +88,70 @@ def test_every_alert_has_a_firing_and_a_quiet_case_and_every_record_a_value_chec
     assert alerts - quiet == set(), "alerts without a case where they stay quiet"
     records = {r["record"] for r in _rules() if "record" in r}
     assert records - checked == set(), "recording rules without a value check"
+
+
+SELECTOR = re.compile(r"(mig_exporter_[a-z_]+)(\{[^}]*\})?(\[3m\])?")
+HOLD = "[3m]"
+PROBE_GUARD = "and on (job, instance) last_over_time(mig_exporter_build_info[3m])"
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_every_alert_input_rides_through_failed_reads():
+    """No alert reads a bare instant selector, which a failed read or scrape empties
+    and so resets `for:`. Each input is a 3-minute range (last_over_time or
+    max_over_time), or the newest scrape's series with the held ones beside it:
+    `x or (last_over_time(x[3m]) unless on (job, instance) x)`."""
+    for rule in _rules():
+        if "alert" not in rule:
+            continue
+        expr = rule["expr"]
+        found = list(SELECTOR.finditer(expr))
+        assert found, rule["alert"]
+        for m in found:
+            name, matchers, held = m.groups()
+            if held:
+                assert re.search(rf"(last|max)_over_time\({name}(\{{[^}}]*\}})?\[3m\]\)", expr), (rule["alert"], name)
+                continue
+            assert f"last_over_time({name}{matchers or ''}{HOLD})" in expr or (
+                # the family as the gate of its own held series: "unless on (job, instance) x"
+                f"unless on (job, instance) {name}" in expr and f"last_over_time({name}" in expr
+            ), f"{rule['alert']}: {m.group(0)} is not held through a failed read"
+
+
+def test_rules_over_device_card_and_process_series_count_the_exporters_own_series_only():
+    """Probe targets export these families too, never build_info (docs/probe.md)."""
+    families = re.compile(r"mig_exporter_(device|card|process)_")
+    guarded = [r.get("alert") or r["record"] for r in _rules() if families.search(r["expr"])]
+    assert len(guarded) == 8
+    for rule in _rules():
+        if families.search(rule["expr"]):
+            assert _words(rule["expr"]).endswith(PROBE_GUARD), rule.get("alert") or rule["record"]
+
+
+def test_the_engine_count_counts_what_the_engine_alert_counts():
+    """One definition of "an engine holding no GPU memory": the recording rule is
+    the alert's expr, word for word, counted per engine; dashboards reuse it."""
+    by_name = {r.get("alert") or r["record"]: r for r in _rules()}
+    alert = _words(by_name["EngineHoldsNoGPUMemory"]["expr"])
+    record = _words(by_name["instance_engine:mig_exporter_engine_processes_without_gpu_memory:count"]["expr"])
+    assert record == f"count by (job, instance, engine) ( {alert} )"
+    # Self-contained: every join names job and instance.
+    assert re.findall(r"on \(([^)]*)\)", alert) == ["job, instance", "job, instance, engine, pid", "job, instance"]
+
+
+def test_every_alert_has_a_case_where_it_fires_through_a_failed_read():
+    cases = yaml.safe_load(RULE_TESTS.read_text())["tests"]
+    through: set[str] = set()
+    for case in cases:
+        if not any("stale" in s["values"].split() for s in case["input_series"]):
+            continue
+        for test in case.get("alert_rule_test", []):
+            if test.get("exp_alerts"):
+                through.add(test["alertname"])
+    assert set(_alert_names()) - through == set()
 
 
 def test_a_wrong_expectation_fails(tmp_path: Path):
