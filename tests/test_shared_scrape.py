@@ -33,18 +33,18 @@ class Scrapes:
         self.error = error
         self.shared = SharedScrapes(self.scrape, self.failed)
 
-    def scrape(self, budget_s: float) -> list[GaugeMetricFamily]:
+    def scrape(self, budget_s: float) -> Answer:
         self.runs.append(budget_s)
         self.started.set()
         if self.hold:
             self.release.wait(10)
         if self.error is not None:
             raise self.error
-        return families(len(self.runs))
+        return Answer(families(len(self.runs)))
 
-    def failed(self, reason: str, started: float) -> list[GaugeMetricFamily]:
+    def failed(self, reason: str, started: float) -> Answer:
         self.late.append(reason)
-        return families(0)
+        return Answer(families(0))
 
     def wait_joined(self, count: int) -> None:
         """Until ``count`` requests wait on the scrape in flight: releasing it earlier

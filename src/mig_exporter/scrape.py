@@ -180,20 +180,29 @@ class Scraper:
 
     def families(self, timeout_s: float | None = None) -> list[Metric]:
         """Read once and map the outcome to metric families."""
+        return self.scrape(timeout_s)[1]
+
+    def scrape(self, timeout_s: float | None = None) -> tuple[ReadOutcome, list[Metric]]:
+        """Read once: the outcome (the landing page draws it) and its metric families."""
         outcome = self.read(timeout_s)
         try:
-            return list(self.families_for(outcome))
+            return outcome, list(self.families_for(outcome))
         except Exception as e:  # a mapping bug still answers, as a failed read
             self._log_bug(f"mapping the read from {self.name} failed", e)
             with self._lock:
                 self._errors_total += 1
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
-            return list(self.families_for(failed))
+            return failed, list(self.families_for(failed))
 
     def failed_families(self, reason: str, started: float) -> list[Metric]:
         """The families of a read begun at ``started`` (``time.monotonic()``) that
         failed for ``reason``, counted and logged as one."""
-        return list(self.families_for(self._failed(started, reason)))
+        return self.failed_scrape(reason, started)[1]
+
+    def failed_scrape(self, reason: str, started: float) -> tuple[ReadOutcome, list[Metric]]:
+        """``failed_families`` with the failed outcome beside them."""
+        outcome = self._failed(started, reason)
+        return outcome, list(self.families_for(outcome))
 
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:

@@ -1,13 +1,13 @@
-"""HTTP: ``/`` (landing page), ``/metrics``, ``/probe``, ``/-/healthy``,
-``/-/ready`` and ``POST /-/reload``; HTTPS and basic auth with a web config
-file (``webconfig.py``).
+"""HTTP: ``/`` (landing page: the cards' live MIG layout, ``landing.py``),
+``/metrics``, ``/probe``, ``/-/healthy``, ``/-/ready`` and ``POST /-/reload``;
+HTTPS and basic auth with a web config file (``webconfig.py``).
 
 Connections are owned by one event loop (``connections.py``): it accepts,
 caps, times out and reads each request whole, then a bounded pool of workers
 answers it here. Every scrape reads the source afresh; requests that arrive
 while a scrape is in flight share it and its encoded answer
-(``shared_scrape.py``). A failed read still answers 200 with
-``read_success 0``; no request ever gets a traceback. ``/probe`` and
+(``shared_scrape.py``); ``/`` draws the same shared scrape. A failed read
+still answers 200 with ``read_success 0``; no request ever gets a traceback. ``/probe`` and
 ``/-/reload`` exist when serve has a config file (``probe.py``). Every answer
 that is not a success is logged, one line with its reason, rate-limited per
 reason.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import html
 import io
 import logging
 import socket
@@ -28,7 +27,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.core import Metric
 
-from mig_exporter import __version__
+from mig_exporter import __version__, landing
 from mig_exporter.connections import Connection, ConnectionLoop, Limits, Request, peer_name
 from mig_exporter.probe import BadProbeRequest, ProbeBusy, Prober
 from mig_exporter.scrape import Scraper
@@ -101,7 +100,7 @@ class ExporterServer:
         self.timeout_s = timeout_s
         self.timeout_offset_s = timeout_offset_s
         self.limits = limits or Limits()
-        self.scrapes = SharedScrapes(self._scrape_families, self._late_families)
+        self.scrapes = SharedScrapes(self._scrape_answer, self._late_answer)
         self.socket = _listen(address)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
         self.loop = ConnectionLoop(self.socket, self.limits, self._handle, self._tls, self._client_allowed,
@@ -151,11 +150,13 @@ class ExporterServer:
         web = self.web_config()
         return (True, "") if web is None else web.client_allowed(cert)
 
-    def _scrape_families(self, budget_s: float) -> list[Metric]:
-        return self._with_probe_counters(self.scraper.families(budget_s))
+    def _scrape_answer(self, budget_s: float) -> Answer:
+        outcome, families = self.scraper.scrape(budget_s)
+        return Answer(self._with_probe_counters(families), outcome)
 
-    def _late_families(self, reason: str, started: float) -> list[Metric]:
-        return self._with_probe_counters(self.scraper.failed_families(reason, started))
+    def _late_answer(self, reason: str, started: float) -> Answer:
+        outcome, families = self.scraper.failed_scrape(reason, started)
+        return Answer(self._with_probe_counters(families), outcome)
 
     def _with_probe_counters(self, families: list[Metric]) -> list[Metric]:
         if self.prober is not None:
@@ -308,8 +309,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, f"{message}\n".encode(), _TEXT, send_body, headers)
 
     def _metrics(self, send_body: bool) -> None:
+        self._send_answer(self._shared_answer(), send_body)
+
+    def _shared_answer(self) -> Answer:
+        """This request's share of a scrape: the one in flight, if due in time, else a new one."""
         timeout = self.server.scrape_timeout(self.headers.get(SCRAPE_TIMEOUT_HEADER))
-        self._send_answer(self.server.scrapes.answer(timeout), send_body)
+        return self.server.scrapes.answer(timeout)
 
     def _probe(self, query: str, send_body: bool) -> None:
         prober = self.server.prober
@@ -351,33 +356,22 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, body, content_type, send_body, extra)
 
     def _landing(self, send_body: bool) -> None:
-        source = html.escape(self.server.scraper.source.describe())
-        probes = ""
+        """The live layout (``landing.py``), drawn from the same shared scrape as ``/metrics``."""
+        answer = self._shared_answer()
+        assert answer.outcome is not None  # every answer of SharedScrapes carries its read
+        probes = None
         prober = self.server.prober
         if prober is not None:
             config = prober.config
-            links = "".join(
-                f'<li><a href="/probe?target={html.escape(name)}">/probe?target={html.escape(name)}</a></li>\n'
-                for name in config.probe_targets
-            )
-            probes = (
-                f"<p>Probe targets from {html.escape(config.source)} "
-                f"(at most {prober.max_concurrent} probes at once):</p>\n<ul>\n{links or '<li>none</li>'}\n</ul>\n"
-            )
-        page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>mig-exporter</title></head>
-<body>
-<h1>mig-exporter {html.escape(__version__)}</h1>
-<p>NVIDIA GPU memory per card, per MIG instance and per process, read at every scrape.</p>
-<p>Source: {source}</p>
-<ul>
-<li><a href="/metrics">/metrics</a></li>
-<li><a href="/-/healthy">/-/healthy</a></li>
-<li><a href="/-/ready">/-/ready</a></li>
-</ul>
-{probes}</body></html>
-"""
-        self._send(200, page.encode(), "text/html; charset=utf-8", send_body)
+            probes = landing.ProbeLinks(config.source, tuple(config.probe_targets), prober.max_concurrent)
+        page = landing.page(answer.outcome, version=__version__, source=self.server.scraper.source.describe(),
+                            probes=probes)
+        # No script may run on the page; a web config's own policy, if it sets one, wins.
+        configured = {name.lower() for name in self._extra_headers}
+        headers = {name: value for name, value in (("Content-Security-Policy", landing.CONTENT_SECURITY_POLICY),
+                                                   ("X-Content-Type-Options", "nosniff"))
+                   if name.lower() not in configured}
+        self._send(200, page.encode(), "text/html; charset=utf-8", send_body, headers)
 
     def _send(self, status: int, body: bytes, content_type: str, send_body: bool,
               headers: dict[str, str] | None = None) -> None:

@@ -4,7 +4,9 @@ The read alone was shared before (``singleflight.py``): every request still
 read /proc, built its families and encoded them, so fifty scrapes at once held
 fifty answers, and glibc's per-thread heaps kept that peak as resident memory
 (docs/reliability.md). Now a request joins the scrape in flight, and each
-encoding (format and gzip or not) is made once per scrape.
+encoding (format and gzip or not) is made once per scrape. The answer carries
+the read's outcome too: the landing page (``/``) draws the same read that
+``/metrics`` answers with, and joins it like any scrape.
 
 A request joins only a scrape that is due by the request's own deadline and
 not yet overdue: behind a read still hung with a longer budget, or a scrape
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client.core import Metric
 
 from mig_exporter.exposition import negotiate, render
+from mig_exporter.scrape import ReadOutcome
 from mig_exporter.singleflight import Flight
 
 # A scrape ends at its deadline plus the few ms a killed command takes to
@@ -32,10 +35,12 @@ JOIN_GRACE_S = 0.25
 
 class Answer:
     """The families of one scrape and their encodings, each made once, by the
-    first request that asks for it."""
+    first request that asks for it; ``outcome`` is the read they were mapped
+    from (``None`` for an answer that has no read of this exporter's, a probe's)."""
 
-    def __init__(self, families: Sequence[Metric]) -> None:
+    def __init__(self, families: Sequence[Metric], outcome: ReadOutcome | None = None) -> None:
         self.families = tuple(families)
+        self.outcome = outcome
         self._lock = threading.Lock()
         self._encodings: dict[tuple[str, bool], _Encoding] = {}
 
@@ -79,12 +84,11 @@ class _Flight(Flight[Answer]):
 
 
 class SharedScrapes:
-    """``scrape(budget_s)`` builds the families; ``answer(budget_s)`` runs it
+    """``scrape(budget_s)`` builds the answer; ``answer(budget_s)`` runs it
     or joins the one in flight."""
 
-    def __init__(self, scrape: Callable[[float], Sequence[Metric]],
-                 late: Callable[[str, float], Sequence[Metric]]) -> None:
-        """``late(reason, started)``: the families of a failed read, for requests
+    def __init__(self, scrape: Callable[[float], Answer], late: Callable[[str, float], Answer]) -> None:
+        """``late(reason, started)``: the answer of a failed read, for requests
         whose joined scrape overran (a scrape should end by its deadline)."""
         self._scrape = scrape
         self._late = late
@@ -109,7 +113,7 @@ class SharedScrapes:
                 # or is overdue already: scrape on our own; later requests join this one.
                 flight = self._flight = _Flight(deadline)
         if not joined:  # in this thread: it is this request's scrape
-            flight.fly(lambda: Answer(self._scrape(budget_s)), self._landed)
+            flight.fly(lambda: self._scrape(budget_s), self._landed)
         elif not flight.done.wait(max(deadline - time.monotonic(), 0.0) + JOIN_GRACE_S):
             return self._late_answer(flight, budget_s, started)
         if flight.error is not None:
@@ -125,7 +129,7 @@ class SharedScrapes:
         with flight.late_lock:
             if flight.late is None:
                 reason = f"the scrape in flight did not finish within {budget_s:.1f}s"
-                flight.late = Answer(self._late(reason, started))
+                flight.late = self._late(reason, started)
             return flight.late
 
     def _landed(self, flight: Flight[Answer]) -> None:
