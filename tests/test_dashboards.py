@@ -103,3 +103,42 @@ def test_provisioning_files_are_grafana_provisioning():
     assert dashboards["apiVersion"] == 1 and dashboards["providers"][0]["type"] == "file"
     sources = yaml.safe_load((GRAFANA / "provisioning" / "datasources.yaml").read_text())
     assert sources["datasources"][0]["type"] == "prometheus"
+
+
+def test_the_engines_stat_and_table_are_the_alert():
+    """One definition of an engine holding no GPU memory: EngineHoldsNoGPUMemory's
+    expression, read from alerts.yml when the dashboards are generated, verbatim
+    in the stat and the table (the stat once counted engines the alert skips)."""
+    (rule,) = [r for g in yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"]
+               for r in g["rules"] if r.get("alert") == "EngineHoldsNoGPUMemory"]
+    expr = rule["expr"].strip()
+    panels = [p for p in _dashboards()["overview.json"]["panels"] if p["title"] == "Engines holding no GPU memory"]
+    assert sorted(p["type"] for p in panels) == ["stat", "table"]
+    for panel in panels:
+        (target,) = panel["targets"]
+        assert target["expr"].startswith(("count((", "(")) and f"({expr}) and on (instance)" in target["expr"]
+    (stat,) = [p for p in panels if p["type"] == "stat"]
+    assert stat["targets"][0]["expr"] == (
+        f'count(({expr}) and on (instance) mig_exporter_build_info{{instance=~"$node"}}) or vector(0)')
+
+
+@pytest.mark.parametrize("name", ["overview.json", "node.json"])
+def test_all_nodes_are_the_exporters_not_their_probe_targets(name):
+    """"All" in $node is the instances that export mig_exporter_build_info (Grafana
+    joins them as a regex), not ".*", which also matches /probe targets: a node read
+    through /metrics and /probe would count twice."""
+    (node,) = [v for v in _dashboards()[name]["templating"]["list"] if v["name"] == "node"]
+    assert node["query"]["query"] == "label_values(mig_exporter_build_info, instance)"
+    assert node["includeAll"] and "allValue" not in node
+
+
+def test_every_per_device_view_names_the_device():
+    """Legends and table columns show the device ("0/mig1"), not the placement index."""
+    for name, d in _dashboards().items():
+        for panel in d["panels"]:
+            for t in panel["targets"]:
+                if "{{index}}" in t.get("legendFormat", ""):
+                    raise AssertionError(f"{name} / {panel['title']}: legend shows the index")
+            if panel["type"] == "table":
+                organize = next(x for x in panel["transformations"] if x["id"] == "organize")["options"]
+                assert organize["renameByName"].get("index") in (None, "Index"), panel["title"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,8 @@ from test_dashboards import concrete, dashboard_queries
 from test_pods import demo_proc
 from test_prometheus import (
     STARTUP_S,
+    Exporter,
+    Prometheus,
     _prometheus_binary,
     _target_after_scrapes,
     _value,
@@ -65,7 +69,13 @@ def _firing(prom, name: str) -> list[dict]:
             if a["labels"]["alertname"] == name and a["state"] == "firing"]
 
 
-def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvidia_smi, fake_kubelet, tmp_path):
+@contextmanager
+def e2e_node(fake_nvidia_smi, fake_kubelet, tmp_path: Path) -> Iterator[tuple[Exporter, Prometheus]]:
+    """The e2e machine: the exporter over the demo sample (2 cards, 4 devices),
+    the fabricated /proc (engines) and the fake kubelet (pods), scraped by a
+    real Prometheus on /metrics and, as instance gpu-node-2, on /probe (which
+    reads the same fake nvidia-smi), with the shipped rules loaded. Yields once
+    both targets have been scraped twice; tests/test_grafana.py uses it too."""
     _prometheus_binary()
     smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
     proc = demo_proc(tmp_path / "proc")
@@ -94,50 +104,54 @@ def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvid
         with prometheus("", tmp_path, yaml.safe_dump(scrape_config)) as prom:
             assert _target_after_scrapes(prom, exp.address)["health"] == "up"
             assert _target_after_scrapes(prom, "gpu-node-2")["health"] == "up"
-
-            # Devices and processes, from /metrics and through /probe.
-            for instance in (exp.address, "gpu-node-2"):
-                sel = f'instance="{instance}"'
-                assert _value(prom, f'mig_exporter_device_memory_used_bytes{{{sel},index="1000"}}') == 11663 * MIB
-                assert _value(prom, f'mig_exporter_device_memory_total_bytes{{{sel},index="1002"}}') == 9728 * MIB
-                assert _value(prom, f'mig_exporter_device_memory_used_bytes{{{sel},index="1"}}') == 22110 * MIB
-                assert _value(prom, f'mig_exporter_process_memory_used_bytes{{{sel},pid="50102"}}') == 20480 * MIB
-                assert _value(prom, f'count(mig_exporter_device_info{{{sel}}})') == 4
-            assert _value(prom, 'probe_success{instance="gpu-node-2"}') == 1
-
-            # The engines, from the fabricated /proc.
-            sel = f'instance="{exp.address}"'
-            assert _value(prom, f'mig_exporter_engine_memory_used_bytes{{{sel},pid="52040"}}') == 0
-            assert _value(prom, f'mig_exporter_engine_memory_used_bytes{{{sel},pid="51860"}}') == 9216 * MIB
-            assert _value(prom, f'mig_exporter_host_pid_namespace{{{sel}}}') == 1
-
-            # The pods: processes carry their pod labels, devices their allocations.
-            assert _value(prom, f'mig_exporter_process_info{{{sel},pid="48213",namespace="llm",pod="llama-0",'
-                                f'container="server"}}') == 1
-            assert _value(prom, f'mig_exporter_pod_memory_used_bytes{{{sel},namespace="notebooks",'
-                                f'pod="jupyter-alice"}}') == 1620 * MIB
-            assert _value(prom, f'count(mig_exporter_device_allocation_info{{{sel}}})') == 4
-            # /probe reads another nvidia-smi, maybe another host: no pod labels there.
-            assert _value(prom, 'count(mig_exporter_process_info{instance="gpu-node-2",pod=""})') == 4
-
-            # Every query of every dashboard panel returns data.
-            empty = [(dash, title) for dash, title, expr in dashboard_queries() if not prom.query(concrete(expr))]
-            assert empty == []
-
-            # The rules load, and the engine on no GPU's list goes pending, then fires.
-            health = {r["name"]: r["health"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]}
-            assert health and set(health.values()) == {"ok"}, health
-            alerts = _wait("alert", lambda: [a for a in prom.get("/api/v1/alerts")["alerts"]
-                                             if a["labels"]["alertname"] == "EngineHoldsNoGPUMemory"
-                                             and a["state"] == "firing"])
-            assert [(a["labels"]["pid"], a["labels"]["engine"]) for a in alerts] == [("52040", "llama.cpp")]
-            outside = _wait("alert", lambda: _firing(prom, "GPUProcessOutsideAllocation"))
-            assert [(a["labels"]["namespace"], a["labels"]["pod"], a["labels"]["index"]) for a in outside] == [
-                ("notebooks", "jupyter-alice", "1")]
-            unused = _wait("alert", lambda: _firing(prom, "GPUAllocatedButUnused"))
-            assert [(a["labels"]["namespace"], a["labels"]["pod"], a["labels"]["index"]) for a in unused] == [
-                ("batch", "train-7", "1002")]
+            yield exp, prom
         assert "Traceback" not in exp.log.text()
+
+
+def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvidia_smi, fake_kubelet, tmp_path):
+    with e2e_node(fake_nvidia_smi, fake_kubelet, tmp_path) as (exp, prom):
+        # Devices and processes, from /metrics and through /probe.
+        for instance in (exp.address, "gpu-node-2"):
+            sel = f'instance="{instance}"'
+            assert _value(prom, f'mig_exporter_device_memory_used_bytes{{{sel},index="1000"}}') == 11663 * MIB
+            assert _value(prom, f'mig_exporter_device_memory_total_bytes{{{sel},index="1002"}}') == 9728 * MIB
+            assert _value(prom, f'mig_exporter_device_memory_used_bytes{{{sel},index="1"}}') == 22110 * MIB
+            assert _value(prom, f'mig_exporter_process_memory_used_bytes{{{sel},pid="50102"}}') == 20480 * MIB
+            assert _value(prom, f'count(mig_exporter_device_info{{{sel}}})') == 4
+        assert _value(prom, 'probe_success{instance="gpu-node-2"}') == 1
+
+        # The engines, from the fabricated /proc.
+        sel = f'instance="{exp.address}"'
+        assert _value(prom, f'mig_exporter_engine_memory_used_bytes{{{sel},pid="52040"}}') == 0
+        assert _value(prom, f'mig_exporter_engine_memory_used_bytes{{{sel},pid="51860"}}') == 9216 * MIB
+        assert _value(prom, f'mig_exporter_host_pid_namespace{{{sel}}}') == 1
+
+        # The pods: processes carry their pod labels, devices their allocations.
+        assert _value(prom, f'mig_exporter_process_info{{{sel},pid="48213",namespace="llm",pod="llama-0",'
+                            f'container="server"}}') == 1
+        assert _value(prom, f'mig_exporter_pod_memory_used_bytes{{{sel},namespace="notebooks",'
+                            f'pod="jupyter-alice"}}') == 1620 * MIB
+        assert _value(prom, f'count(mig_exporter_device_allocation_info{{{sel}}})') == 4
+        # /probe reads another nvidia-smi, maybe another host: no pod labels there.
+        assert _value(prom, 'count(mig_exporter_process_info{instance="gpu-node-2",pod=""})') == 4
+
+        # Every query of every dashboard panel returns data.
+        empty = [(dash, title) for dash, title, expr in dashboard_queries() if not prom.query(concrete(expr))]
+        assert empty == []
+
+        # The rules load, and the engine on no GPU's list goes pending, then fires.
+        health = {r["name"]: r["health"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]}
+        assert health and set(health.values()) == {"ok"}, health
+        alerts = _wait("alert", lambda: [a for a in prom.get("/api/v1/alerts")["alerts"]
+                                         if a["labels"]["alertname"] == "EngineHoldsNoGPUMemory"
+                                         and a["state"] == "firing"])
+        assert [(a["labels"]["pid"], a["labels"]["engine"]) for a in alerts] == [("52040", "llama.cpp")]
+        outside = _wait("alert", lambda: _firing(prom, "GPUProcessOutsideAllocation"))
+        assert [(a["labels"]["namespace"], a["labels"]["pod"], a["labels"]["index"]) for a in outside] == [
+            ("notebooks", "jupyter-alice", "1")]
+        unused = _wait("alert", lambda: _firing(prom, "GPUAllocatedButUnused"))
+        assert [(a["labels"]["namespace"], a["labels"]["pod"], a["labels"]["index"]) for a in unused] == [
+            ("batch", "train-7", "1002")]
 
 
 def test_dashboard_queries_are_the_ones_checked():

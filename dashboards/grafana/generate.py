@@ -9,6 +9,16 @@ after editing; a test fails when the committed JSON is out of date.
 No query adds up device memory without first taking one value per
 (card, GPU instance): compute instances of one GPU instance each report the
 GPU instance's whole framebuffer.
+
+Every device is named by its ``device`` label ("0/mig1", or "1" for a whole
+card), joined in from ``mig_exporter_device_info``. A table's queries give the
+same label set for each of its rows, so Grafana's ``merge`` makes one row of
+them. ``$node`` lists the instances that export ``mig_exporter_build_info``,
+and "All" is those instances (no ``allValue``): a /probe target (docs/probe.md)
+exports no build info, so a node read both ways is counted once. The engines
+panels use the EngineHoldsNoGPUMemory alert's own expression, read from
+deploy/prometheus/alerts.yml when this runs. tests/test_grafana.py draws every
+table and stat with Grafana's own code (docs/dashboards.md).
 """
 
 from __future__ import annotations
@@ -18,7 +28,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
+ALERTS = HERE.parent.parent / "deploy" / "prometheus" / "alerts.yml"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 SEL = 'instance=~"$node"'
 CARD_SEL = 'instance=~"$node", card=~"$card"'
@@ -31,6 +44,23 @@ def per_gpu_instance(metric: str, sel: str) -> str:
         f"max by (instance, card, gpu_instance) ({metric}{{{sel}}} "
         f"* on (instance, index) group_left (gpu_instance) mig_exporter_device_info{{{sel}}})"
     )
+
+
+def alert_expr(name: str) -> str:
+    """The expression of one of the shipped alerts (deploy/prometheus/alerts.yml)."""
+    rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"] if r.get("alert") == name]
+    assert len(rules) == 1, f"alert {name}: {len(rules)} rules"
+    return str(rules[0]["expr"]).strip()
+
+
+def with_device(expr: str, sel: str, labels: str = "device") -> str:
+    """``expr`` (a per-device series) with the device's name (and ``labels``) joined in."""
+    return f"{expr} * on (instance, index) group_left ({labels}) mig_exporter_device_info{{{sel}}}"
+
+
+def engines_without_memory(sel: str) -> str:
+    """The engines EngineHoldsNoGPUMemory raises, on the chosen nodes."""
+    return f"({alert_expr('EngineHoldsNoGPUMemory')}) and on (instance) mig_exporter_build_info{{{sel}}}"
 
 
 def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False, fmt: str = "time_series") -> dict:
@@ -114,7 +144,7 @@ def variables(with_card: bool) -> list[dict]:
         {"name": "node", "type": "query", "label": "Node", "datasource": DS,
          "query": {"query": "label_values(mig_exporter_build_info, instance)", "refId": "node"},
          "definition": "label_values(mig_exporter_build_info, instance)",
-         "includeAll": True, "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
+         "includeAll": True, "multi": True, "current": {"text": "All", "value": "$__all"},
          "refresh": 2, "sort": 1},
     ]
     if with_card:
@@ -150,11 +180,10 @@ def overview() -> dict:
                  f"sum({per_gpu_instance('mig_exporter_device_memory_used_bytes', SEL)})", unit="bytes",
                  description="One value per GPU instance: compute instances sharing one are counted once."), 4, 4)
     lay.add(stat("Engines holding no GPU memory",
-                 f"count((mig_exporter_engine_memory_used_bytes{{{SEL}}} == 0) "
-                 f"and on (instance) (mig_exporter_host_pid_namespace{{{SEL}}} == 1)) or vector(0)",
+                 f"count({engines_without_memory(SEL)}) or vector(0)",
                  thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}],
                  description="Inference engines (llama.cpp, vLLM, Ollama, ...) on no GPU's process list: "
-                             "running on the CPU."), 4, 4)
+                             "running on the CPU. The EngineHoldsNoGPUMemory alert's own expression."), 4, 4)
     lay.add(stat("Failing reads", f"count(mig_exporter_read_success{{{SEL}}} == 0) or vector(0)",
                  thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]), 4, 4)
     lay.add(stat("MIG cards with nothing carved", f"count(mig_exporter_card_mig_instances{{{SEL}}} == 0) or vector(0)",
@@ -165,41 +194,45 @@ def overview() -> dict:
         description="A whole card shows GI empty. Compute instances of one GPU instance share its memory and "
                     "appear once."), 12, 9)
     lay.add(timeseries("Memory used by device", [target(
-        f"mig_exporter_device_memory_used_bytes{{{SEL}}} "
-        f"* on (instance, index) group_left (class) mig_exporter_device_info{{{SEL}}}",
-        "{{instance}} {{index}} {{class}}")], "bytes",
-        description="One line per device (placement index). Devices on one GPU instance show the same line."), 12, 9)
+        with_device(f"mig_exporter_device_memory_used_bytes{{{SEL}}}", SEL, "device, class"),
+        "{{instance}} {{device}} {{class}}")], "bytes",
+        description="One line per device (card/migN). Devices on one GPU instance show the same line."), 12, 9)
+    # Used and Total: the same labels on both queries (the device's identity joined
+    # in, no metric name), so merge makes one row per device.
+    identity = "device, gpu_instance, compute_instance, class, uuid"
     lay.add(table("MIG layout", [
-        target(f"mig_exporter_device_info{{{SEL}}}", ref="A", instant=True, fmt="table"),
-        target(f"mig_exporter_device_memory_used_bytes{{{SEL}}}", ref="B", instant=True, fmt="table"),
-        target(f"mig_exporter_device_memory_total_bytes{{{SEL}}}", ref="C", instant=True, fmt="table"),
-    ], {"instance": "Node", "card": "Card", "index": "Index", "mig_profile": "Profile", "gpu_instance": "GI",
-        "compute_instance": "CI", "class": "Class", "uuid": "UUID", "Value #B": "Used", "Value #C": "Total"},
+        target(with_device(f"mig_exporter_device_memory_used_bytes{{{SEL}}}", SEL, identity),
+               ref="B", instant=True, fmt="table"),
+        target(with_device(f"mig_exporter_device_memory_total_bytes{{{SEL}}}", SEL, identity),
+               ref="C", instant=True, fmt="table"),
+    ], {"instance": "Node", "device": "Device", "card": "Card", "index": "Index", "mig_profile": "Profile",
+        "gpu_instance": "GI", "compute_instance": "CI", "class": "Class", "uuid": "UUID", "Value #B": "Used",
+        "Value #C": "Total"},
         {"Value #B": "bytes", "Value #C": "bytes"},
         description="Each node's devices: which MIG profiles, and how full."), 24, 9)
     lay.add(table("Top processes by GPU memory", [
-        target(f"topk(25, mig_exporter_process_memory_used_bytes{{{SEL}}} "
-               f"* on (instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
-               f"mig_exporter_process_info{{{SEL}}})", instant=True, fmt="table"),
-    ], {"instance": "Node", "index": "Device", "mig_profile": "Profile", "pid": "PID", "process_name": "Process",
+        target("topk(25, " + with_device(
+            f"mig_exporter_process_memory_used_bytes{{{SEL}}} "
+            f"* on (instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
+            f"mig_exporter_process_info{{{SEL}}}", SEL) + ")", instant=True, fmt="table"),
+    ], {"instance": "Node", "device": "Device", "mig_profile": "Profile", "pid": "PID", "process_name": "Process",
         "process_type": "Type", "namespace": "Namespace", "pod": "Pod", "container": "Container",
         "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value",
         description="Namespace, pod and container are empty for processes outside Kubernetes."), 12, 9)
     lay.add(table("Engines holding no GPU memory", [
-        target(f"(mig_exporter_engine_info{{{SEL}}} "
-               f"and on (instance, engine, pid) (mig_exporter_engine_memory_used_bytes{{{SEL}}} == 0)) "
-               f"and on (instance) (mig_exporter_host_pid_namespace{{{SEL}}} == 1)", instant=True, fmt="table"),
+        target(engines_without_memory(SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "engine": "Engine", "pid": "PID", "comm": "Process"}, {},
         description="An engine told to use a GPU whose GPU backend never loaded runs on the CPU without a word: "
-                    "its pid is on no GPU's process list."), 12, 9)
+                    "its pid is on no GPU's process list (so it has no device). The EngineHoldsNoGPUMemory "
+                    "alert's own expression."), 12, 9)
     lay.add(timeseries("GPU memory by pod", [target(
         f"topk(20, mig_exporter_pod_memory_used_bytes{{{SEL}}})", "{{namespace}}/{{pod}} {{container}}")], "bytes",
         description="What each pod's container holds on all its devices (Kubernetes nodes only)."), 12, 8)
     lay.add(table("GPU allocations", [
-        target(f"mig_exporter_device_allocation_info{{{SEL}}} "
-               f"* on (instance, index) group_left (mig_profile) mig_exporter_device_processes{{{SEL}}}",
-               instant=True, fmt="table"),
-    ], {"instance": "Node", "index": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
+        target(with_device(f"mig_exporter_device_allocation_info{{{SEL}}} "
+                           f"* on (instance, index) group_left (mig_profile) mig_exporter_device_processes{{{SEL}}}",
+                           SEL), instant=True, fmt="table"),
+    ], {"instance": "Node", "device": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
         "container": "Container", "resource": "Resource", "Value": "Processes"}, {}, sort_by="Value",
         description="Which pod the kubelet allocated each device to, and how many processes are on it; 0 for long "
                     "is GPUAllocatedButUnused. A time-sliced card has a row per pod."), 12, 8)
@@ -217,23 +250,33 @@ def overview() -> dict:
 def node() -> dict:
     lay = Layout()
     lay.add(timeseries("Memory used by device", [target(
-        f"mig_exporter_device_memory_used_bytes{{{CARD_SEL}}}", "{{instance}} {{index}} {{mig_profile}}")], "bytes",
+        with_device(f"mig_exporter_device_memory_used_bytes{{{CARD_SEL}}}", CARD_SEL),
+        "{{instance}} {{device}} {{mig_profile}}")], "bytes",
         description="Each card and MIG instance. Devices on one GPU instance share its memory and show the same "
                     "line; they are not stacked."), 16, 9)
     lay.add(timeseries("Memory free by device", [target(
-        f"mig_exporter_device_memory_free_bytes{{{CARD_SEL}}}", "{{instance}} {{index}} {{mig_profile}}")], "bytes"),
+        with_device(f"mig_exporter_device_memory_free_bytes{{{CARD_SEL}}}", CARD_SEL),
+        "{{instance}} {{device}} {{mig_profile}}")], "bytes"),
         8, 9)
+    # One query: each process's memory with its identity and its device's name joined in.
     lay.add(table("Processes", [
-        target(f"mig_exporter_process_info{{{CARD_SEL}}}", ref="A", instant=True, fmt="table"),
-        target(f"mig_exporter_process_memory_used_bytes{{{CARD_SEL}}}", ref="B", instant=True, fmt="table"),
+        target(with_device(
+            f"mig_exporter_process_memory_used_bytes{{{CARD_SEL}}} "
+            f"* on (instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
+            f"mig_exporter_process_info{{{CARD_SEL}}}", CARD_SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "pid": "PID", "process_name": "Name", "process_type": "Type", "card": "Card",
-        "index": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod", "container": "Container",
-        "Value #B": "Memory"}, {"Value #B": "bytes"}, sort_by="Value #B"), 24, 9)
+        "device": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
+        "container": "Container", "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value"), 24, 9)
+    # Every query by (instance, card): no metric name, no state, so merge makes one row per card.
     lay.add(table("Cards", [
-        target(f"mig_exporter_card_info{{{CARD_SEL}}}", ref="A", instant=True, fmt="table"),
-        target(f'mig_exporter_card_mig_mode{{{CARD_SEL}, state="current"}}', ref="B", instant=True, fmt="table"),
-        target(f'mig_exporter_card_mig_mode{{{CARD_SEL}, state="pending"}}', ref="C", instant=True, fmt="table"),
-        target(f"mig_exporter_card_mig_instances{{{CARD_SEL}}}", ref="D", instant=True, fmt="table"),
+        target(f"max by (instance, card, name, uuid, driver_version) (mig_exporter_card_info{{{CARD_SEL}}})",
+               ref="A", instant=True, fmt="table"),
+        target(f'max by (instance, card) (mig_exporter_card_mig_mode{{{CARD_SEL}, state="current"}})', ref="B",
+               instant=True, fmt="table"),
+        target(f'max by (instance, card) (mig_exporter_card_mig_mode{{{CARD_SEL}, state="pending"}})', ref="C",
+               instant=True, fmt="table"),
+        target(f"max by (instance, card) (mig_exporter_card_mig_instances{{{CARD_SEL}}})", ref="D", instant=True,
+               fmt="table"),
     ], {"instance": "Node", "card": "Card", "name": "Product", "uuid": "UUID", "driver_version": "Driver",
         "Value #B": "MIG current", "Value #C": "MIG pending", "Value #D": "Instances"}, {},
         description="MIG mode: 1 enabled, 0 disabled; current and pending differ until the card is reset."), 24, 7)

@@ -1,0 +1,234 @@
+"""Every table and stat panel as Grafana draws it: the panel's own queries, with
+the dashboard variables filled in as Grafana fills them, run against the real
+Prometheus of the e2e test (the exporter's /metrics and a /probe job reading
+the same node), turned into data frames (tests/grafana/frames.js) and put
+through the panel's own transformations by Grafana's code (@grafana/data,
+tests/grafana/driver.js). Each table must have one row per device, card,
+process or engine with its columns filled in, with the values of the e2e
+machine computed by hand below; each stat the number its alert counts."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import MIB, REPO, require_tool
+from test_dashboards import _dashboards
+from test_e2e import _wait, e2e_node
+
+pytestmark = pytest.mark.prometheus
+HARNESS = REPO / "tests" / "grafana"
+NODE = "NODE"  # the exporter's instance (127.0.0.1:port) in the rows below
+
+# The e2e machine, by hand from src/mig_exporter/samples/demo.xml (fb_memory_usage
+# in MiB; card 0 in MIG mode with three instances, card 1 a whole card) and from
+# tests/kube_node.py (which pod runs each pid, which device the kubelet gave it).
+#   card 0 MIG 0 (3g.40gb, GI 2, CI 0): total 40192, used 11663; pid 48213 llama-server 11520 (llm/llama-0)
+#   card 0 MIG 1 (2g.20gb, GI 3, CI 0): total 19968, used  9251; pid 51877 python3 9216 (llm/vllm-...)
+#   card 0 MIG 2 (1g.10gb, GI 9, CI 0): total  9728, used    13; no process (allocated to batch/train-7)
+#   card 1 (whole A100 80GB):           total 81920, used 22110; pid 50102 llama-server (G) 20480
+#                                        (graphics/vk-llama-0), pid 50318 python3 1620 (notebooks/jupyter-alice)
+# Memory used, once per GPU instance: 11663 + 9251 + 13 + 22110 = 43037 MiB.
+# Engines (samples/demo-proc.json): llama.cpp 52040 is on no GPU's list and holds nothing.
+UUID_0, UUID_1 = "GPU-a84bba07-931d-b925-306a-0799dc6ebd71", "GPU-975dcb6d-e070-3b4a-b7ed-013e50181d96"
+MIG = {"0/mig0": "MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b", "0/mig1": "MIG-bd142880-e842-57ab-bec1-2975fd55911e",
+       "0/mig2": "MIG-a2cbd390-b656-5a4d-8bad-821df997d529"}
+
+
+def _layout(device, card, index, profile, gi, ci, cls, uuid, used_mib, total_mib):
+    return {"Node": NODE, "Device": device, "Card": card, "Index": index, "Profile": profile, "GI": gi, "CI": ci,
+            "Class": cls, "UUID": uuid, "Used": used_mib * MIB, "Total": total_mib * MIB}
+
+
+def _process(device, profile, pid, name, kind, namespace, pod, container, mib):
+    return {"Node": NODE, "Device": device, "Profile": profile, "PID": pid, "Process": name, "Type": kind,
+            "Namespace": namespace, "Pod": pod, "Container": container, "Memory": mib * MIB}
+
+
+PROCESSES = [
+    _process("0/mig0", "3g.40gb", "48213", "/usr/local/bin/llama-server", "C", "llm", "llama-0", "server", 11520),
+    _process("0/mig1", "2g.20gb", "51877", "/usr/bin/python3", "C", "llm", "vllm-6b7f9c-x2x4q", "vllm", 9216),
+    _process("1", "", "50102", "/usr/local/bin/llama-server", "G", "graphics", "vk-llama-0", "llama", 20480),
+    _process("1", "", "50318", "/usr/bin/python3", "C", "notebooks", "jupyter-alice", "notebook", 1620),
+]
+
+TABLES = {
+    ("overview.json", "MIG layout"): [
+        _layout("0/mig0", "0", "1000", "3g.40gb", "2", "0", "a100-80g-mig-3g.40gb", MIG["0/mig0"], 11663, 40192),
+        _layout("0/mig1", "0", "1001", "2g.20gb", "3", "0", "a100-80g-mig-2g.20gb", MIG["0/mig1"], 9251, 19968),
+        _layout("0/mig2", "0", "1002", "1g.10gb", "9", "0", "a100-80g-mig-1g.10gb", MIG["0/mig2"], 13, 9728),
+        _layout("1", "1", "1", "", "", "", "a100-80g", UUID_1, 22110, 81920),
+    ],
+    ("overview.json", "Top processes by GPU memory"): PROCESSES,
+    ("overview.json", "Engines holding no GPU memory"): [
+        {"Node": NODE, "Engine": "llama.cpp", "PID": "52040", "Process": "llama-server"},
+    ],
+    ("overview.json", "GPU allocations"): [
+        {"Node": NODE, "Device": device, "Profile": profile, "Namespace": ns, "Pod": pod, "Container": container,
+         "Resource": resource, "Processes": processes}
+        for device, profile, ns, pod, container, resource, processes in [
+            ("0/mig0", "3g.40gb", "llm", "llama-0", "server", "nvidia.com/mig-3g.40gb", 1),
+            ("0/mig1", "2g.20gb", "llm", "vllm-6b7f9c-x2x4q", "vllm", "nvidia.com/mig-2g.20gb", 1),
+            ("0/mig2", "1g.10gb", "batch", "train-7", "trainer", "nvidia.com/mig-1g.10gb", 0),
+            ("1", "", "graphics", "vk-llama-0", "llama", "nvidia.com/gpu", 2),
+        ]
+    ],
+    ("node.json", "Processes"): [
+        {"Node": p["Node"], "PID": p["PID"], "Name": p["Process"], "Type": p["Type"], "Card": p["Device"][0],
+         "Device": p["Device"], "Profile": p["Profile"], "Namespace": p["Namespace"], "Pod": p["Pod"],
+         "Container": p["Container"], "Memory": p["Memory"]}
+        for p in PROCESSES
+    ],
+    ("node.json", "Cards"): [
+        {"Node": NODE, "Card": "0", "Product": "NVIDIA A100-SXM4-80GB", "UUID": UUID_0, "Driver": "550.90.07",
+         "MIG current": 1, "MIG pending": 1, "Instances": 3},
+        # Not in MIG mode: no mig_instances series, so no Instances.
+        {"Node": NODE, "Card": "1", "Product": "NVIDIA A100-SXM4-80GB", "UUID": UUID_1, "Driver": "550.90.07",
+         "MIG current": 0, "MIG pending": 0, "Instances": None},
+    ],
+}
+
+# Stats: counted once per device, not once per exporter and once more per probe target.
+STATS = {
+    ("overview.json", "Devices"): 4,
+    ("overview.json", "GPU processes"): 4,
+    ("overview.json", "Memory used (no double counting)"): 43037 * MIB,
+    ("overview.json", "Engines holding no GPU memory"): 1,
+    ("overview.json", "Failing reads"): 0,
+    ("overview.json", "MIG cards with nothing carved"): 0,
+}
+# A stat that counts what an alert raises shows as many as the alert has (pending or firing).
+STAT_ALERTS = {
+    ("overview.json", "Engines holding no GPU memory"): "EngineHoldsNoGPUMemory",
+    ("overview.json", "Failing reads"): "GPUExporterReadFailing",
+    ("overview.json", "MIG cards with nothing carved"): "MIGCardHasNoInstances",
+}
+
+
+def special_regex_escape(value: str) -> str:
+    """A value of a multi-value variable in a Prometheus query, as Grafana's
+    Prometheus data source escapes it: regex metacharacters get a backslash,
+    itself escaped for the PromQL string (``.`` becomes ``\\\\.``)."""
+    return re.sub(r"[$^*{}\[\]'+?.()|]", lambda m: "\\\\" + m.group(0), value.replace("\\", "\\\\\\\\"))
+
+
+def all_value(variable: dict, options: list[str]) -> str:
+    """What ``$name`` becomes with "All" selected: the variable's allValue when it
+    has one, else every option, escaped and joined as ``(a|b)``."""
+    if variable.get("allValue"):
+        return variable["allValue"]
+    escaped = [special_regex_escape(o) for o in options]
+    return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+
+def interpolate(text: str, values: dict[str, str]) -> str:
+    for name, value in values.items():
+        text = text.replace(f"${{{name}}}", value).replace(f"${name}", value)
+    return text
+
+
+def fill_variables(prom, dashboard: dict) -> dict[str, str]:
+    """Each query variable at "All", in order: its options from Prometheus
+    (``label_values(selector, label)``, earlier variables filled in)."""
+    values: dict[str, str] = {}
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", variable["query"]["query"])
+        assert m, variable["query"]
+        selector, label = interpolate(m.group(1), values), m.group(2)
+        options = sorted(prom.get(f"/api/v1/label/{label}/values", **{"match[]": selector}))
+        assert options, f"{variable['name']}: no options for {selector}"
+        values[variable["name"]] = all_value(variable, options)
+    return values
+
+
+def run_driver(jobs: list[dict]) -> list[dict]:
+    node = require_tool("node")
+    if not (HARNESS / "node_modules" / "@grafana" / "data").is_dir():
+        pytest.fail("tests/grafana/node_modules is missing: ./scripts/test runs npm ci there", pytrace=False)
+    result = subprocess.run([node, str(HARNESS / "driver.js")], input=json.dumps(jobs), capture_output=True,
+                            text=True, cwd=HARNESS, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def panels_through_grafana(prom, instance: str) -> dict[tuple[str, str, str], dict]:
+    """(dashboard, panel type, title) to the driver's result, for every panel of both dashboards."""
+    at = str(time.time())
+    jobs, keys = [], []
+    for name, dashboard in _dashboards().items():
+        values = fill_variables(prom, dashboard)
+        for panel in dashboard["panels"]:
+            answers = []
+            for target in panel["targets"]:
+                query = {**target, "expr": interpolate(target["expr"], values)}
+                answers.append({"query": query, "data": prom.get("/api/v1/query", query=query["expr"], time=at)})
+            jobs.append({"panel": panel, "answers": answers})
+            keys.append((name, panel["type"], panel["title"]))
+    results = run_driver(json.loads(json.dumps(jobs).replace(instance, NODE)))
+    return dict(zip(keys, results, strict=True))
+
+
+def rows(result: dict) -> list[dict] | str:
+    """The table's rows, by column header; a description when it is not one table."""
+    frames = result["frames"]
+    if len(frames) != 1:
+        return f"{len(frames)} frames: {[[f['displayName'] for f in fr['fields']] for fr in frames]}"
+    fields = frames[0]["fields"]
+    out = [{f["displayName"]: f["values"][i] for f in fields} for i in range(frames[0]["length"])]
+    return sorted(out, key=lambda r: json.dumps(r, sort_keys=True))
+
+
+def test_tables_and_stats_as_grafana_draws_them(fake_nvidia_smi, fake_kubelet, tmp_path):
+    with e2e_node(fake_nvidia_smi, fake_kubelet, tmp_path) as (exp, prom):
+        # The engine alert has been evaluated (it goes pending at once).
+        assert _wait("alert", lambda: [a for a in prom.get("/api/v1/alerts")["alerts"]
+                                       if a["labels"]["alertname"] == "EngineHoldsNoGPUMemory"])
+        alerts = prom.get("/api/v1/alerts")["alerts"]
+        devices = {(s["metric"]["instance"].replace(exp.address, NODE), s["metric"]["index"]): s["metric"]["device"]
+                   for s in prom.query("mig_exporter_device_info")}
+        results = panels_through_grafana(prom, exp.address)
+
+    dashboards = _dashboards()
+    table_panels = {(name, p["title"]) for name, d in dashboards.items() for p in d["panels"] if p["type"] == "table"}
+    stat_panels = {(name, p["title"]) for name, d in dashboards.items() for p in d["panels"] if p["type"] == "stat"}
+    assert table_panels == set(TABLES) and stat_panels == set(STATS), "every table and stat panel is checked"
+
+    # Tables: one row per device, process, engine or card, every column filled in.
+    problems: dict[str, object] = {}
+    for (name, title), expected in TABLES.items():
+        table = rows(results[(name, "table", title)])
+        if table != sorted(expected, key=lambda r: json.dumps(r, sort_keys=True)):
+            problems[f"{name} / {title}"] = (table if isinstance(table, str) else
+                                             {"rows": len(table), "expected rows": len(expected), "drawn": table})
+
+    # Stats: one number each, counting every device once, and as many as their alert.
+    for (name, title), expected_value in STATS.items():
+        shown = [v["value"] for v in results[(name, "stat", title)]["values"]]
+        alert = STAT_ALERTS.get((name, title))
+        raised = len([a for a in alerts if a["labels"]["alertname"] == alert and a["state"] in ("pending", "firing")])
+        if shown != [expected_value] or (alert and shown != [raised]):
+            problems[f"{name} / {title}"] = {"shown": shown, "expected": expected_value,
+                                             **({alert: raised} if alert else {})}
+
+    # Legends: every series of a device is named with the device's name (card/migN).
+    unnamed: dict[str, list[str]] = {}
+    for (name, _, title), result in results.items():
+        for frame in result["frames"]:
+            for field in frame["fields"]:
+                labels = field["labels"] or {}
+                if field["type"] == "number" and "index" in labels:
+                    device = devices[(labels["instance"], labels["index"])]
+                    if not re.search(rf"(^|\s){re.escape(device)}(\s|$)", field["displayName"]):
+                        unnamed.setdefault(f"{name} / {title} legend", []).append(
+                            f"{field['displayName']!r} lacks {device}")
+    problems.update(unnamed)
+
+    summary = {k: ({"rows": v["rows"], "expected rows": v["expected rows"]} if isinstance(v, dict) and "rows" in v
+                   else v) for k, v in problems.items()}
+    assert problems == {}, json.dumps(summary, indent=1) + "\n\n" + json.dumps(problems, indent=1)
