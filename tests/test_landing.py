@@ -29,7 +29,7 @@ from conftest import MIB, calls, fixture_bytes, left_behind, require_tool
 from mig_exporter import landing
 from mig_exporter.scrape import ReadOutcome, Scraper
 from mig_exporter.server import ExporterServer
-from mig_exporter.snapshot import Process
+from mig_exporter.snapshot import EngineProcess, EngineReading, Process
 from mig_exporter.source_demo import DemoSource
 from mig_exporter.source_smi import NvidiaSmiSource
 from mig_exporter.webconfig import WebSettings
@@ -243,6 +243,30 @@ def test_top_processes_and_how_many_more():
     ((row,),) = bars(dom(page)).values()
     assert row.processes == ["900 /usr/bin/python3 5100 MiB", "1004 worker-4 5 MiB", "1003 worker-3 4 MiB",
                              "+3 more"]
+
+
+def test_engines_on_no_gpu_list_are_named_above_the_cards_as_the_alert_counts_them():
+    from conftest import scenario
+
+    processes = (
+        EngineProcess("llama.cpp", 52040, "llama-server", 0, ()),  # on no list: the CPU
+        EngineProcess("llama.cpp", 50102, "llama-server", 20480 * MIB, (1,)),
+        EngineProcess("vllm", 7, "<vllm>", 0, (1002,)),  # listed with 0 bytes: on a GPU
+        EngineProcess("ollama", 9, "ollama", None, ()),  # unknown: not claimed
+    )
+
+    def page(placed: bool = True, host: bool | None = True) -> str:
+        engines = EngineReading(("llama.cpp", "vllm", "ollama"), host, processes if host else None, placed)
+        return landing.page(ReadOutcome(scenario("h100-mig-processes"), 0.1, engines=engines), version="0",
+                            source="x")
+
+    text = page()
+    assert "Engines on no GPU's process list: running on the CPU" in text
+    section = text.split('<section class="engines-cpu">')[1].split("</section>")[0]
+    assert section.count("<li>") == 1
+    assert '<strong>llama.cpp</strong> <span class="pid">52040</span> llama-server' in section
+    # Where it cannot be known, nothing is claimed.
+    assert "engines-cpu\"" not in page(placed=False) and "engines-cpu\"" not in page(host=False)
 
 
 def test_a_process_name_cannot_inject_markup(serve, fake_nvidia_smi):

@@ -12,7 +12,9 @@ then one row per GPU instance (MIG) or one for the whole card, with a bar
 sized by the memory total (one scale for the page) and filled to the used
 memory, the display name (``1/mig2``), the profile, used/total in MiB and the
 top processes. Compute instances of one GPU instance share its memory: they
-are one row, naming each of their devices, not several full bars.
+are one row, naming each of their devices, not several full bars. Above the
+cards, the inference engines on no GPU's process list (running on the CPU),
+counted as EngineHoldsNoGPUMemory counts them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mig_exporter.scrape import ReadOutcome
-from mig_exporter.snapshot import MIB, Card, Device, Memory, Process, ProcessPod
+from mig_exporter.snapshot import MIB, Card, Device, EngineReading, Memory, Process, ProcessPod
 
 BAR_WIDTH = 360  # px: the widest row on the page (the largest card) spans this
 BAR_HEIGHT = 22
@@ -79,6 +81,7 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
              "(and at every load of this page).</p>\n"
              f"<p class=\"source\">Source: {_e(source)}</p>\n{_links()}</header>\n<main>\n"]
     parts.append(_read_summary(outcome))
+    parts.append(_engines_on_the_cpu(outcome.engines))
     snapshot = outcome.snapshot
     if snapshot is not None:
         cards = {c.index: c for c in snapshot.cards}
@@ -131,6 +134,24 @@ def _read_summary(outcome: ReadOutcome) -> str:
     return (f"<p class=\"read ok\">Read in {outcome.duration_s:.2f}s{versions} · {len(snapshot.cards)} "
             f"card{'s' if len(snapshot.cards) != 1 else ''}, {len(snapshot.devices)} "
             f"device{'s' if len(snapshot.devices) != 1 else ''}. Reload the page to read again.</p>\n")
+
+
+def _engines_on_the_cpu(engines: EngineReading | None) -> str:
+    """The engines holding nothing on any device: what the exporter exists to
+    show. Nothing when that cannot be known (a failed read, not the host's PID
+    namespace); an engine the driver lists with 0 bytes is on a GPU."""
+    if engines is None or not engines.placed or engines.processes is None:
+        return ""
+    on_cpu = [e for e in engines.processes if e.used_bytes == 0 and not e.device_indexes]
+    if not on_cpu:
+        return ""
+    items = "".join(
+        f"<li><strong>{_e(e.engine)}</strong> <span class=\"pid\">{e.pid}</span> {_e(e.comm)}</li>\n"
+        for e in sorted(on_cpu, key=lambda e: (e.engine, e.pid))
+    )
+    return ("<section class=\"engines-cpu\"><h2>Engines on no GPU's process list: running on the CPU</h2>\n"
+            f"<ul>\n{items}</ul>\n<p>Their GPU backend did not load, or they were given no GPU; "
+            "see docs/engines.md.</p>\n</section>\n")
 
 
 def _mode(card: Card) -> str:
@@ -259,6 +280,9 @@ svg.bar {{ display: block; }}
 .pid {{ font-family: ui-monospace, monospace; color: #52606d; }} .pmem {{ font-weight: 600; }}
 .on, .pod, .more, .none, .unknown, .empty {{ color: #616e7c; }}
 .problems li {{ color: #8a1c1c; }}
+.engines-cpu {{ margin: 12px 0; padding: 6px 12px; border-left: 4px solid #c81e1e; background: #fde8e8; }}
+.engines-cpu h2 {{ font-size: 15px; margin: 4px 0; color: #8a1c1c; }}
+.engines-cpu ul {{ margin: 4px 0; padding-left: 18px; }} .engines-cpu p {{ margin: 4px 0; color: #52606d; }}
 footer {{ margin-top: 24px; border-top: 1px solid #d9e2ec; }}
 </style></head>
 <body>
