@@ -363,9 +363,11 @@ def test_the_page_needs_the_same_credentials_as_metrics(tmp_path, fake_nvidia_sm
 
 
 def test_probe_targets_are_still_linked():
-    probes = landing.ProbeLinks("mig.yml", ("gpu-a", "a&b"), 4)
+    # Config names are letters, digits, "_", "." and "-"; one that were not is still one parameter.
+    probes = landing.ProbeLinks("mig.yml", ("gpu-a", "driver.root_1", "a&b=<c>"), 4)
     page = landing.page(ReadOutcome(None, 0.1, "x"), version="0.1.0", source="x", probes=probes)
-    assert 'href="/probe?target=gpu-a"' in page and 'href="/probe?target=a&amp;b"' in page
+    assert 'href="/probe?target=gpu-a"' in page and 'href="/probe?target=driver.root_1"' in page
+    assert 'href="/probe?target=a%26b%3D%3Cc%3E">/probe?target=a&amp;b=&lt;c&gt;</a>' in page
     assert "Probe targets from mig.yml (at most 4 probes at once)" in page
 
 

@@ -93,6 +93,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case_and_every_record_a_value_chec
 SELECTOR = re.compile(r"(mig_exporter_[a-z_]+)(\{[^}]*\})?(\[3m\])?")
 HOLD = "[3m]"
 PROBE_GUARD = "and on (job, instance) last_over_time(mig_exporter_build_info[3m])"
+HELD_GATE = "unless on (job, instance) (mig_exporter_read_success == 1)"
 
 
 def _words(text: str) -> str:
@@ -102,22 +103,27 @@ def _words(text: str) -> str:
 def test_every_alert_input_rides_through_failed_reads():
     """No alert reads a bare instant selector, which a failed read or scrape empties
     and so resets `for:`. Each input is a 3-minute range (last_over_time or
-    max_over_time), or the newest scrape's series with the held ones beside it:
-    `x or (last_over_time(x[3m]) unless on (job, instance) x)`."""
+    max_over_time), or the newest read's series with the held ones beside it
+    when that read did not succeed:
+    `x or (last_over_time(x[3m]) unless on (job, instance) (mig_exporter_read_success == 1))`.
+    The gate asks the read, not the family: a node's last engine or process
+    leaves no series of its family to say the read was good."""
     for rule in _rules():
         if "alert" not in rule:
             continue
-        expr = rule["expr"]
-        found = list(SELECTOR.finditer(expr))
+        expr = _words(rule["expr"])
+        # The held series' gate is the one bare selector allowed.
+        gated = expr.replace(HELD_GATE, "")
+        found = list(SELECTOR.finditer(gated))
         assert found, rule["alert"]
         for m in found:
             name, matchers, held = m.groups()
             if held:
                 assert re.search(rf"(last|max)_over_time\({name}(\{{[^}}]*\}})?\[3m\]\)", expr), (rule["alert"], name)
                 continue
-            assert f"last_over_time({name}{matchers or ''}{HOLD})" in expr or (
-                # the family as the gate of its own held series: "unless on (job, instance) x"
-                f"unless on (job, instance) {name}" in expr and f"last_over_time({name}" in expr
+            selector = f"{name}{matchers or ''}"
+            assert f"last_over_time({selector}{HOLD})" in expr or (
+                f"{selector} or (last_over_time({selector}{HOLD}) {HELD_GATE})" in expr
             ), f"{rule['alert']}: {m.group(0)} is not held through a failed read"
 
 

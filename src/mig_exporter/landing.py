@@ -22,6 +22,7 @@ from __future__ import annotations
 import html
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
 from mig_exporter.scrape import ReadOutcome
 from mig_exporter.snapshot import MIB, Card, Device, EngineReading, Memory, Process, ProcessPod
@@ -241,7 +242,7 @@ def _processes(row: Row, pods: dict[int, ProcessPod]) -> str:
 
 
 def _probes(probes: ProbeLinks) -> str:
-    links = "".join(f"<li><a href=\"/probe?target={_e(name)}\">/probe?target={_e(name)}</a></li>\n"
+    links = "".join(f"<li><a href=\"/probe?{_e(urlencode({'target': name}))}\">/probe?target={_e(name)}</a></li>\n"
                     for name in probes.targets)
     return (f"<footer>\n<p>Probe targets from {_e(probes.config_source)} (at most {probes.max_concurrent} probes "
             f"at once):</p>\n<ul>\n{links or '<li>none</li>'}\n</ul>\n</footer>\n")

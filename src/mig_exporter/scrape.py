@@ -194,13 +194,9 @@ class Scraper:
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
             return failed, list(self.families_for(failed))
 
-    def failed_families(self, reason: str, started: float) -> list[Metric]:
-        """The families of a read begun at ``started`` (``time.monotonic()``) that
-        failed for ``reason``, counted and logged as one."""
-        return self.failed_scrape(reason, started)[1]
-
     def failed_scrape(self, reason: str, started: float) -> tuple[ReadOutcome, list[Metric]]:
-        """``failed_families`` with the failed outcome beside them."""
+        """A read begun at ``started`` (``time.monotonic()``) that failed for
+        ``reason``, counted and logged as one, and its families."""
         outcome = self._failed(started, reason)
         return outcome, list(self.families_for(outcome))
 

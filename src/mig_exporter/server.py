@@ -358,7 +358,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _landing(self, send_body: bool) -> None:
         """The live layout (``landing.py``), drawn from the same shared scrape as ``/metrics``."""
         answer = self._shared_answer()
-        assert answer.outcome is not None  # every answer of SharedScrapes carries its read
+        if answer.outcome is None:  # every answer of SharedScrapes carries its read; a 503 if not
+            raise RuntimeError("the shared scrape answered without its read")
         probes = None
         prober = self.server.prober
         if prober is not None:
