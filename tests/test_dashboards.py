@@ -95,7 +95,24 @@ def test_queries_name_only_documented_metrics():
 def test_no_query_adds_up_memory_shared_by_compute_instances():
     for dash, title, expr in dashboard_queries():
         if "device_memory" in expr and re.search(r"\bsum\b", expr):
-            assert "max by (instance, card, gpu_instance)" in expr, f"{dash} / {title} double counts: {expr}"
+            assert "max by (job, instance, card, gpu_instance)" in expr, f"{dash} / {title} double counts: {expr}"
+
+
+def test_every_join_and_aggregation_keeps_job_and_instance():
+    """Joins match on (job, instance, ...) as the rules do, and aggregations by
+    instance keep job: two jobs scraping one instance must not make group_left
+    fail (many-to-many) nor a max mix two jobs' series."""
+    joins = aggregations = 0
+    for dash, title, expr in dashboard_queries():
+        for kind, clause in re.findall(r"\b(on|by)\s*\(([^)]*)\)", expr):
+            labels = [label.strip() for label in clause.split(",")]
+            if kind == "on":
+                joins += 1
+                assert labels[:2] == ["job", "instance"], f"{dash} / {title}: on ({clause})"
+            elif "instance" in labels:
+                aggregations += 1
+                assert labels[:2] == ["job", "instance"], f"{dash} / {title}: by ({clause})"
+    assert joins >= 20 and aggregations >= 6, (joins, aggregations)
 
 
 def test_provisioning_files_are_grafana_provisioning():
@@ -116,10 +133,10 @@ def test_the_engines_stat_and_table_are_the_alert():
     assert sorted(p["type"] for p in panels) == ["stat", "table"]
     for panel in panels:
         (target,) = panel["targets"]
-        assert target["expr"].startswith(("count((", "(")) and f"({expr}) and on (instance)" in target["expr"]
+        assert target["expr"].startswith(("count((", "(")) and f"({expr}) and on (job, instance)" in target["expr"]
     (stat,) = [p for p in panels if p["type"] == "stat"]
     assert stat["targets"][0]["expr"] == (
-        f'count(({expr}) and on (instance) mig_exporter_build_info{{instance=~"$node"}}) or vector(0)')
+        f'count(({expr}) and on (job, instance) mig_exporter_build_info{{instance=~"$node"}}) or vector(0)')
 
 
 @pytest.mark.parametrize("name", ["overview.json", "node.json"])
@@ -132,13 +149,50 @@ def test_all_nodes_are_the_exporters_not_their_probe_targets(name):
     assert node["includeAll"] and "allValue" not in node
 
 
+def _per_device_metrics() -> set[str]:
+    """The metrics docs/metrics.md documents with an ``index`` label: one series per device.
+    Not mig_exporter_engine_info, which the dashboards read as ``index=""`` (an engine on no
+    device: the engines panels)."""
+    rows = re.findall(r"^\| `(mig_exporter_[a-z_]+)` \| \w+ \| ([^|]*) \|", (REPO / "docs" / "metrics.md").read_text(),
+                      re.M)
+    return {name for name, labels in rows if "`index`" in labels} - {"mig_exporter_engine_info"}
+
+
+def _is_per_device(expr: str, per_device: set[str]) -> bool:
+    """A query whose series are devices: it reads a per-device metric and does not
+    aggregate it by something other than the device (``topk`` keeps the labels)."""
+    if not set(re.findall(r"\bmig_exporter_[a-z_]+", expr)) & per_device:
+        return False
+    outer = re.match(r"\s*(sum|max|min|avg|count)\b\s*(?:by\s*\(([^)]*)\))?", expr)
+    return outer is None or "index" in (outer.group(2) or "")
+
+
 def test_every_per_device_view_names_the_device():
-    """Legends and table columns show the device ("0/mig1"), not the placement index."""
+    """Legends and table columns show the device ("0/mig1"), not the placement index:
+    every per-device series' legend has ``{{device}}``, every per-device table a Device column."""
+    per_device = _per_device_metrics()
+    assert {"mig_exporter_device_memory_used_bytes", "mig_exporter_process_info",
+            "mig_exporter_device_allocation_info"} <= per_device, per_device
+    checked = []
     for name, d in _dashboards().items():
         for panel in d["panels"]:
+            where = f"{name} / {panel['title']}"
             for t in panel["targets"]:
-                if "{{index}}" in t.get("legendFormat", ""):
-                    raise AssertionError(f"{name} / {panel['title']}: legend shows the index")
+                assert "{{index}}" not in t.get("legendFormat", ""), f"{where}: legend shows the index"
+                if panel["type"] == "timeseries" and _is_per_device(t["expr"], per_device):
+                    legend = t["legendFormat"]
+                    assert "{{device}}" in legend, f"{where}: legend {legend!r} lacks {{{{device}}}}"
+                    checked.append(where)
             if panel["type"] == "table":
                 organize = next(x for x in panel["transformations"] if x["id"] == "organize")["options"]
                 assert organize["renameByName"].get("index") in (None, "Index"), panel["title"]
+                if any(_is_per_device(t["expr"], per_device) for t in panel["targets"]):
+                    assert organize["renameByName"].get("device") == "Device", f"{where}: no Device column"
+                    checked.append(where)
+    # The per-device views: both "Memory used by device", "Memory free by device", and the
+    # MIG layout, processes and allocations tables.
+    assert sorted(checked) == sorted([
+        "overview.json / Memory used by device", "overview.json / MIG layout",
+        "overview.json / Top processes by GPU memory", "overview.json / GPU allocations",
+        "node.json / Memory used by device", "node.json / Memory free by device", "node.json / Processes",
+    ]), checked

@@ -5,7 +5,10 @@ the same node), turned into data frames (tests/grafana/frames.js) and put
 through the panel's own transformations by Grafana's code (@grafana/data,
 tests/grafana/driver.js). Each table must have one row per device, card,
 process or engine with its columns filled in, with the values of the e2e
-machine computed by hand below; each stat the number its alert counts."""
+machine computed by hand below; each stat the number its alert counts. And a
+troubled fleet (a MIG card with nothing carved, read through /metrics and
+/probe; a node whose reads fail) where those alerts have something to count,
+so "stat == alert count" is not 0 == 0."""
 
 from __future__ import annotations
 
@@ -13,12 +16,17 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import MIB, REPO, require_tool
+from conftest import MIB, REPO, fixture_bytes, require_tool
 from test_dashboards import _dashboards
-from test_e2e import _wait, e2e_node
+from test_e2e import ALERTS, _wait, e2e_node
+from test_prometheus import Prometheus, _prometheus_binary, _target_after_scrapes, exporter, prometheus
 
 pytestmark = pytest.mark.prometheus
 HARNESS = REPO / "tests" / "grafana"
@@ -149,6 +157,10 @@ def fill_variables(prom, dashboard: dict) -> dict[str, str]:
 
 def run_driver(jobs: list[dict]) -> list[dict]:
     node = require_tool("node")
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, timeout=30).stdout.strip()
+    if not re.fullmatch(r"v(\d+)\..*", version) or int(version[1:].split(".")[0]) < 20:
+        pytest.fail(f"node {version or '(no version)'} is too old: tests/grafana's packages need Node.js 20 or "
+                    "newer (Debian 12's nodejs is 18)", pytrace=False)
     if not (HARNESS / "node_modules" / "@grafana" / "data").is_dir():
         pytest.fail("tests/grafana/node_modules is missing: ./scripts/test runs npm ci there", pytrace=False)
     result = subprocess.run([node, str(HARNESS / "driver.js")], input=json.dumps(jobs), capture_output=True,
@@ -157,8 +169,9 @@ def run_driver(jobs: list[dict]) -> list[dict]:
     return json.loads(result.stdout)
 
 
-def panels_through_grafana(prom, instance: str) -> dict[tuple[str, str, str], dict]:
-    """(dashboard, panel type, title) to the driver's result, for every panel of both dashboards."""
+def panels_through_grafana(prom, names: dict[str, str]) -> dict[tuple[str, str, str], dict]:
+    """(dashboard, panel type, title) to the driver's result, for every panel of both dashboards;
+    each exporter address (127.0.0.1:port) in the answers replaced by its name in ``names``."""
     at = str(time.time())
     jobs, keys = [], []
     for name, dashboard in _dashboards().items():
@@ -170,7 +183,10 @@ def panels_through_grafana(prom, instance: str) -> dict[tuple[str, str, str], di
                 answers.append({"query": query, "data": prom.get("/api/v1/query", query=query["expr"], time=at)})
             jobs.append({"panel": panel, "answers": answers})
             keys.append((name, panel["type"], panel["title"]))
-    results = run_driver(json.loads(json.dumps(jobs).replace(instance, NODE)))
+    text = json.dumps(jobs)
+    for address in sorted(names, key=len, reverse=True):  # 127.0.0.1:4012 before 127.0.0.1:401
+        text = text.replace(address, names[address])
+    results = run_driver(json.loads(text))
     return dict(zip(keys, results, strict=True))
 
 
@@ -192,7 +208,7 @@ def test_tables_and_stats_as_grafana_draws_them(fake_nvidia_smi, fake_kubelet, t
         alerts = prom.get("/api/v1/alerts")["alerts"]
         devices = {(s["metric"]["instance"].replace(exp.address, NODE), s["metric"]["index"]): s["metric"]["device"]
                    for s in prom.query("mig_exporter_device_info")}
-        results = panels_through_grafana(prom, exp.address)
+        results = panels_through_grafana(prom, {exp.address: NODE})
 
     dashboards = _dashboards()
     table_panels = {(name, p["title"]) for name, d in dashboards.items() for p in d["panels"] if p["type"] == "table"}
@@ -232,3 +248,84 @@ def test_tables_and_stats_as_grafana_draws_them(fake_nvidia_smi, fake_kubelet, t
     summary = {k: ({"rows": v["rows"], "expected rows": v["expected rows"]} if isinstance(v, dict) and "rows" in v
                    else v) for k, v in problems.items()}
     assert problems == {}, json.dumps(summary, indent=1) + "\n\n" + json.dumps(problems, indent=1)
+
+
+# --- a troubled fleet: the stats that count what alerts raise, when there is something to count ----
+
+CARVED, FAILING, PROBED = "carved-node", "failing-node", "carved-node-probed"
+# a100-mig-nothing-carved.xml: card 0 in MIG mode with nothing carved, card 1 in MIG mode with one
+# 7g.40gb instance. The failing node's nvidia-smi fails every read: no device, no card.
+TROUBLED_STATS = {
+    ("overview.json", "Devices"): 1,  # card 1's 7g.40gb, once: not again through /probe
+    ("overview.json", "Failing reads"): 1,  # the failing node
+    ("overview.json", "MIG cards with nothing carved"): 1,  # card 0, once: not again through /probe
+}
+
+
+@contextmanager
+def troubled_fleet(fake_nvidia_smi, tmp_path: Path) -> Iterator[tuple[dict[str, str], Prometheus]]:
+    """One Prometheus, the shipped rules (deploy/prometheus/alerts.yml, as they are) loaded,
+    scraping on /metrics an exporter over a node with a MIG card with nothing carved and one
+    whose nvidia-smi fails, and, as the probe job of docs/probe.md, the first node again
+    through /probe (instance carved-node-probed). Yields (address to name, Prometheus) once
+    every target has been scraped twice and MIGCardHasNoInstances and GPUExporterReadFailing
+    have been evaluated (pending: their for: is minutes)."""
+    _prometheus_binary()
+    carved_smi = fake_nvidia_smi(fixture_bytes("a100-mig-nothing-carved.xml"),
+                                 fixture_bytes("a100-mig-nothing-carved.L.txt"))
+    failing_smi = fake_nvidia_smi(mode="fail")
+    config = tmp_path / "mig-exporter.yml"
+    config.write_text(f"probe_targets:\n  {PROBED}:\n    command: ['{carved_smi}']\n")
+    (tmp_path / "carved").mkdir()
+    (tmp_path / "failing").mkdir()
+    with exporter(carved_smi, tmp_path / "carved", "--no-kubernetes", "--config.file", str(config)) as carved, \
+            exporter(failing_smi, tmp_path / "failing", "--no-kubernetes") as failing:
+        scrape_config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ALERTS)],
+            "scrape_configs": [
+                {"job_name": "mig-exporter", "static_configs": [{"targets": [carved.address, failing.address]}]},
+                {"job_name": "mig-exporter-probe", "metrics_path": "/probe",
+                 "static_configs": [{"targets": [PROBED]}],
+                 "relabel_configs": [
+                     {"source_labels": ["__address__"], "target_label": "__param_target"},
+                     {"source_labels": ["__param_target"], "target_label": "instance"},
+                     {"target_label": "__address__", "replacement": carved.address},
+                 ]},
+            ],
+        }
+        with prometheus("", tmp_path, yaml.safe_dump(scrape_config)) as prom:
+            for address in (carved.address, failing.address, PROBED):
+                assert _target_after_scrapes(prom, address)["health"] == "up"
+            raised = {"MIGCardHasNoInstances", "GPUExporterReadFailing"}
+            assert _wait("alerts", lambda: raised <= {a["labels"]["alertname"]
+                                                      for a in prom.get("/api/v1/alerts")["alerts"]}), \
+                prom.get("/api/v1/alerts")
+            yield {carved.address: CARVED, failing.address: FAILING}, prom
+        assert "Traceback" not in carved.log.text() + failing.log.text()
+
+
+def test_stats_count_what_their_alerts_raise_in_a_troubled_fleet(fake_nvidia_smi, tmp_path):
+    """The issue's example: with a probe job reading a node again, "MIG cards with nothing
+    carved" showed 2 where MIGCardHasNoInstances raised 1. Here each stat that counts an
+    alert's subjects has one to count, and shows exactly as many as the alert has."""
+    with troubled_fleet(fake_nvidia_smi, tmp_path) as (names, prom):
+        # What Prometheus holds: the nothing-carved card twice (/metrics and /probe), one
+        # failed read; the alerts, gated on the exporter's own series, once each.
+        stored = sorted((names.get(s["metric"]["instance"], s["metric"]["instance"]), s["metric"]["card"])
+                        for s in prom.query("mig_exporter_card_mig_instances == 0"))
+        assert stored == [(CARVED, "0"), (PROBED, "0")]
+        assert [names[s["metric"]["instance"]] for s in prom.query("mig_exporter_read_success == 0")] == [FAILING]
+        alerts = prom.get("/api/v1/alerts")["alerts"]
+        results = panels_through_grafana(prom, names)
+
+    raised = {name: sorted((names.get(a["labels"]["instance"], a["labels"]["instance"]), a["labels"].get("card"))
+                           for a in alerts if a["labels"]["alertname"] == name and a["state"] in ("pending", "firing"))
+              for name in ("MIGCardHasNoInstances", "GPUExporterReadFailing")}
+    assert raised == {"MIGCardHasNoInstances": [(CARVED, "0")], "GPUExporterReadFailing": [(FAILING, None)]}
+
+    shown = {key: [v["value"] for v in results[(key[0], "stat", key[1])]["values"]] for key in TROUBLED_STATS}
+    assert shown == {key: [value] for key, value in TROUBLED_STATS.items()}
+    for key, alert in STAT_ALERTS.items():
+        if key in TROUBLED_STATS:
+            assert shown[key] == [len(raised[alert])], (key, alert)

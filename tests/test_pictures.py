@@ -1,24 +1,29 @@
-"""The dashboard pictures: committed, whole PNGs of a sensible size, shown by the README.
+"""The README's pictures: committed, whole PNGs of a sensible size, shown by the README.
 
-dashboards/grafana/render.py draws them (a real Prometheus, headless Chromium); it is
-a script to rerun when the dashboards change, not a test. This checks only what it
-left behind: each PNG parses (signature, chunks and their CRCs, IHDR, the image data
-inflating to exactly its rows), is neither tiny nor huge nor blank, and the README
-points at it.
+dashboards/grafana/render.py draws the dashboards' (a real Prometheus, headless Chromium),
+scripts/screenshot-landing the landing page's; they are scripts to rerun when the
+dashboards or the page change, not tests. This checks what they left behind: each PNG
+parses (signature, chunks and their CRCs, IHDR, the image data inflating to exactly its
+rows), is neither tiny nor huge nor blank, and the README points at it; and that every
+panel render.py draws is still in the dashboards under its title.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import struct
+import sys
 import zlib
 
 import pytest
 
 from conftest import REPO
+from test_dashboards import _dashboards
 
 RENDER = REPO / "dashboards" / "grafana" / "render.py"
-PICTURES = ["docs/images/overview.png", "docs/images/node.png"]
+# The dashboards' pictures (render.py) and the landing page's (scripts/screenshot-landing).
+PICTURES = ["docs/images/overview.png", "docs/images/node.png", "docs/images/landing.png"]
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
 
@@ -48,9 +53,34 @@ def read_png(data: bytes) -> tuple[int, int, bytes]:
     return width, height, pixels
 
 
-def test_render_script_is_there():
-    assert RENDER.is_file()
-    assert "def main(" in RENDER.read_text()
+def _render_module():
+    spec = importlib.util.spec_from_file_location("render_dashboards", RENDER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_draws_panels_the_dashboards_have():
+    """Every panel render.py draws is a stat or time series panel of its dashboard, by title,
+    as render.py's own find_panel looks it up: a panel renamed or removed in generate.py
+    fails here, not only when someone next redraws the pictures. And it draws exactly the
+    dashboard pictures listed here (landing.png is scripts/screenshot-landing's)."""
+    render = _render_module()
+    dashboards = _dashboards()
+    drawn = []
+    for png, (name, rows) in render.PICTURES.items():
+        assert f"docs/images/{png}" in PICTURES, png
+        for _height, titles in rows:
+            for title in titles:
+                panel = render.find_panel(dashboards[name], title, name)
+                assert panel["title"] == title and panel["type"] in ("stat", "timeseries")
+                drawn.append((name, title))
+    assert sorted(f"docs/images/{png}" for png in render.PICTURES) == sorted(
+        p for p in PICTURES if p != "docs/images/landing.png")
+    assert len(drawn) == len(set(drawn)) >= 10, drawn
+    with pytest.raises(RuntimeError, match="no stat or time series panel titled 'No such panel'"):
+        render.find_panel(dashboards["overview.json"], "No such panel", "overview.json")
 
 
 @pytest.mark.parametrize("path", PICTURES)

@@ -10,6 +10,13 @@ No query adds up device memory without first taking one value per
 (card, GPU instance): compute instances of one GPU instance each report the
 GPU instance's whole framebuffer.
 
+Every join matches on ``job`` and ``instance`` (``on (job, instance, index)``),
+as the rules in deploy/prometheus/alerts.yml do, and every aggregation by
+``instance`` keeps ``job`` too: two jobs scraping one instance (a /probe job
+naming its target like a node, a second scrape config) would otherwise make
+``group_left`` fail with "many-to-many matching" and the panel show nothing,
+or a ``max by`` mix two jobs' series into one.
+
 Every device is named by its ``device`` label ("0/mig1", or "1" for a whole
 card), joined in from ``mig_exporter_device_info``. A table's queries give the
 same label set for each of its rows, so Grafana's ``merge`` makes one row of
@@ -38,11 +45,11 @@ CARD_SEL = 'instance=~"$node", card=~"$card"'
 
 
 def per_gpu_instance(metric: str, sel: str) -> str:
-    """One value per (node, card, GPU instance): compute instances of one GPU
+    """One value per (job, node, card, GPU instance): compute instances of one GPU
     instance share its memory, so summing devices would count it twice."""
     return (
-        f"max by (instance, card, gpu_instance) ({metric}{{{sel}}} "
-        f"* on (instance, index) group_left (gpu_instance) mig_exporter_device_info{{{sel}}})"
+        f"max by (job, instance, card, gpu_instance) ({metric}{{{sel}}} "
+        f"* on (job, instance, index) group_left (gpu_instance) mig_exporter_device_info{{{sel}}})"
     )
 
 
@@ -55,12 +62,12 @@ def alert_expr(name: str) -> str:
 
 def with_device(expr: str, sel: str, labels: str = "device") -> str:
     """``expr`` (a per-device series) with the device's name (and ``labels``) joined in."""
-    return f"{expr} * on (instance, index) group_left ({labels}) mig_exporter_device_info{{{sel}}}"
+    return f"{expr} * on (job, instance, index) group_left ({labels}) mig_exporter_device_info{{{sel}}}"
 
 
 def engines_without_memory(sel: str) -> str:
     """The engines EngineHoldsNoGPUMemory raises, on the chosen nodes."""
-    return f"({alert_expr('EngineHoldsNoGPUMemory')}) and on (instance) mig_exporter_build_info{{{sel}}}"
+    return f"({alert_expr('EngineHoldsNoGPUMemory')}) and on (job, instance) mig_exporter_build_info{{{sel}}}"
 
 
 def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False, fmt: str = "time_series") -> dict:
@@ -213,7 +220,7 @@ def overview() -> dict:
     lay.add(table("Top processes by GPU memory", [
         target("topk(25, " + with_device(
             f"mig_exporter_process_memory_used_bytes{{{SEL}}} "
-            f"* on (instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
+            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
             f"mig_exporter_process_info{{{SEL}}}", SEL) + ")", instant=True, fmt="table"),
     ], {"instance": "Node", "device": "Device", "mig_profile": "Profile", "pid": "PID", "process_name": "Process",
         "process_type": "Type", "namespace": "Namespace", "pod": "Pod", "container": "Container",
@@ -230,8 +237,8 @@ def overview() -> dict:
         description="What each pod's container holds on all its devices (Kubernetes nodes only)."), 12, 8)
     lay.add(table("GPU allocations", [
         target(with_device(f"mig_exporter_device_allocation_info{{{SEL}}} "
-                           f"* on (instance, index) group_left (mig_profile) mig_exporter_device_processes{{{SEL}}}",
-                           SEL), instant=True, fmt="table"),
+                           f"* on (job, instance, index) group_left (mig_profile) "
+                           f"mig_exporter_device_processes{{{SEL}}}", SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "device": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
         "container": "Container", "resource": "Resource", "Value": "Processes"}, {}, sort_by="Value",
         description="Which pod the kubelet allocated each device to, and how many processes are on it; 0 for long "
@@ -262,20 +269,20 @@ def node() -> dict:
     lay.add(table("Processes", [
         target(with_device(
             f"mig_exporter_process_memory_used_bytes{{{CARD_SEL}}} "
-            f"* on (instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
+            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
             f"mig_exporter_process_info{{{CARD_SEL}}}", CARD_SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "pid": "PID", "process_name": "Name", "process_type": "Type", "card": "Card",
         "device": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
         "container": "Container", "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value"), 24, 9)
-    # Every query by (instance, card): no metric name, no state, so merge makes one row per card.
+    # Every query by (job, instance, card): no metric name, no state, so merge makes one row per card.
     lay.add(table("Cards", [
-        target(f"max by (instance, card, name, uuid, driver_version) (mig_exporter_card_info{{{CARD_SEL}}})",
+        target(f"max by (job, instance, card, name, uuid, driver_version) (mig_exporter_card_info{{{CARD_SEL}}})",
                ref="A", instant=True, fmt="table"),
-        target(f'max by (instance, card) (mig_exporter_card_mig_mode{{{CARD_SEL}, state="current"}})', ref="B",
+        target(f'max by (job, instance, card) (mig_exporter_card_mig_mode{{{CARD_SEL}, state="current"}})', ref="B",
                instant=True, fmt="table"),
-        target(f'max by (instance, card) (mig_exporter_card_mig_mode{{{CARD_SEL}, state="pending"}})', ref="C",
+        target(f'max by (job, instance, card) (mig_exporter_card_mig_mode{{{CARD_SEL}, state="pending"}})', ref="C",
                instant=True, fmt="table"),
-        target(f"max by (instance, card) (mig_exporter_card_mig_instances{{{CARD_SEL}}})", ref="D", instant=True,
+        target(f"max by (job, instance, card) (mig_exporter_card_mig_instances{{{CARD_SEL}}})", ref="D", instant=True,
                fmt="table"),
     ], {"instance": "Node", "card": "Card", "name": "Product", "uuid": "UUID", "driver_version": "Driver",
         "Value #B": "MIG current", "Value #C": "MIG pending", "Value #D": "Instances"}, {},
