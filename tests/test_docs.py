@@ -10,6 +10,7 @@ from mig_exporter.attribution import EngineWatch
 from mig_exporter.config import ProbeTarget, parse_config
 from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import CommandFailed
+from mig_exporter.jobmap import SlurmJobMap
 from mig_exporter.podresources import PodResourcesClient
 from mig_exporter.pods import PodWatch
 from mig_exporter.probe import Prober, ProbeResult
@@ -74,8 +75,8 @@ def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
     """Every family /metrics emits over all scenarios, a failed read and the
     demo, with and without engines (the demo's host, a /proc outside the host
     namespace, a failed GPU read beside a readable /proc), with pods (the
-    Kubernetes node of kube_node.py), and with a config file, the probe
-    counters."""
+    Kubernetes node of kube_node.py), with a Slurm job-map directory, and with
+    a config file, the probe counters."""
     failing = _Source(error=CommandFailed("nvidia-smi: exit status 9"))
     scrapers = [Scraper(_Source(scenario(name))) for name in SCENARIOS]
     scrapers += [Scraper(DemoSource()), Scraper(failing)]
@@ -86,9 +87,16 @@ def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
         Scraper(failing, EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
         Scraper(DemoSource(), pods=PodWatch(str(demo_proc(tmp_path / "node")), PodResourcesClient(kubelet.socket_path),
                                             str(make_kubelet_logs(tmp_path / "log")))),
+        Scraper(DemoSource(), job_map=SlurmJobMap(str(_job_map(tmp_path / "job-map")))),
     ]
     families = [f for scraper in scrapers for f in scraper.families()]
     return _kinds([*families, *_prober().families()])
+
+
+def _job_map(directory):
+    directory.mkdir()
+    (directory / "1").write_text("4242\n")
+    return directory
 
 
 def _emitted_by_probe() -> dict[str, tuple[str, set[str]]]:

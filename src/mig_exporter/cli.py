@@ -31,6 +31,7 @@ from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, ren
 from mig_exporter.engines import EngineSettings
 from mig_exporter.errors import CommandError
 from mig_exporter.exposition import render
+from mig_exporter.jobmap import SlurmJobMap
 from mig_exporter.logs import FORMATS, setup_logging
 from mig_exporter.malloc_tuning import limit_arenas
 from mig_exporter.podlogs import DEFAULT_LOG_DIR
@@ -131,6 +132,20 @@ def _kubernetes_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+def _slurm_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--slurm.job-map-dir", "slurm_job_map_dir", metavar="DIR", default=None,
+                     envvar=_env("SLURM_JOB_MAP_DIR"), show_envvar=True,
+                     help="The directory Slurm prolog/epilog scripts keep for dcgm-exporter's --hpc-job-mapping-dir "
+                          "(often /run/dcgm-job-map): a file per GPU index or GPU-/MIG- UUID, holding job ids. Read "
+                          "at each scrape into mig_exporter_device_allocation_info{slurm_job} (docs/metrics.md). "
+                          "Unset: not read."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 def _make_pod_watch(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodWatch | None:
     """Where pods are read from, or None when switched off (and in the demo,
     whose sample host is not a Kubernetes node)."""
@@ -139,6 +154,14 @@ def _make_pod_watch(kubernetes: bool, proc_root: str, socket: str, log_dir: str,
     watch = PodWatch(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None)
     log.info("watching %s", watch.describe())
     return watch
+
+
+def _make_job_map(directory: str | None) -> SlurmJobMap | None:
+    if not directory:
+        return None
+    job_map = SlurmJobMap(directory)
+    log.info("watching %s", job_map.describe())
+    return job_map
 
 
 def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineWatch:
@@ -255,6 +278,7 @@ def _load_config(path: str) -> Config:
 @_with_options(_log_options("info"))
 @_engine_options
 @_kubernetes_options
+@_slurm_options
 @click.option("--web.listen-address", "listen_address", default=DEFAULT_LISTEN_ADDRESS, show_default=True,
               envvar=_env("WEB_LISTEN_ADDRESS"), show_envvar=True, help="HOST:PORT to serve on.")
 @click.option("--web.timeout-offset", "timeout_offset", type=click.FloatRange(min=0), default=0.5,
@@ -274,8 +298,8 @@ def _load_config(path: str) -> Config:
                    "bcrypt). Re-read when it or its certificates change. docs/security.md.")
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
           config_file: str | None, proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
-          listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
-          web_config_file: str | None) -> None:
+          slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
+          max_connections: int, web_config_file: str | None) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
@@ -297,7 +321,8 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     web = _load_web_config(web_config_file) if web_config_file else None
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(chosen, engines, pods=pods), timeout_s=timeout,
+        server = ExporterServer(address, Scraper(chosen, engines, pods=pods, job_map=_make_job_map(slurm_job_map_dir)),
+                                timeout_s=timeout,
                                 timeout_offset_s=timeout_offset, prober=prober, web=web,
                                 limits=Limits(max_connections=max_connections))
     except OSError as e:
@@ -365,12 +390,13 @@ def check_web_config(web_config_file: str) -> None:
 @_with_options(_log_options("warning"))
 @_engine_options
 @_kubernetes_options
+@_slurm_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
 def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
          config_file: str | None, proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
-         output: str | None) -> None:
+         slurm_job_map_dir: str | None, output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     setup_logging(log_level, log_format)
     demo = _is_demo(source, demo)
@@ -381,7 +407,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
     # replaces the file, so node_exporter never goes on serving an old success.
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=output is None, strict_about_path=False,
                           unready=f"writing read_success 0 to {output}")
-    scraper = Scraper(chosen, engines, pods=pods)
+    scraper = Scraper(chosen, engines, pods=pods, job_map=_make_job_map(slurm_job_map_dir))
     with _reaping(), _signals_kill_commands():
         # The encoder serve uses, text format.
         text, _content_type = render(scraper.families(timeout), None)

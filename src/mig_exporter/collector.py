@@ -15,12 +15,13 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mig_exporter.snapshot import Device, EngineReading, PodReading, ProcessPod, Snapshot
+from mig_exporter.snapshot import Device, EngineReading, PodReading, ProcessPod, SlurmJobMapReading, Snapshot
 
 DEVICE_LABELS = ["index", "card", "mig_profile"]
 PROCESS_LABELS = [*DEVICE_LABELS, "pid"]
 POD_LABELS = ["namespace", "pod", "container"]
 NO_POD = ProcessPod(0, "", "", "", "")
+SLURM_RESOURCE = "slurm"  # the resource label of a device a Slurm job-map file allocates
 
 
 def _device_labels(d: Device) -> list[str]:
@@ -228,9 +229,8 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
     """Kubernetes families for one read (docs/kubernetes.md). Sample output::
 
         mig_exporter_pod_resources_read_success 1.0
-        mig_exporter_device_allocation_info{container="server",index="1000",namespace="llm",pod="llama-0",resource="nvidia.com/mig-3g.40gb"} 1.0
         mig_exporter_pod_memory_used_bytes{container="server",namespace="llm",pod="llama-0"} 1.207959552e+10
-    """  # noqa: E501 - a sample exposition line: it cannot be wrapped
+    """
     if reading.pod_resources_success is not None:
         ok = GaugeMetricFamily(
             "mig_exporter_pod_resources_read_success",
@@ -239,15 +239,6 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
         )
         ok.add_metric([], 1 if reading.pod_resources_success else 0)
         yield ok
-    if reading.allocations is not None:
-        allocated = GaugeMetricFamily(
-            "mig_exporter_device_allocation_info",
-            "A device the kubelet allocated to a pod's container, through the extended resource named.",
-            labels=["index", *POD_LABELS, "resource"],
-        )
-        for a in reading.allocations:
-            allocated.add_metric([str(a.device_index), a.namespace, a.pod, a.container, a.resource], 1)
-        yield allocated
     sums: dict[tuple[str, str, str], int | None] = {}
     for p in snapshot.processes:
         pod = reading.processes.get(p.pid)
@@ -267,6 +258,38 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
         if value is not None:
             used.add_metric(list(key), value)
     yield used
+
+
+def allocation_families(pods: PodReading | None, job_map: SlurmJobMapReading | None) -> Iterator[Metric]:
+    """Which device is allocated to what, from the kubelet and from a Slurm
+    job-map directory (docs/metrics.md). Sample output::
+
+        mig_exporter_slurm_job_map_read_success 1.0
+        mig_exporter_device_allocation_info{container="server",index="1000",namespace="llm",pod="llama-0",resource="nvidia.com/mig-3g.40gb",slurm_job=""} 1.0
+        mig_exporter_device_allocation_info{container="",index="1001",namespace="",pod="",resource="slurm",slurm_job="4242"} 1.0
+    """  # noqa: E501 - sample exposition lines: they cannot be wrapped
+    if job_map is not None:
+        ok = GaugeMetricFamily(
+            "mig_exporter_slurm_job_map_read_success",
+            "1 when the Slurm job-map directory was read (bad files in it are read problems), 0 when the "
+            "directory could not be read; left out without --slurm.job-map-dir.",
+        )
+        ok.add_metric([], 1 if job_map.read_success else 0)
+        yield ok
+    kubelet = pods.allocations if pods is not None else None
+    if kubelet is None and job_map is None:
+        return
+    allocated = GaugeMetricFamily(
+        "mig_exporter_device_allocation_info",
+        "A device allocated to a pod's container by the kubelet, through the extended resource named, or to a "
+        "Slurm job by a job-map file (resource slurm).",
+        labels=["index", *POD_LABELS, "resource", "slurm_job"],
+    )
+    for a in kubelet or ():
+        allocated.add_metric([str(a.device_index), a.namespace, a.pod, a.container, a.resource, ""], 1)
+    for s in job_map.allocations if job_map is not None else ():
+        allocated.add_metric([str(s.device_index), "", "", "", SLURM_RESOURCE, s.job], 1)
+    yield allocated
 
 
 def read_families(
@@ -295,8 +318,8 @@ def read_families(
     found = GaugeMetricFamily(
         "mig_exporter_read_problems",
         "Problems in the last read that did not fail it (an unreadable card or value, a failed nvidia-smi -L, "
-        "a process on no instance, an unreadable /proc or one outside the host PID namespace, a failed kubelet call); "
-        "each is logged.",
+        "a process on no instance, an unreadable /proc or one outside the host PID namespace, a failed kubelet call, "
+        "an unreadable Slurm job-map directory or file); each is logged.",
         labels=labels,
     )
     found.add_metric([source], problems)

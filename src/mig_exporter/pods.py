@@ -49,12 +49,9 @@ def device_indexes(snapshot: Snapshot, resource: str, device_id: str) -> tuple[i
     Ids that match nothing (another vendor's, a device that was not read) give ().
     """
     base = device_id.split("::", 1)[0]
-    found = [d.index for d in snapshot.devices if d.uuid == base]
+    found = uuid_device_indexes(snapshot, base)
     if found:
-        return tuple(found)
-    card = next((c for c in snapshot.cards if c.uuid == base), None)
-    if card is not None:
-        return tuple(d.index for d in snapshot.devices if d.card == card.index)
+        return found
     if resource.startswith(NVIDIA_RESOURCE_PREFIX):
         m = _CARD_INDEX.match(base)
         if m and any(d.index == int(m.group(1)) and not d.is_mig for d in snapshot.devices):
@@ -65,6 +62,23 @@ def device_indexes(snapshot: Snapshot, resource: str, device_id: str) -> tuple[i
             if any(d.index == index and d.is_mig for d in snapshot.devices):
                 return (index,)
     return ()
+
+
+def uuid_device_indexes(snapshot: Snapshot, uuid: str) -> tuple[int, ...]:
+    """The placement indexes a ``GPU-…`` or ``MIG-…`` UUID stands for: the
+    device with that UUID, else all devices of the card with it (a whole card
+    in MIG mode stands for all of its instances); () when none has it."""
+    found = tuple(d.index for d in snapshot.devices if d.uuid == uuid)
+    if found:
+        return found
+    card = next((c for c in snapshot.cards if c.uuid == uuid), None)
+    return () if card is None else card_device_indexes(snapshot, card.index)
+
+
+def card_device_indexes(snapshot: Snapshot, card: int) -> tuple[int, ...]:
+    """The placement indexes of card ``card``'s devices: the card itself, or
+    all of its MIG instances when it is in MIG mode."""
+    return tuple(d.index for d in snapshot.devices if d.card == card)
 
 
 def allocations(snapshot: Snapshot, pods: Iterable[PodResources]) -> tuple[tuple[Allocation, ...], tuple[str, ...]]:

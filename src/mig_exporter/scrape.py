@@ -7,7 +7,8 @@ With engines watched, /proc is read in the same read, just before the GPUs,
 so every engine process seen existed when the driver was asked. With pods
 watched, the cgroups of the processes the driver listed, the kubelet's log
 directory names and its pod-resources answer are read just after the GPUs,
-within what is left of the read's budget.
+within what is left of the read's budget. With a Slurm job-map directory, it
+is read last, within what is then left.
 """
 
 from __future__ import annotations
@@ -23,11 +24,18 @@ from prometheus_client.core import Metric
 
 from mig_exporter import __version__
 from mig_exporter.attribution import EngineWatch
-from mig_exporter.collector import engine_families, pod_families, read_families, snapshot_families
+from mig_exporter.collector import (
+    allocation_families,
+    engine_families,
+    pod_families,
+    read_families,
+    snapshot_families,
+)
 from mig_exporter.errors import ReadError
+from mig_exporter.jobmap import SlurmJobMap
 from mig_exporter.pods import PodWatch
 from mig_exporter.procfs import ProcTable
-from mig_exporter.snapshot import EngineReading, PodReading, Snapshot
+from mig_exporter.snapshot import EngineReading, PodReading, SlurmJobMapReading, Snapshot
 
 log = logging.getLogger("mig_exporter")
 
@@ -56,6 +64,7 @@ class ReadOutcome:
     error: str | None = None
     engines: EngineReading | None = None
     pods: PodReading | None = None
+    job_map: SlurmJobMapReading | None = None
 
     @property
     def success(self) -> bool:
@@ -64,7 +73,7 @@ class ReadOutcome:
     @property
     def problems(self) -> tuple[str, ...]:
         return ((self.snapshot.problems if self.snapshot else ()) + (self.engines.problems if self.engines else ())
-                + (self.pods.problems if self.pods else ()))
+                + (self.pods.problems if self.pods else ()) + (self.job_map.problems if self.job_map else ()))
 
 
 class Scraper:
@@ -74,11 +83,12 @@ class Scraper:
     """
 
     def __init__(self, source: Source, engines: EngineWatch | None = None, name: str | None = None,
-                 pods: PodWatch | None = None) -> None:
+                 pods: PodWatch | None = None, job_map: SlurmJobMap | None = None) -> None:
         self.source = source
         self.name = name or source.name  # what the log calls this read path
         self.engines = engines
         self.pods = pods
+        self.job_map = job_map
         self._lock = threading.Lock()
         self._errors_total = 0
         self._known_problems: dict[str, frozenset[str]] = {}
@@ -104,6 +114,8 @@ class Scraper:
         engines = self._engines(procs, snapshot)
         left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
         pods = self._pods(snapshot, left_s)
+        left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
+        job_map = self._job_map(snapshot, left_s)
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
         if engines is not None:
@@ -111,7 +123,18 @@ class Scraper:
         if pods is not None:
             self._log_problems(pods.problems, "pods")
             self._log_problems(pods.notes, "pod notes", logging.INFO)
-        return ReadOutcome(snapshot, duration, engines=engines, pods=pods)
+        if job_map is not None:
+            self._log_problems(job_map.problems, "slurm job map")
+        return ReadOutcome(snapshot, duration, engines=engines, pods=pods, job_map=job_map)
+
+    def _job_map(self, snapshot: Snapshot, left_s: float | None) -> SlurmJobMapReading | None:
+        if self.job_map is None:
+            return None
+        try:
+            return self.job_map.read(snapshot, left_s)
+        except Exception as e:  # a bug here costs the Slurm allocations, not the scrape
+            self._log_bug("reading the slurm job map failed unexpectedly", e)
+            return SlurmJobMapReading((), False, (f"slurm job map: unexpected {type(e).__name__}: {e}",))
 
     def _pods(self, snapshot: Snapshot, left_s: float | None) -> PodReading | None:
         if self.pods is None:
@@ -205,6 +228,7 @@ class Scraper:
             yield from snapshot_families(outcome.snapshot, outcome.pods)
             if outcome.pods is not None:
                 yield from pod_families(outcome.pods, outcome.snapshot)
+            yield from allocation_families(outcome.pods, outcome.job_map)
         if outcome.engines is not None:
             yield from engine_families(outcome.engines)
         yield from read_families(

@@ -245,3 +245,25 @@ class PodReading:
     pod_resources_success: bool | None
     problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmAllocation:
+    """A device (by placement index) a Slurm job-map file gives to job ``job``."""
+
+    device_index: int
+    job: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmJobMapReading:
+    """What the Slurm job-map directory (dcgm-exporter's format) gave.
+
+    ``read_success`` is False when the directory itself could not be read;
+    ``allocations`` is then empty. ``problems`` (a bad file, a name on no
+    device) count as read problems; the rest of the directory is kept.
+    """
+
+    allocations: tuple[SlurmAllocation, ...]
+    read_success: bool
+    problems: tuple[str, ...] = ()
