@@ -115,7 +115,8 @@ def test_queries_name_only_documented_metrics():
     documented = set(re.findall(r"^\| `(mig_exporter_[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text(), re.M))
     for dash, title, expr in dashboard_queries():
         for metric in re.findall(r"\bmig_exporter_[a-z_]+", expr):
-            assert metric in documented or metric in PENDING_ISSUE_18, f"{dash} / {title}: {metric} is not in docs/metrics.md"
+            assert metric in documented or metric in PENDING_ISSUE_18, (
+                f"{dash} / {title}: {metric} is not in docs/metrics.md")
     assert PENDING_ISSUE_18 & documented == set(), "issue 18's metrics are documented now: drop PENDING_ISSUE_18"
 
 
@@ -129,7 +130,8 @@ def test_the_hpc_panel_is_folded_in_a_collapsed_row_at_the_bottom():
     (panel,) = row["panels"]
     assert (panel["type"], panel["title"]) == ("timeseries", "GPU memory by Slurm job / systemd unit")
     assert [(t["refId"], t["expr"], t["legendFormat"]) for t in panel["targets"]] == [
-        ("A", 'topk(20, mig_exporter_slurm_job_memory_used_bytes{instance=~"$node"})', "job {{slurm_job}} {{instance}}"),
+        ("A", 'topk(20, mig_exporter_slurm_job_memory_used_bytes{instance=~"$node"})',
+         "job {{slurm_job}} {{instance}}"),
         ("B", 'topk(20, mig_exporter_systemd_unit_memory_used_bytes{instance=~"$node"})',
          "{{systemd_unit}} {{instance}}"),
     ]

@@ -237,7 +237,8 @@ def overview() -> dict:
     lay.add(table("Top processes by GPU memory", [
         target("topk(25, " + with_device(
             f"mig_exporter_process_memory_used_bytes{{{SEL}}} "
-            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container, slurm_job, systemd_unit, user) "
+            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container, "
+            f"slurm_job, systemd_unit, user) "
             f"mig_exporter_process_info{{{SEL}}}", SEL) + ")", instant=True, fmt="table"),
     ], {"instance": "Node", "device": "Device", "mig_profile": "Profile", "pid": "PID", "process_name": "Process",
         "process_type": "Type", "namespace": "Namespace", "pod": "Pod", "container": "Container",
@@ -296,7 +297,8 @@ def node() -> dict:
     lay.add(table("Processes", [
         target(with_device(
             f"mig_exporter_process_memory_used_bytes{{{CARD_SEL}}} "
-            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container, slurm_job, systemd_unit, user) "
+            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container, "
+            f"slurm_job, systemd_unit, user) "
             f"mig_exporter_process_info{{{CARD_SEL}}}", CARD_SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "pid": "PID", "process_name": "Name", "process_type": "Type", "card": "Card",
         "device": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
