@@ -27,10 +27,31 @@ def _dashboards() -> dict[str, dict]:
     return {name: json.loads((GRAFANA / name).read_text()) for name in _generator().DASHBOARDS}
 
 
+def all_panels(dashboard: dict) -> list[dict]:
+    """Every panel but rows, those inside collapsed rows too (a collapsed row keeps its
+    panels in its own ``panels``), in dashboard order."""
+    out = []
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            out += panel.get("panels", [])
+        else:
+            out.append(panel)
+    return out
+
+
+# Panels folded in a collapsed row: empty on most fleets (docs/hpc.md), so the e2e
+# fleet, which runs no Slurm job and no systemd unit, leaves them without data.
+FOLDED = {("overview.json", "GPU memory by Slurm job / systemd unit")}
+
+# Added by issue 18's exporter work, which documents them in docs/metrics.md: until it is
+# merged they are not there. Drop this at the merge (the test below fails once they are).
+PENDING_ISSUE_18 = {"mig_exporter_slurm_job_memory_used_bytes", "mig_exporter_systemd_unit_memory_used_bytes"}
+
+
 def dashboard_queries() -> list[tuple[str, str, str]]:
-    """(dashboard, panel title, expr) for every query of every panel."""
+    """(dashboard, panel title, expr) for every query of every panel, in collapsed rows too."""
     return [(name, panel["title"], t["expr"])
-            for name, d in _dashboards().items() for panel in d["panels"] for t in panel.get("targets", [])]
+            for name, d in _dashboards().items() for panel in all_panels(d) for t in panel.get("targets", [])]
 
 
 def concrete(expr: str) -> str:
@@ -53,14 +74,19 @@ def test_dashboard_structure(name):
     assert variables[:2] == ["datasource", "node"]
     if name == "node.json":
         assert "card" in variables
+    ids += [p["id"] for row in d["panels"] if row["type"] == "row" for p in row["panels"]]
+    assert len(ids) == len(set(ids))
     cells = set()
-    for panel in d["panels"]:
+    for panel in d["panels"] + [p for row in d["panels"] if row["type"] == "row" for p in row["panels"]]:
         g = panel["gridPos"]
         assert g["x"] >= 0 and g["x"] + g["w"] <= 24
         for x in range(g["x"], g["x"] + g["w"]):
             for y in range(g["y"], g["y"] + g["h"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps another panel"
                 cells.add((x, y))
+        if panel["type"] == "row":
+            assert panel["collapsed"] and panel["panels"] and "targets" not in panel, panel["title"]
+            continue
         assert panel["targets"], panel["title"]
         for t in panel["targets"]:
             assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
@@ -89,7 +115,40 @@ def test_queries_name_only_documented_metrics():
     documented = set(re.findall(r"^\| `(mig_exporter_[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text(), re.M))
     for dash, title, expr in dashboard_queries():
         for metric in re.findall(r"\bmig_exporter_[a-z_]+", expr):
-            assert metric in documented, f"{dash} / {title}: {metric} is not in docs/metrics.md"
+            assert metric in documented or metric in PENDING_ISSUE_18, (
+                f"{dash} / {title}: {metric} is not in docs/metrics.md")
+    assert PENDING_ISSUE_18 & documented == set(), "issue 18's metrics are documented now: drop PENDING_ISSUE_18"
+
+
+def test_the_hpc_panel_is_folded_in_a_collapsed_row_at_the_bottom():
+    """Grafana cannot hide a panel without data: the Slurm / systemd panel sits in a
+    collapsed row, last, so Kubernetes fleets see one folded line."""
+    d = _dashboards()["overview.json"]
+    row = d["panels"][-1]
+    assert (row["type"], row["title"], row["collapsed"]) == ("row", "HPC: Slurm jobs and systemd units", True)
+    assert [p["type"] for p in d["panels"]].count("row") == 1
+    (panel,) = row["panels"]
+    assert (panel["type"], panel["title"]) == ("timeseries", "GPU memory by Slurm job / systemd unit")
+    assert [(t["refId"], t["expr"], t["legendFormat"]) for t in panel["targets"]] == [
+        ("A", 'topk(20, mig_exporter_slurm_job_memory_used_bytes{instance=~"$node"})',
+         "job {{slurm_job}} {{instance}}"),
+        ("B", 'topk(20, mig_exporter_systemd_unit_memory_used_bytes{instance=~"$node"})',
+         "{{systemd_unit}} {{instance}}"),
+    ]
+    above = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in d["panels"][:-1])
+    assert row["gridPos"] == {"x": 0, "y": above, "w": 24, "h": 1}
+    assert panel["gridPos"]["y"] == above + 1
+    assert {(n, title) for n, title, _ in dashboard_queries()} >= FOLDED
+
+
+def test_process_tables_show_slurm_job_unit_and_user():
+    for name, title in [("overview.json", "Top processes by GPU memory"), ("node.json", "Processes")]:
+        (panel,) = [p for p in all_panels(_dashboards()[name]) if p["title"] == title]
+        (target,) = panel["targets"]
+        assert "container, slurm_job, systemd_unit, user) mig_exporter_process_info" in target["expr"]
+        organize = next(x for x in panel["transformations"] if x["id"] == "organize")["options"]
+        assert {k: organize["renameByName"][k] for k in ("slurm_job", "systemd_unit", "user")} == {
+            "slurm_job": "Slurm job", "systemd_unit": "Unit", "user": "User"}
 
 
 def test_no_query_adds_up_memory_shared_by_compute_instances():
@@ -175,7 +234,7 @@ def test_every_per_device_view_names_the_device():
             "mig_exporter_device_allocation_info"} <= per_device, per_device
     checked = []
     for name, d in _dashboards().items():
-        for panel in d["panels"]:
+        for panel in all_panels(d):
             where = f"{name} / {panel['title']}"
             for t in panel["targets"]:
                 assert "{{index}}" not in t.get("legendFormat", ""), f"{where}: legend shows the index"

@@ -177,6 +177,8 @@ def panels_through_grafana(prom, names: dict[str, str]) -> dict[tuple[str, str, 
     for name, dashboard in _dashboards().items():
         values = fill_variables(prom, dashboard)
         for panel in dashboard["panels"]:
+            if panel["type"] == "row":  # no queries; its folded panel is a time series, no table or stat
+                continue
             answers = []
             for target in panel["targets"]:
                 query = {**target, "expr": interpolate(target["expr"], values)}

@@ -426,5 +426,5 @@ def test_prometheus_evaluates_the_rules_on_the_demo(tmp_path):
         assert cards == {"0": (11663 + 9251 + 13) * MIB, "1": 22110 * MIB}
         rule_health = [r["health"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]]
         shipped = sum(len(g["rules"]) for g in yaml.safe_load(alerts_file.read_text())["groups"])
-        assert shipped == 13 and rule_health == ["ok"] * shipped
+        assert shipped == 15 and rule_health == ["ok"] * shipped
         assert "Traceback" not in exp.log.text()

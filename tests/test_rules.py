@@ -50,6 +50,7 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
         "EngineHoldsNoGPUMemory", "GPUExporterReadFailing", "GPUProcessesInvisible", "GPUDeviceMemoryNearlyFull",
         "MIGCardHasNoInstances", "MIGModeChangePending", "GPUExporterNotInHostPIDNamespace",
         "GPUProcessOutsideAllocation", "GPUAllocatedButUnused",
+        "GPUProcessOutsideSlurmAllocation", "GPUSlurmAllocationUnused",
     ])
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     assert by_name["EngineHoldsNoGPUMemory"]["for"] == "2m"
@@ -58,6 +59,8 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
     assert [name for name, rule in by_name.items() if "keep_firing_for" in rule] == ["GPUExporterReadFailing"]
     assert by_name["GPUDeviceMemoryNearlyFull"]["for"] == "10m"
     assert by_name["GPUAllocatedButUnused"]["for"] == "30m"
+    assert by_name["GPUProcessOutsideSlurmAllocation"]["for"] == "5m"
+    assert by_name["GPUSlurmAllocationUnused"]["for"] == "30m"
     records = [r["record"] for r in _rules() if "record" in r]
     assert records == [
         "instance_engine:mig_exporter_engine_memory_used_bytes:sum",
@@ -131,10 +134,28 @@ def test_rules_over_device_card_and_process_series_count_the_exporters_own_serie
     """Probe targets export these families too, never build_info (docs/probe.md)."""
     families = re.compile(r"mig_exporter_(device|card|process)_")
     guarded = [r.get("alert") or r["record"] for r in _rules() if families.search(r["expr"])]
-    assert len(guarded) == 8
+    assert len(guarded) == 10
     for rule in _rules():
         if families.search(rule["expr"]):
             assert _words(rule["expr"]).endswith(PROBE_GUARD), rule.get("alert") or rule["record"]
+
+
+def test_kubernetes_and_slurm_allocation_alerts_read_only_their_own_rows():
+    """Slurm rows of mig_exporter_device_allocation_info have pod="" and slurm_job set,
+    Kubernetes rows slurm_job="": each allocation alert reads its own kind only."""
+    by_name = {r["alert"]: _words(r["expr"]) for r in _rules() if "alert" in r}
+    allocations = re.compile(r"mig_exporter_device_allocation_info(\{[^}]*\})?")
+    own = {
+        "GPUProcessOutsideAllocation": '{pod!=""}', "GPUAllocatedButUnused": '{pod!=""}',
+        "GPUProcessOutsideSlurmAllocation": '{slurm_job!=""}', "GPUSlurmAllocationUnused": '{slurm_job!=""}',
+    }
+    for name, expr in by_name.items():
+        found = [m.group(1) for m in allocations.finditer(expr)]
+        assert bool(found) == (name in own), name
+        assert all(matchers == own[name] for matchers in found), (name, found)
+    assert 'mig_exporter_process_info{slurm_job!=""}' in by_name["GPUProcessOutsideSlurmAllocation"]
+    assert "(max_over_time(mig_exporter_slurm_job_map_read_success[3m]) == 1)" in (
+        by_name["GPUProcessOutsideSlurmAllocation"])
 
 
 def test_the_engine_count_counts_what_the_engine_alert_counts():

@@ -86,15 +86,32 @@ class Layout:
         self.panels: list[dict] = []
         self.x = self.y = self.row_h = 0
 
-    def add(self, panel: dict, w: int, h: int) -> None:
+    def _next_id(self) -> int:
+        return len(self.panels) + sum(len(p.get("panels", [])) for p in self.panels) + 1
+
+    def add(self, panel: dict, w: int, h: int, into: list[dict] | None = None) -> None:
         if self.x + w > 24:
             self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
-        panel["id"] = len(self.panels) + 1
+        panel["id"] = self._next_id()
         panel["gridPos"] = {"x": self.x, "y": self.y, "w": w, "h": h}
         panel.setdefault("datasource", DS)
-        self.panels.append(panel)
+        (self.panels if into is None else into).append(panel)
         self.x += w
         self.row_h = max(self.row_h, h)
+
+    def collapsed_row(self, title: str, panels: list[tuple[dict, int, int]]) -> None:
+        """A collapsed row on a line of its own, holding ``panels`` (panel, width, height):
+        Grafana cannot hide a panel that has no data, but a view most fleets leave empty
+        stays out of the way folded in a row, and is one click away where it has data.
+        A collapsed row keeps its panels in its own ``panels``; they sit below it."""
+        self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
+        row: dict[str, Any] = {"type": "row", "title": title, "collapsed": True, "id": self._next_id(),
+                               "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1}, "panels": []}
+        self.panels.append(row)
+        self.y += 1
+        for panel, w, h in panels:
+            self.add(panel, w, h, into=row["panels"])
+        self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
 
 
 def stat(title: str, expr: str, unit: str = "none", description: str = "", thresholds: list | None = None) -> dict:
@@ -220,12 +237,15 @@ def overview() -> dict:
     lay.add(table("Top processes by GPU memory", [
         target("topk(25, " + with_device(
             f"mig_exporter_process_memory_used_bytes{{{SEL}}} "
-            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
+            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container, "
+            f"slurm_job, systemd_unit, user) "
             f"mig_exporter_process_info{{{SEL}}}", SEL) + ")", instant=True, fmt="table"),
     ], {"instance": "Node", "device": "Device", "mig_profile": "Profile", "pid": "PID", "process_name": "Process",
         "process_type": "Type", "namespace": "Namespace", "pod": "Pod", "container": "Container",
+        "slurm_job": "Slurm job", "systemd_unit": "Unit", "user": "User",
         "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value",
-        description="Namespace, pod and container are empty for processes outside Kubernetes."), 12, 9)
+        description="Namespace, pod and container are empty for processes outside Kubernetes; Slurm job and "
+                    "systemd unit outside those (docs/hpc.md). A column no process fills is left out."), 12, 9)
     lay.add(table("Engines holding no GPU memory", [
         target(engines_without_memory(SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "engine": "Engine", "pid": "PID", "comm": "Process"}, {},
@@ -240,9 +260,11 @@ def overview() -> dict:
                            f"* on (job, instance, index) group_left (mig_profile) "
                            f"mig_exporter_device_processes{{{SEL}}}", SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "device": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
-        "container": "Container", "resource": "Resource", "Value": "Processes"}, {}, sort_by="Value",
-        description="Which pod the kubelet allocated each device to, and how many processes are on it; 0 for long "
-                    "is GPUAllocatedButUnused. A time-sliced card has a row per pod."), 12, 8)
+        "container": "Container", "slurm_job": "Slurm job", "resource": "Resource", "Value": "Processes"}, {},
+        sort_by="Value",
+        description="Which pod the kubelet allocated each device to, or which Slurm job the job map gives it to, and "
+                    "how many processes are on it; 0 for long is GPUAllocatedButUnused (GPUSlurmAllocationUnused). "
+                    "A time-sliced card has a row per pod."), 12, 8)
     lay.add(timeseries("Read failures", [
         target(f"1 - mig_exporter_read_success{{{SEL}}}", "{{instance}} read failed ({{source}})", "A"),
         target(f"1 - mig_exporter_card_read_success{{{SEL}}}", "{{instance}} card {{card}} unreadable", "B"),
@@ -250,6 +272,12 @@ def overview() -> dict:
     ], "none", description="1 while a read or a card fails; problems are partial failures (see the log)."), 12, 8)
     lay.add(timeseries("Read duration", [target(f"mig_exporter_read_duration_seconds{{{SEL}}}",
                                                 "{{instance}} {{source}}")], "s"), 12, 8)
+    lay.collapsed_row("HPC: Slurm jobs and systemd units", [(timeseries("GPU memory by Slurm job / systemd unit", [
+        target(f"topk(20, mig_exporter_slurm_job_memory_used_bytes{{{SEL}}})", "job {{slurm_job}} {{instance}}", "A"),
+        target(f"topk(20, mig_exporter_systemd_unit_memory_used_bytes{{{SEL}}})", "{{systemd_unit}} {{instance}}",
+               "B"),
+    ], "bytes", description="What each Slurm job's processes, and each systemd unit's, hold on all the node's "
+                            "devices (bare-metal and HPC nodes; docs/hpc.md). Empty on Kubernetes nodes."), 24, 8)])
     return dashboard("mig-exporter-overview", "GPU memory / overview",
                      "Fleet-wide GPU memory by card, MIG instance and process (mig-exporter).", lay.panels, False)
 
@@ -269,11 +297,13 @@ def node() -> dict:
     lay.add(table("Processes", [
         target(with_device(
             f"mig_exporter_process_memory_used_bytes{{{CARD_SEL}}} "
-            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container) "
+            f"* on (job, instance, index, pid) group_left (process_name, process_type, namespace, pod, container, "
+            f"slurm_job, systemd_unit, user) "
             f"mig_exporter_process_info{{{CARD_SEL}}}", CARD_SEL), instant=True, fmt="table"),
     ], {"instance": "Node", "pid": "PID", "process_name": "Name", "process_type": "Type", "card": "Card",
         "device": "Device", "mig_profile": "Profile", "namespace": "Namespace", "pod": "Pod",
-        "container": "Container", "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value"), 24, 9)
+        "container": "Container", "slurm_job": "Slurm job", "systemd_unit": "Unit", "user": "User",
+        "Value": "Memory"}, {"Value": "bytes"}, sort_by="Value"), 24, 9)
     # Every query by (job, instance, card): no metric name, no state, so merge makes one row per card.
     lay.add(table("Cards", [
         target(f"max by (job, instance, card, name, uuid, driver_version) (mig_exporter_card_info{{{CARD_SEL}}})",
