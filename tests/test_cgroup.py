@@ -139,3 +139,11 @@ def test_this_process_s_own_cgroup_file_parses():
     """The real file of the machine running the tests is in the format, whatever it says."""
     found = parse_cgroup(Path("/proc/self/cgroup").read_bytes())
     assert isinstance(found, CgroupIdentity)
+
+
+def test_a_slurmd_in_a_pod_gives_the_container_the_pod_and_the_job():
+    """slurmd run as a Kubernetes pod (Slinky): the job's cgroups nest under the pod's container."""
+    container = "f" * 64
+    path = (f"/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-{container}.scope"
+            "/system.slice/slurmstepd.scope/job_99/step_0/user/task_0")
+    assert parse_cgroup(f"0::{path}\n".encode()) == CgroupIdentity(container, UID, "99", "0", None)
