@@ -30,6 +30,7 @@ class Proc:
     state: str = "S"
     threads: list[int] = field(default_factory=list)  # extra thread ids besides pid
     cgroup: str = HOST_CGROUP  # /proc/PID/cgroup's contents
+    uid: int = 0  # status's Uid: line (real, effective, saved and filesystem uids alike)
 
 
 def stat_line(pid: int, comm: str, state: str, ppid: int, threads: int) -> str:
@@ -51,7 +52,7 @@ def stat_line(pid: int, comm: str, state: str, ppid: int, threads: int) -> str:
 def status_text(p: Proc) -> str:
     return (
         f"Name:\t{p.comm}\nUmask:\t0022\nState:\t{p.state} (sleeping)\nTgid:\t{p.pid}\nNgid:\t0\n"
-        f"Pid:\t{p.pid}\nPPid:\t{p.ppid}\nTracerPid:\t0\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n"
+        f"Pid:\t{p.pid}\nPPid:\t{p.ppid}\nTracerPid:\t0\nUid:\t{p.uid}\t{p.uid}\t{p.uid}\t{p.uid}\nGid:\t0\t0\t0\t0\n"
         f"NSpid:\t{p.pid}\nThreads:\t{1 + len(p.threads)}\n"
     )
 

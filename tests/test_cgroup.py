@@ -21,14 +21,15 @@ def test_every_fixture_has_its_expectation_and_every_layout_is_covered():
     names = {p.stem for p in FIXTURES.glob("*.txt")}
     assert names == set(EXPECTED)
     for must in ("v1-cgroupfs", "v1-systemd", "v2-cgroupfs", "v2-systemd", "containerd", "crio", "docker",
-                 "besteffort", "burstable", "guaranteed", "private-cgroupns"):
+                 "besteffort", "burstable", "guaranteed", "private-cgroupns", "v1-slurm", "v2-slurm", "extern",
+                 "interactive", "batch", "multiple-slurmd", "template", "user-service", "session", "systemd-run"):
         assert any(must in name for name in names), must
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture(name):
     found = parse_cgroup((FIXTURES / f"{name}.txt").read_bytes())
-    assert found == CgroupIdentity(EXPECTED[name]["container_id"], EXPECTED[name]["pod_uid"])
+    assert found == CgroupIdentity(**EXPECTED[name])
 
 
 def test_systemd_driver_underscores_become_dashes_and_the_scope_prefix_goes():
@@ -48,9 +49,58 @@ def test_a_private_cgroup_namespace_shows_relative_paths_and_they_still_parse():
     assert parse_cgroup(text.encode()).pod_uid == UID
 
 
-def test_host_processes_have_no_identity():
-    assert parse_cgroup((FIXTURES / "v2-host-service.txt").read_bytes()) == CgroupIdentity(None, None)
-    assert parse_cgroup((FIXTURES / "v1-host-session.txt").read_bytes()) == CgroupIdentity(None, None)
+def test_host_processes_have_no_container_or_pod_but_their_unit():
+    found = parse_cgroup((FIXTURES / "v2-host-service.txt").read_bytes())
+    assert found == CgroupIdentity(systemd_unit="nvidia-persistenced.service")
+    found = parse_cgroup((FIXTURES / "v1-host-session.txt").read_bytes())
+    assert found == CgroupIdentity(systemd_unit="session-3.scope")
+
+
+@pytest.mark.parametrize(("path", "job", "step"), [
+    ("/system.slice/slurmstepd.scope/job_17/step_0/user/task_0", "17", "0"),
+    ("/system.slice/slurmstepd.scope/job_17/step_12/slurm", "17", "12"),  # slurmstepd itself
+    ("/system.slice/slurmstepd.scope/job_17", "17", None),  # a job-level cgroup
+    ("/system.slice/gpu-a07_slurmstepd.scope/job_17/step_batch/user/task_0", "17", "batch"),
+    ("/slurm/uid_0/job_17/step_extern", "17", "extern"),
+    ("/slurm_gpu-a07/uid_1000/job_17/step_interactive/task_0", "17", "interactive"),
+    ("/system.slice/slurmstepd.scope/system", None, None),  # slurmstepd's own cgroup: no job
+    ("/system.slice/other.scope/job_17/step_0", None, None),  # job_ outside Slurm's root
+    ("/slurm/uid_1000/job_x17/step_0", None, None),
+])
+def test_slurm_paths(path, job, step):
+    found = parse_path(path)
+    assert (found.slurm_job, found.slurm_step) == (job, step)
+    assert found.systemd_unit is None or job is None
+
+
+def test_a_slurm_v1_job_is_not_slurmd_s_unit_though_systemd_s_line_says_so():
+    text = (FIXTURES / "v1-slurm-step.txt").read_text()
+    assert "1:name=systemd:/system.slice/slurmd.service" in text
+    assert parse_cgroup(text.encode()).systemd_unit is None
+
+
+@pytest.mark.parametrize(("path", "unit"), [
+    ("/system.slice/ollama.service", "ollama.service"),
+    ("/system.slice/system-vllm.slice/vllm@llama.service", "vllm@llama.service"),
+    ("/system.slice/vllm@llama.service/payload", "vllm@llama.service"),  # a delegated subtree (Delegate=yes)
+    ("/user.slice/user-1000.slice/user@1000.service/app.slice/comfyui.service", "comfyui.service"),
+    ("/user.slice/user-1000.slice/user@1000.service/init.scope", "init.scope"),  # the user's manager
+    ("/system.slice/system-systemd\\x2dfsck.slice/systemd-fsck@dev-sda1.service", "systemd-fsck@dev-sda1.service"),
+    ("/user.slice/user-1000.slice", None),  # slices hold no processes
+    ("/", None),
+    ("/system.slice/docker-" + "a" * 64 + ".scope", None),  # a container, not a unit
+    (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}.slice/"
+     "crio-conmon-" + "c" * 64 + ".scope", None),  # a pod's, not a service
+    ("/kubepods.slice/kubepods-besteffort.slice/anything.scope", None),
+])
+def test_systemd_units(path, unit):
+    assert parse_path(path).systemd_unit == unit
+
+
+def test_the_systemd_hierarchy_names_the_unit_under_cgroup_v1():
+    text = "4:cpu,cpuacct:/system.slice\n3:memory:/system.slice/other.service\n1:name=systemd:/system.slice/a.service\n"
+    assert parse_cgroup(text.encode()).systemd_unit == "a.service"
+    assert parse_cgroup(b"3:memory:/system.slice/b.service\n0::/system.slice/c.service\n").systemd_unit == "c.service"
 
 
 def test_a_pod_level_cgroup_gives_the_pod_alone():
@@ -89,3 +139,11 @@ def test_this_process_s_own_cgroup_file_parses():
     """The real file of the machine running the tests is in the format, whatever it says."""
     found = parse_cgroup(Path("/proc/self/cgroup").read_bytes())
     assert isinstance(found, CgroupIdentity)
+
+
+def test_a_slurmd_in_a_pod_gives_the_container_the_pod_and_the_job():
+    """slurmd run as a Kubernetes pod (Slinky): the job's cgroups nest under the pod's container."""
+    container = "f" * 64
+    path = (f"/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-{container}.scope"
+            "/system.slice/slurmstepd.scope/job_99/step_0/user/task_0")
+    assert parse_cgroup(f"0::{path}\n".encode()) == CgroupIdentity(container, UID, "99", "0", None)

@@ -56,7 +56,8 @@ def test_mig_node_series():
     assert get("mig_exporter_device_processes", dev) == 1
     assert get("mig_exporter_device_processes", {"index": "1001", "card": "0", "mig_profile": "2g.20gb"}) == 0
     assert get("mig_exporter_process_memory_used_bytes", {**dev, "pid": "21198"}) == 7484 * MIB
-    outside_kubernetes = {"namespace": "", "pod": "", "container": "", "container_id": ""}
+    outside_kubernetes = {"namespace": "", "pod": "", "container": "", "container_id": "",
+                          "slurm_job": "", "slurm_step": "", "systemd_unit": "", "user": ""}
     assert get("mig_exporter_process_info", {**dev, "pid": "21198", "process_name": "./gpu_burn", "process_type": "C",
                                              **outside_kubernetes}) == 1
     assert get("mig_exporter_device_info", {

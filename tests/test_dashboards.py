@@ -43,11 +43,6 @@ def all_panels(dashboard: dict) -> list[dict]:
 # fleet, which runs no Slurm job and no systemd unit, leaves them without data.
 FOLDED = {("overview.json", "GPU memory by Slurm job / systemd unit")}
 
-# Added by issue 18's exporter work, which documents them in docs/metrics.md: until it is
-# merged they are not there. Drop this at the merge (the test below fails once they are).
-PENDING_ISSUE_18 = {"mig_exporter_slurm_job_memory_used_bytes", "mig_exporter_systemd_unit_memory_used_bytes"}
-
-
 def dashboard_queries() -> list[tuple[str, str, str]]:
     """(dashboard, panel title, expr) for every query of every panel, in collapsed rows too."""
     return [(name, panel["title"], t["expr"])
@@ -115,9 +110,7 @@ def test_queries_name_only_documented_metrics():
     documented = set(re.findall(r"^\| `(mig_exporter_[a-z_]+)`", (REPO / "docs" / "metrics.md").read_text(), re.M))
     for dash, title, expr in dashboard_queries():
         for metric in re.findall(r"\bmig_exporter_[a-z_]+", expr):
-            assert metric in documented or metric in PENDING_ISSUE_18, (
-                f"{dash} / {title}: {metric} is not in docs/metrics.md")
-    assert PENDING_ISSUE_18 & documented == set(), "issue 18's metrics are documented now: drop PENDING_ISSUE_18"
+            assert metric in documented, f"{dash} / {title}: {metric} is not in docs/metrics.md"
 
 
 def test_the_hpc_panel_is_folded_in_a_collapsed_row_at_the_bottom():

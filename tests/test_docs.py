@@ -11,6 +11,7 @@ from mig_exporter.config import ProbeTarget, parse_config
 from mig_exporter.engines import DEFAULT_SETTINGS
 from mig_exporter.errors import CommandFailed
 from mig_exporter.jobmap import SlurmJobMap
+from mig_exporter.owners import OwnerWatch
 from mig_exporter.podresources import PodResourcesClient
 from mig_exporter.pods import PodWatch
 from mig_exporter.probe import Prober, ProbeResult
@@ -18,6 +19,7 @@ from mig_exporter.procfs import ProcfsSource
 from mig_exporter.scrape import ReadOutcome, Scraper
 from mig_exporter.source_demo import DemoProcs, DemoSource
 from proc_tree import CONTAINER_NS, make_proc
+from test_owners import HPC
 from test_pods import demo_proc
 
 SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved", "a100-mig-pending",
@@ -75,8 +77,8 @@ def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
     """Every family /metrics emits over all scenarios, a failed read and the
     demo, with and without engines (the demo's host, a /proc outside the host
     namespace, a failed GPU read beside a readable /proc), with pods (the
-    Kubernetes node of kube_node.py), with a Slurm job-map directory, and with
-    a config file, the probe counters."""
+    Kubernetes node of kube_node.py), with a Slurm job-map directory, with
+    owners (a Slurm and systemd host), and with a config file, the probe counters."""
     failing = _Source(error=CommandFailed("nvidia-smi: exit status 9"))
     scrapers = [Scraper(_Source(scenario(name))) for name in SCENARIOS]
     scrapers += [Scraper(DemoSource()), Scraper(failing)]
@@ -88,6 +90,7 @@ def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
         Scraper(DemoSource(), pods=PodWatch(str(demo_proc(tmp_path / "node")), PodResourcesClient(kubelet.socket_path),
                                             str(make_kubelet_logs(tmp_path / "log")))),
         Scraper(DemoSource(), job_map=SlurmJobMap(str(_job_map(tmp_path / "job-map")))),
+        Scraper(DemoSource(), owners=OwnerWatch(str(make_proc(tmp_path / "hpc", HPC)))),
     ]
     families = [f for scraper in scrapers for f in scraper.families()]
     return _kinds([*families, *_prober().families()])

@@ -277,7 +277,7 @@ def test_end_to_end_read_carries_the_pod_labels(fake_nvidia_smi, fake_kubelet, t
     assert "Traceback" not in result.stderr
 
 
-def test_no_kubernetes_reads_no_cgroup_and_asks_no_kubelet(fake_nvidia_smi, fake_kubelet, tmp_path):
+def test_no_kubernetes_gives_no_pod_labels_and_asks_no_kubelet(fake_nvidia_smi, fake_kubelet, tmp_path):
     smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
     kubelet = fake_kubelet(PODS)
     result = _read(["--nvidia-smi", str(smi), "--proc.root", str(demo_proc(tmp_path / "proc")),

@@ -1,4 +1,4 @@
-"""Which container and pod a process runs in, from ``/proc/PID/cgroup``.
+"""Which container, pod, Slurm job or systemd unit a process runs in, from ``/proc/PID/cgroup``.
 
 Pure parsing: the file's bytes in, a ``CgroupIdentity`` out (the file is read
 by ``procfs.read_cgroup``). One parser covers the layouts in use:
@@ -17,6 +17,20 @@ by ``procfs.read_cgroup``). One parser covers the layouts in use:
 - a reader in a private cgroup namespace (containerd's default on cgroup v2),
   to which the kernel shows other containers' paths relative to its own,
   with ``..`` components (``0::/../../kubepods-besteffort.slice/...``).
+
+Outside containers (docs/hpc.md):
+
+- Slurm's cgroup/v2 plugin (``/system.slice/slurmstepd.scope/job_<id>/
+  step_<step>/user/task_<n>``; ``<nodename>_slurmstepd.scope`` with
+  multiple-slurmd) and cgroup/v1 plugin (``/slurm/uid_<uid>/job_<id>/
+  step_<step>/task_<n>`` in each controller's line; ``/slurm_<nodename>/``
+  with multiple-slurmd). Steps are numbers, ``batch``, ``extern`` or
+  ``interactive``;
+- systemd units: the innermost ``.service`` or ``.scope`` of the path
+  (``ollama.service``, ``vllm@llama.service``, a user service below
+  ``user@1000.service``, ``session-3.scope``, systemd-run's
+  ``run-u12.service``). A process in a container, a pod or a Slurm job
+  has none: there the unit is the runtime's or slurmstepd's, not the workload's.
 
 The container id is the 64-hex-digit id the runtime gave the container (the
 one ``crictl ps`` and ``docker ps`` show, shortened). The pod UID is written
@@ -37,6 +51,12 @@ _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12
 # cgroupfs: pod<uid>; systemd: kubepods[-<qos>]-pod<uid_with_underscores>.slice (kind's
 # nodes prefix it: kubelet-kubepods-besteffort-pod<uid>.slice)
 _POD = re.compile(rf"^(?:[\w.-]*-)?pod({_UID})(?:\.slice)?$")
+# Slurm's root: cgroup/v1's /slurm or /slurm_<nodename>, cgroup/v2's [<nodename>_]slurmstepd.scope.
+_SLURM_ROOT = re.compile(r"^(?:slurm(?:_[\w.-]+)?|(?:[\w.-]+_)?slurmstepd\.scope)$")
+_SLURM_JOB = re.compile(r"^job_(\d+)$")
+_SLURM_STEP = re.compile(r"^step_(\d+|batch|extern|interactive)$")
+# A unit processes can be in (slices hold none); systemd's escaping keeps names in this set.
+_UNIT = re.compile(r"^[\w:.@\\-]{1,248}\.(?:service|scope)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +66,37 @@ class CgroupIdentity:
 
     container_id: str | None = None
     pod_uid: str | None = None
+    slurm_job: str | None = None
+    slurm_step: str | None = None
+    systemd_unit: str | None = None
 
 
 NO_IDENTITY = CgroupIdentity()
+
+
+def parse_slurm(parts: list[str]) -> tuple[str | None, str | None]:
+    """The Slurm job id and step of a path's components, when it is under
+    Slurm's root. A job-level cgroup (no step below it) gives the job alone."""
+    for i, part in enumerate(parts):
+        if not _SLURM_ROOT.match(part):
+            continue
+        rest = parts[i + 1:]
+        if rest and rest[0].startswith("uid_"):  # cgroup/v1 puts the user above the job
+            rest = rest[1:]
+        job = _SLURM_JOB.match(rest[0]) if rest else None
+        if job is None:
+            continue
+        step = _SLURM_STEP.match(rest[1]) if len(rest) > 1 else None
+        return job.group(1), step.group(1) if step else None
+    return None, None
+
+
+def parse_unit(parts: list[str]) -> str | None:
+    """The innermost systemd service or scope of a path's components; none
+    under Kubernetes' slices, whose scopes are containers, not services."""
+    if any(p.startswith(("kubepods", "kubelet-kubepods")) for p in parts):
+        return None
+    return next((p for p in reversed(parts) if _UNIT.match(p)), None)
 
 
 def parse_path(path: str) -> CgroupIdentity:
@@ -69,7 +117,11 @@ def parse_path(path: str) -> CgroupIdentity:
         if m:
             pod_uid = m.group(1).replace("_", "-")
             break
-    return CgroupIdentity(container_id, pod_uid)
+    job, step = parse_slurm(parts)
+    unit = None
+    if container_id is None and pod_uid is None and job is None:
+        unit = parse_unit(parts)
+    return CgroupIdentity(container_id, pod_uid, job, step, unit)
 
 
 def parse_cgroup(data: bytes) -> CgroupIdentity:
@@ -77,10 +129,16 @@ def parse_cgroup(data: bytes) -> CgroupIdentity:
 
     Each line is ``hierarchy-id:controllers:path``. Under cgroup v1 every
     hierarchy carries a path, and for a container they agree; the first line
-    that names a container wins, else the first that names a pod. A line that
-    is not in that form is skipped.
+    that names a container wins, else the first that names a pod, else the
+    first that names a Slurm job (Slurm's v1 plugin uses some controllers
+    only, and its jobs sit in ``slurmd.service`` in the systemd hierarchy).
+    Else the systemd unit comes from systemd's own hierarchy: the
+    ``name=systemd`` line under v1, else the v2 line, else any line. A line
+    that is not in that form is skipped.
     """
     best = NO_IDENTITY
+    slurm = NO_IDENTITY
+    units: dict[int, str] = {}  # by preference: 0 name=systemd, 1 the v2 line, 2 any other
     for line in data.decode("utf-8", errors="replace").splitlines():
         fields = line.split(":", 2)
         if len(fields) != 3 or not fields[2].startswith("/"):
@@ -90,4 +148,13 @@ def parse_cgroup(data: bytes) -> CgroupIdentity:
             return found
         if best.pod_uid is None and found.pod_uid is not None:
             best = found
-    return best
+        if slurm.slurm_job is None and found.slurm_job is not None:
+            slurm = found
+        if found.systemd_unit is not None:
+            rank = 0 if fields[1] == "name=systemd" else 1 if fields[:2] == ["0", ""] else 2
+            units.setdefault(rank, found.systemd_unit)
+    if best.pod_uid is not None:
+        return best
+    if slurm.slurm_job is not None:
+        return CgroupIdentity(slurm_job=slurm.slurm_job, slurm_step=slurm.slurm_step)
+    return CgroupIdentity(systemd_unit=units[min(units)]) if units else NO_IDENTITY

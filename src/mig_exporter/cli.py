@@ -34,6 +34,7 @@ from mig_exporter.exposition import render
 from mig_exporter.jobmap import SlurmJobMap
 from mig_exporter.logs import FORMATS, setup_logging
 from mig_exporter.malloc_tuning import limit_arenas
+from mig_exporter.owners import OwnerWatch
 from mig_exporter.podlogs import DEFAULT_LOG_DIR
 from mig_exporter.podresources import DEFAULT_SOCKET, PodResourcesClient
 from mig_exporter.pods import PodWatch
@@ -106,6 +107,10 @@ def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--proc.root", "proc_root", metavar="DIR", default=DEFAULT_PROC_ROOT, show_default=True,
                      envvar=_env("PROC_ROOT"), show_envvar=True,
                      help="The /proc to read processes from, e.g. /host/proc in a container that mounts the host's."),
+        click.option("--host.passwd", "host_passwd", metavar="PATH", type=click.Path(dir_okay=False), default=None,
+                     envvar=_env("HOST_PASSWD"), show_envvar=True,
+                     help="The host's passwd file (e.g. /host/etc/passwd), which names the user of each GPU process "
+                          "(docs/hpc.md). Without it, or for a uid it lacks, the user is the uid."),
     ]
     for option in reversed(options):
         func = option(func)
@@ -117,7 +122,8 @@ def _kubernetes_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--kubernetes/--no-kubernetes", "kubernetes", default=True, show_default=True,
                      envvar=_env("KUBERNETES"), show_envvar=True,
                      help="Attribute GPU processes to their containers and pods, and devices to the pods they are "
-                          "allocated to (docs/kubernetes.md). Off: no cgroup, kubelet or log directory is read."),
+                          "allocated to (docs/kubernetes.md). Off: no kubelet or log directory is read (the "
+                          "cgroups still are, for Slurm jobs and systemd units)."),
         click.option("--kubelet.pod-resources-socket", "pod_resources_socket", metavar="PATH", default=DEFAULT_SOCKET,
                      show_default=True, envvar=_env("KUBELET_POD_RESOURCES_SOCKET"), show_envvar=True,
                      help="The kubelet's pod-resources socket, asked at each read which devices are allocated to "
@@ -162,6 +168,16 @@ def _make_job_map(directory: str | None) -> SlurmJobMap | None:
     job_map = SlurmJobMap(directory)
     log.info("watching %s", job_map.describe())
     return job_map
+
+
+def _make_owner_watch(proc_root: str, passwd: str | None, demo: bool) -> OwnerWatch | None:
+    """Where Slurm jobs, systemd units and users are read from: on any host,
+    Kubernetes or not (not in the demo, whose processes have no cgroups)."""
+    if demo:
+        return None
+    watch = OwnerWatch(proc_root, passwd)
+    log.info("watching %s", watch.describe())
+    return watch
 
 
 def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineWatch:
@@ -297,9 +313,10 @@ def _load_config(path: str) -> Config:
               help="exporter-toolkit web config (YAML): TLS (tls_server_config) and basic auth (basic_auth_users, "
                    "bcrypt). Re-read when it or its certificates change. docs/security.md.")
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
-          config_file: str | None, proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
-          slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
-          max_connections: int, web_config_file: str | None) -> None:
+          config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
+          pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
+          listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
+          web_config_file: str | None) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
@@ -318,10 +335,12 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
                         on_reload=lambda new: setattr(engines, "settings", new.engines))
         log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
     pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
+    owners = _make_owner_watch(proc_root, host_passwd, demo)
     web = _load_web_config(web_config_file) if web_config_file else None
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
     try:
-        server = ExporterServer(address, Scraper(chosen, engines, pods=pods, job_map=_make_job_map(slurm_job_map_dir)),
+        server = ExporterServer(address, Scraper(chosen, engines, pods=pods, owners=owners,
+                                                 job_map=_make_job_map(slurm_job_map_dir)),
                                 timeout_s=timeout,
                                 timeout_offset_s=timeout_offset, prober=prober, web=web,
                                 limits=Limits(max_connections=max_connections))
@@ -395,19 +414,21 @@ def check_web_config(web_config_file: str) -> None:
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
 def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
-         config_file: str | None, proc_root: str, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
-         slurm_job_map_dir: str | None, output: str | None) -> None:
+         config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
+         pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
+         output: str | None) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     setup_logging(log_level, log_format)
     demo = _is_demo(source, demo)
     config = _load_config(config_file) if config_file else EMPTY
     engines = _make_engine_watch(config.engines, proc_root, demo)
     pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
+    owners = _make_owner_watch(proc_root, host_passwd, demo)
     # With --output a source that cannot work still gives a read: read_success 0
     # replaces the file, so node_exporter never goes on serving an old success.
     chosen = _make_source(source, nvidia_smi, timeout, demo, strict=output is None, strict_about_path=False,
                           unready=f"writing read_success 0 to {output}")
-    scraper = Scraper(chosen, engines, pods=pods, job_map=_make_job_map(slurm_job_map_dir))
+    scraper = Scraper(chosen, engines, pods=pods, owners=owners, job_map=_make_job_map(slurm_job_map_dir))
     with _reaping(), _signals_kill_commands():
         # The encoder serve uses, text format.
         text, _content_type = render(scraper.families(timeout), None)

@@ -15,24 +15,38 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mig_exporter.snapshot import Device, EngineReading, PodReading, ProcessPod, SlurmJobMapReading, Snapshot
+from mig_exporter.snapshot import (
+    Device,
+    EngineReading,
+    OwnerReading,
+    PodReading,
+    ProcessOwner,
+    ProcessPod,
+    SlurmJobMapReading,
+    Snapshot,
+)
 
 DEVICE_LABELS = ["index", "card", "mig_profile"]
 PROCESS_LABELS = [*DEVICE_LABELS, "pid"]
 POD_LABELS = ["namespace", "pod", "container"]
 NO_POD = ProcessPod(0, "", "", "", "")
 SLURM_RESOURCE = "slurm"  # the resource label of a device a Slurm job-map file allocates
+# Never "job": Prometheus sets that label on every series it scrapes.
+OWNER_LABELS = ["slurm_job", "slurm_step", "systemd_unit", "user"]
+NO_OWNER = ProcessOwner(0, None, None, None, None)
 
 
 def _device_labels(d: Device) -> list[str]:
     return [str(d.index), str(d.card), d.profile or ""]
 
 
-def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None) -> Iterator[Metric]:
+def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None,
+                      owners: OwnerReading | None = None) -> Iterator[Metric]:
     """Device, process and card families for one snapshot; ``pods`` gives
-    the processes' pod labels (empty without it: /probe, not on Kubernetes)."""
+    the processes' pod labels (empty without it: /probe, not on Kubernetes),
+    ``owners`` their Slurm job, systemd unit and user (empty without it: /probe)."""
     yield from _device_families(snapshot)
-    yield from _process_families(snapshot, pods)
+    yield from _process_families(snapshot, pods, owners)
     yield from _card_families(snapshot)
 
 
@@ -94,7 +108,7 @@ def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
     yield count
 
 
-def _process_families(snapshot: Snapshot, pods: PodReading | None) -> Iterator[Metric]:
+def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: OwnerReading | None) -> Iterator[Metric]:
     used = GaugeMetricFamily(
         "mig_exporter_process_memory_used_bytes",
         "Device memory held by the process on the device, in bytes (left out where the driver does not say).",
@@ -103,15 +117,19 @@ def _process_families(snapshot: Snapshot, pods: PodReading | None) -> Iterator[M
     info = GaugeMetricFamily(
         "mig_exporter_process_info",
         "A process on a device, with its name and type (C compute, G graphics, C+G both, M+C MPS), and its "
-        "Kubernetes namespace, pod, container and container id (empty where unknown or not in one).",
-        labels=[*PROCESS_LABELS, "process_name", "process_type", *POD_LABELS, "container_id"],
+        "Kubernetes namespace, pod, container and container id, its Slurm job and step, its systemd unit and its "
+        "user (each empty where unknown or not in one).",
+        labels=[*PROCESS_LABELS, "process_name", "process_type", *POD_LABELS, "container_id", *OWNER_LABELS],
     )
     device_labels = {d.index: _device_labels(d) for d in snapshot.devices}
     in_pods = pods.processes if pods is not None else {}
+    owned = owners.processes if owners is not None else {}
     for p in snapshot.processes:
         labels = [*device_labels[p.device_index], str(p.pid)]
         pod = in_pods.get(p.pid, NO_POD)
-        info.add_metric([*labels, p.name, p.type, pod.namespace, pod.pod, pod.container, pod.container_id], 1)
+        owner = owned.get(p.pid, NO_OWNER)
+        info.add_metric([*labels, p.name, p.type, pod.namespace, pod.pod, pod.container, pod.container_id,
+                         owner.slurm_job or "", owner.slurm_step or "", owner.systemd_unit or "", owner.user or ""], 1)
         if p.used_bytes is not None:
             used.add_metric(labels, p.used_bytes)
     yield used
@@ -290,6 +308,39 @@ def allocation_families(pods: PodReading | None, job_map: SlurmJobMapReading | N
     for s in job_map.allocations if job_map is not None else ():
         allocated.add_metric([str(s.device_index), "", "", "", SLURM_RESOURCE, s.job], 1)
     yield allocated
+
+
+def owner_families(reading: OwnerReading, snapshot: Snapshot) -> Iterator[Metric]:
+    """Slurm job and systemd unit sums for one read (docs/hpc.md), for those
+    with processes on a GPU's list. Sample output::
+
+        mig_exporter_slurm_job_memory_used_bytes{slurm_job="4242"} 2.147483648e+10
+        mig_exporter_systemd_unit_memory_used_bytes{systemd_unit="ollama.service"} 1.207959552e+10
+    """
+    jobs: dict[str, int | None] = {}
+    units: dict[str, int | None] = {}
+    for p in snapshot.processes:
+        owner = reading.processes.get(p.pid)
+        if owner is None:
+            continue
+        for sums, key in ((jobs, owner.slurm_job), (units, owner.systemd_unit)):
+            if key is None or (key in sums and sums[key] is None):
+                continue
+            sums[key] = None if p.used_bytes is None else (sums.get(key) or 0) + p.used_bytes
+    for name, label, what, sums in (
+        ("mig_exporter_slurm_job_memory_used_bytes", "slurm_job", "a Slurm job's processes (all its steps)", jobs),
+        ("mig_exporter_systemd_unit_memory_used_bytes", "systemd_unit", "a systemd unit's processes", units),
+    ):
+        family = GaugeMetricFamily(
+            name,
+            f"Device memory {what} hold on this node, summed over all devices, in bytes "
+            "(left out where the driver does not say for one of them).",
+            labels=[label],
+        )
+        for key, value in sorted(sums.items()):
+            if value is not None:
+                family.add_metric([key], value)
+        yield family
 
 
 def read_families(

@@ -20,10 +20,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from mig_exporter.cgroup import CgroupIdentity, parse_cgroup
+from mig_exporter.cgroup import CgroupIdentity
+from mig_exporter.owners import read_identities
 from mig_exporter.podlogs import PodName, PodNames, read_pod_names
 from mig_exporter.podresources import PodResources, PodResourcesClient, PodResourcesError
-from mig_exporter.procfs import ProcError, ProcfsSource
+from mig_exporter.procfs import ProcfsSource
 from mig_exporter.snapshot import Allocation, PodReading, ProcessPod, Snapshot
 
 # NVIDIA's device plugin with --device-id-strategy=index: "0" for card 0,
@@ -155,12 +156,15 @@ class PodWatch:
         parts.append(self.pod_resources.describe() if self.pod_resources else "no allocations")
         return "pods: " + ", ".join(parts)
 
-    def read(self, snapshot: Snapshot, timeout_s: float | None = None) -> PodReading:
+    def read(self, snapshot: Snapshot, timeout_s: float | None = None,
+             identities: dict[int, CgroupIdentity] | None = None) -> PodReading:
         """Read for the processes of ``snapshot``; the kubelet call gets at
-        most ``timeout_s`` (what is left of the scrape's budget)."""
+        most ``timeout_s`` (what is left of the scrape's budget).
+        ``identities``: their cgroups, when already read for this scrape."""
         problems: list[str] = []
         notes: list[str] = []
-        identities = self._identities(snapshot)
+        if identities is None:
+            identities = read_identities(self.procs, (p.pid for p in snapshot.processes)) or {}
         names = PodNames()
         if self.log_dir and any(i.container_id or i.pod_uid for i in identities.values()):
             names, reason = read_pod_names(self.log_dir)
@@ -184,22 +188,3 @@ class PodWatch:
                 except PodResourcesError as e:
                     problems.append(str(e))
         return pod_reading(snapshot, identities, names, listed, asked=asked, problems=problems, notes=notes)
-
-    def _identities(self, snapshot: Snapshot) -> dict[int, CgroupIdentity]:
-        """The cgroup identity of each pid on the GPU lists; none when the
-        /proc root is not the host's PID namespace (its pids are not the
-        driver's: engines report that)."""
-        pids = sorted({p.pid for p in snapshot.processes})
-        if not pids:
-            return {}
-        try:
-            if not self.procs.read_namespace().is_host:
-                return {}
-        except ProcError:
-            return {}
-        out = {}
-        for pid in pids:
-            data = self.procs.read_cgroup(pid)
-            if data is not None:
-                out[pid] = parse_cgroup(data)
-        return out

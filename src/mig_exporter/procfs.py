@@ -149,6 +149,16 @@ def parse_cmdline(data: bytes) -> tuple[str, ...]:
     return args
 
 
+def parse_status_uid(data: bytes) -> int | None:
+    """The real uid from ``/proc/PID/status``: the first of the ``Uid:`` line's
+    four fields (real, effective, saved, filesystem); ``None`` without one."""
+    for line in data.split(b"\n"):
+        if line.startswith(b"Uid:"):
+            fields = line[4:].split()
+            return int(fields[0]) if fields and fields[0].isdigit() else None
+    return None
+
+
 def parse_exe_link(target: str) -> str:
     """The executable's path from the ``exe`` link; a replaced binary reads
     ``/path (deleted)``, and it is still the same program."""
@@ -220,6 +230,14 @@ class ProcfsSource:
         ``None`` when the process has gone or cannot be read."""
         try:
             return _read(f"{self.root}/{pid}/cgroup")
+        except OSError:
+            return None
+
+    def read_status(self, pid: int) -> bytes | None:
+        """The contents of ``<root>/PID/status`` (its uid: ``parse_status_uid``),
+        or ``None`` when the process has gone or cannot be read."""
+        try:
+            return _read(f"{self.root}/{pid}/status")
         except OSError:
             return None
 

@@ -7,8 +7,10 @@ With engines watched, /proc is read in the same read, just before the GPUs,
 so every engine process seen existed when the driver was asked. With pods
 watched, the cgroups of the processes the driver listed, the kubelet's log
 directory names and its pod-resources answer are read just after the GPUs,
-within what is left of the read's budget. With a Slurm job-map directory, it
-is read last, within what is then left.
+within what is left of the read's budget. With owners watched, the same
+cgroups (read once for both) and the processes' uids give their Slurm jobs,
+systemd units and users. With a Slurm job-map directory, it is read last,
+within what is then left.
 """
 
 from __future__ import annotations
@@ -24,18 +26,21 @@ from prometheus_client.core import Metric
 
 from mig_exporter import __version__
 from mig_exporter.attribution import EngineWatch
+from mig_exporter.cgroup import CgroupIdentity
 from mig_exporter.collector import (
     allocation_families,
     engine_families,
+    owner_families,
     pod_families,
     read_families,
     snapshot_families,
 )
 from mig_exporter.errors import ReadError
 from mig_exporter.jobmap import SlurmJobMap
+from mig_exporter.owners import OwnerWatch
 from mig_exporter.pods import PodWatch
 from mig_exporter.procfs import ProcTable
-from mig_exporter.snapshot import EngineReading, PodReading, SlurmJobMapReading, Snapshot
+from mig_exporter.snapshot import EngineReading, OwnerReading, PodReading, SlurmJobMapReading, Snapshot
 
 log = logging.getLogger("mig_exporter")
 
@@ -65,6 +70,7 @@ class ReadOutcome:
     engines: EngineReading | None = None
     pods: PodReading | None = None
     job_map: SlurmJobMapReading | None = None
+    owners: OwnerReading | None = None
 
     @property
     def success(self) -> bool:
@@ -73,7 +79,8 @@ class ReadOutcome:
     @property
     def problems(self) -> tuple[str, ...]:
         return ((self.snapshot.problems if self.snapshot else ()) + (self.engines.problems if self.engines else ())
-                + (self.pods.problems if self.pods else ()) + (self.job_map.problems if self.job_map else ()))
+                + (self.pods.problems if self.pods else ()) + (self.owners.problems if self.owners else ())
+                + (self.job_map.problems if self.job_map else ()))
 
 
 class Scraper:
@@ -83,12 +90,14 @@ class Scraper:
     """
 
     def __init__(self, source: Source, engines: EngineWatch | None = None, name: str | None = None,
-                 pods: PodWatch | None = None, job_map: SlurmJobMap | None = None) -> None:
+                 pods: PodWatch | None = None, owners: OwnerWatch | None = None,
+                 job_map: SlurmJobMap | None = None) -> None:
         self.source = source
         self.name = name or source.name  # what the log calls this read path
         self.engines = engines
         self.pods = pods
         self.job_map = job_map
+        self.owners = owners
         self._lock = threading.Lock()
         self._errors_total = 0
         self._known_problems: dict[str, frozenset[str]] = {}
@@ -112,10 +121,13 @@ class Scraper:
             self._log_bug(f"read from {self.name} failed unexpectedly", e)
             return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None))
         engines = self._engines(procs, snapshot)
-        left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
-        pods = self._pods(snapshot, left_s)
-        left_s = None if timeout_s is None else timeout_s - (time.monotonic() - started)
-        job_map = self._job_map(snapshot, left_s)
+        def left_s() -> float | None:
+            return None if timeout_s is None else timeout_s - (time.monotonic() - started)
+
+        identities = self._identities(snapshot, left_s())
+        owners = self._owners(snapshot, left_s(), identities)
+        pods = self._pods(snapshot, left_s(), identities)
+        job_map = self._job_map(snapshot, left_s())
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
         if engines is not None:
@@ -123,9 +135,11 @@ class Scraper:
         if pods is not None:
             self._log_problems(pods.problems, "pods")
             self._log_problems(pods.notes, "pod notes", logging.INFO)
+        if owners is not None:
+            self._log_problems(owners.problems, "owners")
         if job_map is not None:
             self._log_problems(job_map.problems, "slurm job map")
-        return ReadOutcome(snapshot, duration, engines=engines, pods=pods, job_map=job_map)
+        return ReadOutcome(snapshot, duration, engines=engines, pods=pods, owners=owners, job_map=job_map)
 
     def _job_map(self, snapshot: Snapshot, left_s: float | None) -> SlurmJobMapReading | None:
         if self.job_map is None:
@@ -136,11 +150,36 @@ class Scraper:
             self._log_bug("reading the slurm job map failed unexpectedly", e)
             return SlurmJobMapReading((), False, (f"slurm job map: unexpected {type(e).__name__}: {e}",))
 
-    def _pods(self, snapshot: Snapshot, left_s: float | None) -> PodReading | None:
+    def _identities(self, snapshot: Snapshot, left_s: float | None) -> dict[int, CgroupIdentity] | None:
+        """The GPU processes' cgroups, read once for owners and pods; ``None``
+        leaves each watch to read its own (no owners watched), or to find
+        that /proc is not the host's."""
+        if self.owners is None:
+            return None
+        try:
+            return self.owners.identities(snapshot, left_s)
+        except Exception as e:  # a bug here costs the attribution, not the scrape
+            self._log_bug("reading the GPU processes' cgroups failed unexpectedly", e)
+            return None
+
+    def _owners(self, snapshot: Snapshot, left_s: float | None,
+                identities: dict[int, CgroupIdentity] | None) -> OwnerReading | None:
+        if self.owners is None:
+            return None
+        if identities is None:
+            return OwnerReading({})  # not the host's PID namespace: its pids are not the driver's
+        try:
+            return self.owners.read(snapshot, left_s, identities)
+        except Exception as e:  # a bug here costs the owner labels, not the scrape
+            self._log_bug("attributing processes to Slurm jobs, units and users failed unexpectedly", e)
+            return OwnerReading({}, (f"owner attribution failed: unexpected {type(e).__name__}: {e}",))
+
+    def _pods(self, snapshot: Snapshot, left_s: float | None,
+              identities: dict[int, CgroupIdentity] | None = None) -> PodReading | None:
         if self.pods is None:
             return None
         try:
-            return self.pods.read(snapshot, left_s)
+            return self.pods.read(snapshot, left_s, identities)
         except Exception as e:  # a bug here costs the pod labels, not the scrape
             self._log_bug("attributing processes to pods failed unexpectedly", e)
             return PodReading({}, None, None, (f"pod attribution failed: unexpected {type(e).__name__}: {e}",))
@@ -225,9 +264,11 @@ class Scraper:
 
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:
-            yield from snapshot_families(outcome.snapshot, outcome.pods)
+            yield from snapshot_families(outcome.snapshot, outcome.pods, outcome.owners)
             if outcome.pods is not None:
                 yield from pod_families(outcome.pods, outcome.snapshot)
+            if outcome.owners is not None:
+                yield from owner_families(outcome.owners, outcome.snapshot)
             yield from allocation_families(outcome.pods, outcome.job_map)
         if outcome.engines is not None:
             yield from engine_families(outcome.engines)

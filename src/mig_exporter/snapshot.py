@@ -267,3 +267,28 @@ class SlurmJobMapReading:
     allocations: tuple[SlurmAllocation, ...]
     read_success: bool
     problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessOwner:
+    """Who a process on a GPU's list belongs to outside Kubernetes (docs/hpc.md).
+    Each field is ``None`` when unknown or not applicable: ``slurm_job`` and
+    ``slurm_step`` outside a Slurm job, ``systemd_unit`` in a container, a pod
+    or a Slurm job. ``user`` is the name the host's passwd gives the process's
+    real uid, else the uid itself."""
+
+    pid: int
+    slurm_job: str | None
+    slurm_step: str | None
+    systemd_unit: str | None
+    user: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerReading:
+    """What the cgroups and ``/proc/PID/status`` of the processes on the GPU
+    lists say, by pid (none when the /proc root is not the host's PID
+    namespace). ``problems`` count as read problems."""
+
+    processes: dict[int, ProcessOwner]
+    problems: tuple[str, ...] = ()

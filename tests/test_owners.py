@@ -1,0 +1,263 @@
+"""Slurm jobs, systemd units and users of GPU processes (docs/hpc.md): the
+status and passwd parsers, the join, the sums, and end to end through
+``mig-exporter read`` on a fabricated host with a Slurm job, a systemd-run
+engine and a login session."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import MIB, SAMPLES, sample_value, samples_of
+from kube_node import BY_PID, LLAMA, make_kubelet_logs
+from mig_exporter.cgroup import CgroupIdentity
+from mig_exporter.exposition import render
+from mig_exporter.owners import OwnerWatch, owner_reading
+from mig_exporter.passwd import MAX_PASSWD_BYTES, PasswdFile, parse_passwd
+from mig_exporter.pods import PodWatch
+from mig_exporter.procfs import ProcfsSource, parse_status_uid
+from mig_exporter.scrape import Scraper
+from mig_exporter.snapshot import ProcessOwner
+from mig_exporter.source_demo import DemoSource
+from proc_tree import CONTAINER_NS, Proc, make_proc
+from test_pods import demo_proc
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cgroup"
+PASSWD = (
+    "root:x:0:0:root:/root:/bin/bash\n"
+    "daemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n"
+    "alice:x:1000:1000:Alice,,,:/home/alice:/bin/bash\n"
+    "# a comment\n"
+    "broken-line-without-fields\n"
+    "mallory:x:notanumber:0::/:/bin/sh\n"
+    "+nisuser::::::\n"
+    "alias:x:1000:1000::/home/alice:/bin/bash\n"  # a second name for 1000: getpwuid gives the first
+)
+# The demo host's GPU processes (samples/demo.xml), on a Slurm and systemd host instead:
+# 48213 llama-server holds 11520 MiB on 1000, 51877 python3 9216 MiB on 1001,
+# 50102 llama-server 20480 MiB on card 1, 50318 python3 1620 MiB on card 1.
+HPC = [
+    Proc(48213, "llama-server", ["llama-server"], uid=1000,
+         cgroup=(FIXTURES / "v2-slurm-step.txt").read_text()),  # job 4242, step 0
+    Proc(51877, "python3", ["python3", "train.py"], uid=1000,
+         cgroup=(FIXTURES / "v2-slurm-batch.txt").read_text()),  # job 4242, the batch script
+    Proc(50102, "llama-server", ["llama-server"], uid=0,
+         cgroup=(FIXTURES / "v2-systemd-run-service.txt").read_text()),  # systemd-run: run-u12.service
+    Proc(50318, "python3", ["python3"], uid=2000,  # a uid the passwd file lacks (an LDAP user)
+         cgroup=(FIXTURES / "v2-session-scope.txt").read_text()),  # ssh login: session-3.scope
+]
+
+
+# --- pure parsing --------------------------------------------------------------------------------
+
+def test_the_real_uid_is_the_first_field_of_the_uid_line():
+    status = b"Name:\tsudo\nUmask:\t0022\nUid:\t1000\t0\t0\t0\nGid:\t1000\t1000\t1000\t1000\n"
+    assert parse_status_uid(status) == 1000
+    assert parse_status_uid(b"Name:\tx\n") is None
+    assert parse_status_uid(b"Uid:\n") is None
+    assert parse_status_uid(b"Uid:\t-1\t0\t0\t0\n") is None
+
+
+def test_this_process_s_own_status_gives_its_uid():
+    assert parse_status_uid(Path("/proc/self/status").read_bytes()) == os.getuid()
+
+
+def test_passwd_parsing_keeps_well_formed_lines_and_the_first_name_of_a_uid():
+    assert parse_passwd(PASSWD.encode()) == {0: "root", 1: "daemon", 1000: "alice"}
+    assert parse_passwd(b"") == {}
+    assert parse_passwd(b"\xff\xfe:x:5:5::/:/bin/sh\nbob:x:1001:1001::/home/bob:/bin/sh") == {
+        5: "\ufffd\ufffd", 1001: "bob"}  # undecodable bytes do not stop the read; no final newline is fine
+
+
+def test_a_passwd_file_is_read_again_only_when_it_changes(tmp_path):
+    path = tmp_path / "passwd"
+    path.write_text(PASSWD)
+    passwd = PasswdFile(str(path))
+    assert passwd.names() == ({0: "root", 1: "daemon", 1000: "alice"}, None)
+    path.write_text(PASSWD + "bob:x:1001:1001::/home/bob:/bin/sh\n")
+    assert passwd.names()[0][1001] == "bob"
+
+
+def test_an_unreadable_passwd_file_is_a_problem_and_no_names(tmp_path):
+    names, problem = PasswdFile(str(tmp_path / "none")).names()
+    assert names == {} and problem is not None and "cannot read the passwd file" in problem
+    names, problem = PasswdFile(str(tmp_path)).names()  # a directory where the file should be
+    assert names == {} and problem is not None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # must not hang the scrape
+    names, problem = PasswdFile(str(fifo)).names()
+    assert names == {} and problem == f"the passwd file {fifo} is not a regular file; users are shown as uids"
+
+
+def test_a_huge_passwd_file_is_read_up_to_the_bound(tmp_path):
+    path = tmp_path / "passwd"
+    line = b"u%07d:x:%d:100::/home/u:/bin/sh\n"
+    with path.open("wb") as f:
+        f.write(b"alice:x:1000:1000::/home/alice:/bin/bash\n")
+        f.write(b"x" * MAX_PASSWD_BYTES)  # one endless line: never a name
+        f.write(line % (1, 20001))
+    names, problem = PasswdFile(str(path)).names()
+    assert names == {1000: "alice"}
+    assert problem == f"the passwd file {path} is larger than 16 MiB: names from its start only"
+
+
+def test_the_join_names_users_and_falls_back_to_the_uid():
+    reading = owner_reading(
+        {1: CgroupIdentity(slurm_job="7", slurm_step="0"), 2: CgroupIdentity(systemd_unit="ollama.service"),
+         3: CgroupIdentity(container_id="c" * 64)},
+        {1: 1000, 2: 0, 3: 2000}, {1000: "alice", 0: "root"})
+    assert reading.processes == {
+        1: ProcessOwner(1, "7", "0", None, "alice"),
+        2: ProcessOwner(2, None, None, "ollama.service", "root"),
+        3: ProcessOwner(3, None, None, None, "2000"),
+    }
+
+
+# --- the watch and the metrics -------------------------------------------------------------------
+
+def _hpc(tmp_path, namespace: str = "pid:[4026531836]") -> str:
+    return str(make_proc(tmp_path / "proc", HPC, namespace=namespace))
+
+
+def _owners(families) -> dict[str, tuple[str, str, str, str]]:
+    return {s.labels["pid"]: (s.labels["slurm_job"], s.labels["slurm_step"], s.labels["systemd_unit"],
+                              s.labels["user"]) for s in samples_of(families, "mig_exporter_process_info")}
+
+
+def test_the_host_s_processes_carry_their_job_unit_and_user_and_the_sums(tmp_path):
+    passwd = tmp_path / "passwd"
+    passwd.write_text(PASSWD)
+    families = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path), str(passwd))).families()
+    assert _owners(families) == {
+        "48213": ("4242", "0", "", "alice"),
+        "51877": ("4242", "batch", "", "alice"),
+        "50102": ("", "", "run-u12.service", "root"),
+        "50318": ("", "", "session-3.scope", "2000"),
+    }
+    jobs = {s.labels["slurm_job"]: s.value for s in samples_of(families, "mig_exporter_slurm_job_memory_used_bytes")}
+    assert jobs == {"4242": (11520 + 9216) * MIB}  # 48213's and 51877's, on two MIG instances
+    units = {s.labels["systemd_unit"]: s.value
+             for s in samples_of(families, "mig_exporter_systemd_unit_memory_used_bytes")}
+    assert units == {"run-u12.service": 20480 * MIB, "session-3.scope": 1620 * MIB}
+    assert sample_value(families, "mig_exporter_read_problems") == 0
+
+
+def test_without_a_passwd_file_users_are_uids(tmp_path):
+    families = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path))).families()
+    assert {pid: owner[3] for pid, owner in _owners(families).items()} == {
+        "48213": "1000", "51877": "1000", "50102": "0", "50318": "2000"}
+
+
+def test_an_unreadable_passwd_file_is_one_problem_logged_once_and_users_are_uids(tmp_path, caplog):
+    scraper = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path), str(tmp_path / "none")))
+    with caplog.at_level(logging.INFO, logger="mig_exporter"):
+        for _ in range(3):
+            families = scraper.families()
+    said = [r for r in caplog.records if "cannot read the passwd file" in r.getMessage()]
+    assert len(said) == 1
+    assert sample_value(families, "mig_exporter_read_problems") == 1
+    assert _owners(families)["48213"] == ("4242", "0", "", "1000")
+
+
+def test_outside_the_host_pid_namespace_no_process_is_attributed_and_the_sums_are_absent(tmp_path):
+    families = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path, CONTAINER_NS))).families()
+    assert set(_owners(families).values()) == {("", "", "", "")}
+    text = render(families, None)[0].decode()
+    assert "mig_exporter_slurm_job_memory_used_bytes" not in text
+    assert "mig_exporter_systemd_unit_memory_used_bytes" not in text
+    assert 'slurm_job="",slurm_step="",systemd_unit="",user=""' in text
+
+
+def test_on_a_kubernetes_node_pods_are_no_units_and_each_cgroup_is_read_once(tmp_path, monkeypatch):
+    reads: list[int] = []
+    real = ProcfsSource.read_cgroup
+    monkeypatch.setattr(ProcfsSource, "read_cgroup", lambda self, pid: reads.append(pid) or real(self, pid))
+    proc = str(demo_proc(tmp_path / "proc"))
+    pods = PodWatch(proc, None, str(make_kubelet_logs(tmp_path / "log")))
+    families = Scraper(DemoSource(), pods=pods, owners=OwnerWatch(proc)).families()
+    assert sorted(reads) == sorted(BY_PID)  # one read per GPU process, for both
+    info = {s.labels["pid"]: s.labels for s in samples_of(families, "mig_exporter_process_info")}
+    assert info["48213"]["pod"] == LLAMA.pod and info["48213"]["systemd_unit"] == ""
+    assert {labels["user"] for labels in info.values()} == {""}  # demo_proc writes no status: unknown
+    assert samples_of(families, "mig_exporter_systemd_unit_memory_used_bytes") == []
+
+
+def test_a_process_the_driver_says_n_a_for_leaves_its_job_s_sum_out(tmp_path):
+    from dataclasses import replace
+
+    class NotSaid(DemoSource):
+        def read(self, timeout_s=None):
+            snapshot = super().read(timeout_s)
+            return replace(snapshot, processes=tuple(replace(p, used_bytes=None) if p.pid == 51877 else p
+                                                     for p in snapshot.processes))
+
+    families = Scraper(NotSaid(), owners=OwnerWatch(_hpc(tmp_path))).families()
+    assert samples_of(families, "mig_exporter_slurm_job_memory_used_bytes") == []
+    assert sample_value(families, "mig_exporter_systemd_unit_memory_used_bytes",
+                        {"systemd_unit": "run-u12.service"}) == 20480 * MIB
+
+
+def test_out_of_time_the_processes_left_are_a_problem_not_a_hang(tmp_path):
+    snapshot = DemoSource().read()
+    reading = OwnerWatch(_hpc(tmp_path)).read(snapshot, timeout_s=-1)
+    assert reading.processes == {}
+    assert reading.problems == ("no time left in the scrape's budget: 4 process(es) may lack their user, "
+                                "Slurm job or systemd unit",)
+    assert OwnerWatch(_hpc(tmp_path / "again")).read(snapshot, timeout_s=5).problems == ()
+
+
+def test_probe_answers_have_empty_owner_labels():
+    from mig_exporter.collector import snapshot_families
+
+    families = list(snapshot_families(DemoSource().read()))
+    assert set(_owners(families).values()) == {("", "", "", "")}
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+def _read(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mig_exporter", "read", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("kubernetes", ["true", "false"])
+def test_end_to_end_read_on_a_slurm_and_systemd_host(fake_nvidia_smi, tmp_path, kubernetes):
+    smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
+    passwd = tmp_path / "passwd"
+    passwd.write_text(PASSWD)
+    result = _read(["--nvidia-smi", str(smi), "--proc.root", _hpc(tmp_path), "--kubelet.pod-resources-socket", ""],
+                   {"MIG_EXPORTER_HOST_PASSWD": str(passwd), "MIG_EXPORTER_KUBERNETES": kubernetes})
+    assert result.returncode == 0, result.stderr
+    families = list(text_string_to_metric_families(result.stdout))
+    assert _owners(families) == {
+        "48213": ("4242", "0", "", "alice"),
+        "51877": ("4242", "batch", "", "alice"),
+        "50102": ("", "", "run-u12.service", "root"),
+        "50318": ("", "", "session-3.scope", "2000"),
+    }
+    # 11520 MiB (48213, step 0) + 9216 MiB (51877, the batch step) = 20736 MiB = 21743271936 bytes
+    assert sample_value(families, "mig_exporter_slurm_job_memory_used_bytes", {"slurm_job": "4242"}) == 21743271936
+    # 20480 MiB = 21474836480 bytes, and 1620 MiB = 1698693120 bytes
+    assert sample_value(families, "mig_exporter_systemd_unit_memory_used_bytes",
+                        {"systemd_unit": "run-u12.service"}) == 21474836480
+    assert sample_value(families, "mig_exporter_systemd_unit_memory_used_bytes",
+                        {"systemd_unit": "session-3.scope"}) == 1698693120
+    assert {s.labels["pod"] for s in samples_of(families, "mig_exporter_process_info")} == {""}
+    assert "Traceback" not in result.stderr
+
+
+def test_the_flag_names_the_users_too(fake_nvidia_smi, tmp_path):
+    smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
+    passwd = tmp_path / "passwd"
+    passwd.write_text(PASSWD)
+    result = _read(["--nvidia-smi", str(smi), "--proc.root", _hpc(tmp_path), "--host.passwd", str(passwd)])
+    assert result.returncode == 0, result.stderr
+    families = list(text_string_to_metric_families(result.stdout))
+    assert sample_value(families, "mig_exporter_process_info", {"pid": "50102"}) == 1
+    assert _owners(families)["50102"][3] == "root"
