@@ -83,8 +83,14 @@ def test_a_slurm_v1_job_is_not_slurmd_s_unit_though_systemd_s_line_says_so():
     ("/system.slice/ollama.service", "ollama.service"),
     ("/system.slice/system-vllm.slice/vllm@llama.service", "vllm@llama.service"),
     ("/system.slice/vllm@llama.service/payload", "vllm@llama.service"),  # a delegated subtree (Delegate=yes)
-    ("/user.slice/user-1000.slice/user@1000.service/app.slice/comfyui.service", "comfyui.service"),
-    ("/user.slice/user-1000.slice/user@1000.service/init.scope", "init.scope"),  # the user's manager
+    # A user's own units carry their manager: any user may call one ollama.service.
+    ("/user.slice/user-1000.slice/user@1000.service/app.slice/comfyui.service", "user@1000.service/comfyui.service"),
+    ("/user.slice/user-1001.slice/user@1001.service/app.slice/ollama.service", "user@1001.service/ollama.service"),
+    ("/user.slice/user-1000.slice/user@1000.service/init.scope", "user@1000.service/init.scope"),  # the manager
+    ("/user.slice/user-1000.slice/session-3.scope", "session-3.scope"),  # a login session: systemd-logind's
+    # Another system's units: an LXC container's, a systemd-nspawn machine's.
+    ("/lxc.payload.c1/system.slice/ollama.service", None),
+    ("/machine.slice/systemd-nspawn@c1.service/payload/system.slice/ollama.service", None),
     ("/system.slice/system-systemd\\x2dfsck.slice/systemd-fsck@dev-sda1.service", "systemd-fsck@dev-sda1.service"),
     ("/user.slice/user-1000.slice", None),  # slices hold no processes
     ("/", None),
@@ -95,6 +101,25 @@ def test_a_slurm_v1_job_is_not_slurmd_s_unit_though_systemd_s_line_says_so():
 ])
 def test_systemd_units(path, unit):
     assert parse_path(path).systemd_unit == unit
+
+
+@pytest.mark.parametrize("path", [
+    # Made by a user in their delegated tree, or anywhere but slurmd's own place.
+    "/user.slice/user-1000.slice/user@1000.service/app.slice/slurm/job_12/step_0",
+    "/user.slice/user-1000.slice/user@1000.service/app.slice/slurmstepd.scope/job_12/step_0",
+    "/system.slice/other.service/slurm/job_12/step_0",
+    "/system.slice/other.service/slurmstepd.scope/job_12/step_0",
+])
+def test_a_job_is_only_where_slurmd_puts_jobs(path):
+    assert (parse_path(path).slurm_job, parse_path(path).slurm_step) == (None, None)
+
+
+def test_a_v1_line_that_names_the_step_beats_one_that_stops_at_the_job():
+    data = (b"11:devices:/slurm/uid_1000/job_4242\n"
+            b"4:memory:/slurm/uid_1000/job_4242/step_0/task_0\n"
+            b"1:name=systemd:/system.slice/slurmd.service\n")
+    found = parse_cgroup(data)
+    assert (found.slurm_job, found.slurm_step, found.systemd_unit) == ("4242", "0", None)
 
 
 def test_the_systemd_hierarchy_names_the_unit_under_cgroup_v1():

@@ -31,15 +31,17 @@ def _pairs(reading) -> set[tuple[int, str]]:
 # --- the pure parser -----------------------------------------------------------------------------
 
 def test_job_ids_one_per_line_first_field_blank_lines_skipped():
-    jobs, bad = parse_job_ids("4242\n\n  45916256 262563\n1234_7\n99+1\n4242\n")
-    assert jobs == ("4242", "45916256", "1234_7", "99+1")
+    jobs, bad = parse_job_ids("4242\n\n  45916256 262563\n4242\n")
+    assert jobs == ("4242", "45916256")
     assert bad == ()
 
 
 def test_what_is_not_a_slurm_job_id_is_set_apart():
-    jobs, bad = parse_job_ids("4242\njob1\n12a\n-5\n1234_\n")
+    # An array task's or a het job component's display form names no cgroup: its
+    # $SLURM_JOB_ID is a number of its own. Bad lines are counted by number, never shown.
+    jobs, bad = parse_job_ids("4242\njob1\n12a\n-5\n1234_\n1234_7\n99+1\n")
     assert jobs == ("4242",)
-    assert bad == ("job1", "12a", "-5", "1234_")
+    assert bad == (2, 3, 4, 5, 6, 7)
 
 
 def test_a_card_index_on_a_card_in_mig_mode_stands_for_all_its_instances():
@@ -63,7 +65,8 @@ def test_a_file_listing_two_jobs_gives_two_allocations_and_bad_lines_a_problem()
                                    SlurmAllocation(1002, "777"))
     assert reading.read_success is True
     assert reading.problems == (
-        f"slurm job map file '{DEMO_MIG_1002}': 1 line(s) not starting with a Slurm job id, first 'oops'",
+        f"slurm job map file '{DEMO_MIG_1002}': 1 line(s) not starting with a numeric Slurm job id ($SLURM_JOB_ID), "
+        "first line 2",
         "slurm job map file '7': names no device read (a card's index or a GPU-/MIG- UUID expected)",
     )
 
@@ -179,7 +182,7 @@ def test_end_to_end_read_gives_the_slurm_allocation_series(fake_nvidia_smi, tmp_
     job_map = tmp_path / "dcgm-job-map"
     job_map.mkdir()
     (job_map / "0").write_text("4242\n")  # card 0 is in MIG mode: all three instances
-    (job_map / "1").write_text("5000_3\n5001\n")
+    (job_map / "1").write_text("5000\n5001\n")
     (job_map / "1001").symlink_to(tmp_path)
     result = subprocess.run(
         [sys.executable, "-m", "mig_exporter", "read", "--nvidia-smi", str(smi), "--no-kubernetes",
@@ -190,7 +193,7 @@ def test_end_to_end_read_gives_the_slurm_allocation_series(fake_nvidia_smi, tmp_
     rows = {(s.labels["index"], s.labels["slurm_job"], s.labels["resource"], s.labels["pod"])
             for s in samples_of(families, "mig_exporter_device_allocation_info")}
     assert rows == {("1000", "4242", "slurm", ""), ("1001", "4242", "slurm", ""), ("1002", "4242", "slurm", ""),
-                    ("1", "5000_3", "slurm", ""), ("1", "5001", "slurm", "")}
+                    ("1", "5000", "slurm", ""), ("1", "5001", "slurm", "")}
     assert sample_value(families, "mig_exporter_slurm_job_map_read_success") == 1
     # Each problem is logged once; the demo's pids are not in this host's /proc, which engines report too.
     logged = [line for line in result.stderr.splitlines() if "msg=\"read from nvidia-smi: " in line]

@@ -73,6 +73,9 @@ def test_passwd_parsing_keeps_well_formed_lines_and_the_first_name_of_a_uid():
     assert parse_passwd(b"") == {}
     assert parse_passwd(b"\xff\xfe:x:5:5::/:/bin/sh\nbob:x:1001:1001::/home/bob:/bin/sh") == {
         5: "\ufffd\ufffd", 1001: "bob"}  # undecodable bytes do not stop the read; no final newline is fine
+    # Digits that are not ASCII's: a line to skip, not a read to lose or a uid to misread.
+    odd = "sup:x:\u00b2:0::/:/bin/sh\narab:x:\u0661:0::/:/bin/sh\nbob:x:1001:1001::/:/bin/sh"
+    assert parse_passwd(odd.encode()) == {1001: "bob"}
 
 
 def test_a_passwd_file_is_read_again_only_when_it_changes(tmp_path):

@@ -74,11 +74,25 @@ class CgroupIdentity:
 NO_IDENTITY = CgroupIdentity()
 
 
+def _slurms_root(parts: list[str], i: int) -> bool:
+    """Whether component ``i`` is where slurmd puts jobs, not a name anyone
+    could give a cgroup: cgroup/v1's root directory, or cgroup/v2's scope right
+    under system.slice. Never inside a user's delegated tree, where any user
+    can make cgroups with any name (and pose as a job)."""
+    if not _SLURM_ROOT.match(parts[i]):
+        return False
+    if any(p.startswith(("user@", "user.slice")) for p in parts[:i]):
+        return False
+    if parts[i].endswith("slurmstepd.scope"):
+        return i > 0 and parts[i - 1] == "system.slice"
+    return i == 0
+
+
 def parse_slurm(parts: list[str]) -> tuple[str | None, str | None]:
     """The Slurm job id and step of a path's components, when it is under
     Slurm's root. A job-level cgroup (no step below it) gives the job alone."""
-    for i, part in enumerate(parts):
-        if not _SLURM_ROOT.match(part):
+    for i in range(len(parts)):
+        if not _slurms_root(parts, i):
             continue
         rest = parts[i + 1:]
         if rest and rest[0].startswith("uid_"):  # cgroup/v1 puts the user above the job
@@ -92,11 +106,21 @@ def parse_slurm(parts: list[str]) -> tuple[str | None, str | None]:
 
 
 def parse_unit(parts: list[str]) -> str | None:
-    """The innermost systemd service or scope of a path's components; none
-    under Kubernetes' slices, whose scopes are containers, not services."""
-    if any(p.startswith(("kubepods", "kubelet-kubepods")) for p in parts):
+    """The innermost systemd service or scope of a path's components. None
+    under Kubernetes' slices, whose scopes are containers, and inside LXC or
+    systemd-nspawn machines, whose units are another system's. A unit of a
+    user's own manager is named with it, ``user@1000.service/app.service``:
+    any user can name a unit ``ollama.service``, and two users' units of one
+    name are two units."""
+    if any(p.startswith(("kubepods", "kubelet-kubepods", "lxc.payload", "lxc.monitor")) or p == "machine.slice"
+           for p in parts):
         return None
-    return next((p for p in reversed(parts) if _UNIT.match(p)), None)
+    units = [(i, p) for i, p in enumerate(parts) if _UNIT.match(p)]
+    if not units:
+        return None
+    i, unit = units[-1]
+    manager = next((p for p in parts[:i] if p.startswith("user@") and p.endswith(".service")), None)
+    return f"{manager}/{unit}" if manager is not None else unit
 
 
 def parse_path(path: str) -> CgroupIdentity:
@@ -148,7 +172,9 @@ def parse_cgroup(data: bytes) -> CgroupIdentity:
             return found
         if best.pod_uid is None and found.pod_uid is not None:
             best = found
-        if slurm.slurm_job is None and found.slurm_job is not None:
+        # Controllers may stop at the job's level: a line that also names the step is better.
+        if found.slurm_job is not None and (slurm.slurm_job is None or
+                                            (slurm.slurm_step is None and found.slurm_step is not None)):
             slurm = found
         if found.systemd_unit is not None:
             rank = 0 if fields[1] == "name=systemd" else 1 if fields[:2] == ["0", ""] else 2

@@ -29,8 +29,9 @@ from mig_exporter.snapshot import SlurmAllocation, SlurmJobMapReading, Snapshot
 
 MAX_FILE_BYTES = 64 * 1024  # a job id per line: far beyond any real node's jobs
 MAX_FILES = 4096  # a node has at most a few hundred devices
-# A Slurm job id: the job, an array task (1234_7) or a heterogeneous component (1234+1).
-_JOB_ID = re.compile(r"[0-9]+(?:_[0-9]+|\+[0-9]+)?")
+# $SLURM_JOB_ID: digits. An array task (1234_7) or a heterogeneous component (1234+1) has a
+# numeric id of its own too, and cgroups name jobs by it: any other form could match no process.
+_JOB_ID = re.compile(r"[0-9]+")
 _CARD_INDEX = re.compile(r"[0-9]+")
 
 
@@ -51,19 +52,20 @@ def _shown(text: str, limit: int = 80) -> str:
     return ascii(text[:limit] + ("..." if len(text) > limit else ""))
 
 
-def parse_job_ids(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The job ids of a file's text, in order and once each, and the first
-    fields of the lines that are not job ids. Blank lines are skipped."""
+def parse_job_ids(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The job ids of a file's text, in order and once each, and the numbers
+    (from 1) of the lines that are not job ids: never their text, which a link
+    to another file could make anything. Blank lines are skipped."""
     jobs: dict[str, None] = {}
-    bad: list[str] = []
-    for line in text.splitlines():
+    bad: list[int] = []
+    for number, line in enumerate(text.splitlines(), 1):
         fields = line.split()
         if not fields:
             continue
         if _JOB_ID.fullmatch(fields[0]):
             jobs[fields[0]] = None
         else:
-            bad.append(fields[0])
+            bad.append(number)
     return tuple(jobs), tuple(bad)
 
 
@@ -90,8 +92,8 @@ def job_map_reading(
             continue
         jobs, bad = parse_job_ids(f.text)
         if bad:
-            out.append(f"slurm job map file {_shown(f.name)}: {len(bad)} line(s) not starting with a Slurm job id, "
-                       f"first {_shown(bad[0], 32)}")
+            out.append(f"slurm job map file {_shown(f.name)}: {len(bad)} line(s) not starting with a numeric "
+                       f"Slurm job id ($SLURM_JOB_ID), first line {bad[0]}")
         found.update(SlurmAllocation(index, job) for index in indexes for job in jobs)
     ordered = sorted(found, key=lambda a: (a.device_index, a.job))
     return SlurmJobMapReading(tuple(ordered), True, tuple(out))

@@ -9,12 +9,14 @@ of users costs a ``stat`` per scrape.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import threading
 
 # An HPC site's passwd with 100,000 users is under 10 MiB; never buffer more than this.
 MAX_PASSWD_BYTES = 16 << 20
 _READ_CHUNK = 1 << 20
+_UID = re.compile(r"[0-9]{1,10}")
 
 
 def parse_passwd(data: bytes) -> dict[int, str]:
@@ -25,7 +27,8 @@ def parse_passwd(data: bytes) -> dict[int, str]:
     names: dict[int, str] = {}
     for line in data.decode("utf-8", errors="replace").splitlines():
         fields = line.split(":")
-        if len(fields) != 7 or not fields[2].isdigit():
+        # ASCII digits only: str.isdigit() takes superscript and Arabic-Indic digits too.
+        if len(fields) != 7 or not _UID.fullmatch(fields[2]):
             continue
         name = fields[0]
         if not name or name[0] in "+-#" or name != name.strip():
