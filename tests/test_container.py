@@ -264,7 +264,8 @@ def test_demo_read_prints_the_series(buildah, container):
     assert 'mig_exporter_read_success{source="demo"} 1.0' in out
     assert 'mig_exporter_device_memory_used_bytes{card="0",index="1000",mig_profile="3g.40gb"} 1.2229541888e+10' in out
     assert ('mig_exporter_process_info{card="1",container="",container_id="",index="1",mig_profile="",'
-            'namespace="",pid="50102",pod="",process_name="/usr/local/bin/llama-server",process_type="G"} 1.0') in out
+            'namespace="",pid="50102",pod="",process_name="/usr/local/bin/llama-server",process_type="G",slurm_job="",'
+            'slurm_step="",systemd_unit="",user=""} 1.0') in out
 
 
 def test_the_image_can_speak_to_the_kubelet(buildah, container):
