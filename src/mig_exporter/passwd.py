@@ -13,6 +13,8 @@ import re
 import stat
 import threading
 
+from mig_exporter.procfs import read_fd
+
 # An HPC site's passwd with 100,000 users is under 10 MiB; never buffer more than this.
 MAX_PASSWD_BYTES = 16 << 20
 _READ_CHUNK = 1 << 20
@@ -62,7 +64,7 @@ class PasswdFile:
             with self._lock:
                 if key == self._key:
                     return self._names, _cut(self.path, info.st_size)
-            data = _read_bounded(fd)
+            data = read_fd(fd, MAX_PASSWD_BYTES, _READ_CHUNK)
         except OSError as e:
             return {}, f"cannot read the passwd file {self.path}: {e.strerror or e}; users are shown as uids"
         finally:
@@ -79,15 +81,3 @@ def _cut(path: str, size: int) -> str | None:
     if size <= MAX_PASSWD_BYTES:
         return None
     return f"the passwd file {path} is larger than {MAX_PASSWD_BYTES >> 20} MiB: names from its start only"
-
-
-def _read_bounded(fd: int) -> bytes:
-    chunks: list[bytes] = []
-    total = 0
-    while total < MAX_PASSWD_BYTES:
-        chunk = os.read(fd, min(_READ_CHUNK, MAX_PASSWD_BYTES - total))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        total += len(chunk)
-    return b"".join(chunks)

@@ -258,19 +258,24 @@ def read_process(directory: str) -> ProcEntry | None:
     return entry
 
 
+def read_fd(fd: int, limit_bytes: int, chunk_bytes: int = _READ_CHUNK) -> bytes:
+    """What ``fd`` gives until end of file, at most ``limit_bytes`` of it."""
+    chunks: list[bytes] = []
+    total = 0
+    while total < limit_bytes:
+        chunk = os.read(fd, min(chunk_bytes, limit_bytes - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def _read(path: str) -> bytes:
     """The file, up to MAX_FILE_BYTES, read until end of file."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks: list[bytes] = []
-        total = 0
-        while total < MAX_FILE_BYTES:
-            chunk = os.read(fd, min(_READ_CHUNK, MAX_FILE_BYTES - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return read_fd(fd, MAX_FILE_BYTES)
     finally:
         os.close(fd)
 
