@@ -234,7 +234,13 @@ def test_end_to_end_read_on_a_slurm_and_systemd_host(fake_nvidia_smi, tmp_path, 
     smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
     passwd = tmp_path / "passwd"
     passwd.write_text(PASSWD)
-    result = _read(["--nvidia-smi", str(smi), "--proc.root", _hpc(tmp_path), "--kubelet.pod-resources-socket", ""],
+    # The prolog's job map: 0/mig0 by its MIG UUID to job 4242 (jobstats' "jobid uid"), card 1 by its index.
+    job_map = tmp_path / "job-map"
+    job_map.mkdir()
+    (job_map / "MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b").write_text("4242 1000\n")
+    (job_map / "1").write_text("4300\n")
+    result = _read(["--nvidia-smi", str(smi), "--proc.root", _hpc(tmp_path), "--kubelet.pod-resources-socket", "",
+                    "--slurm.job-map-dir", str(job_map)],
                    {"MIG_EXPORTER_HOST_PASSWD": str(passwd), "MIG_EXPORTER_KUBERNETES": kubernetes})
     assert result.returncode == 0, result.stderr
     families = list(text_string_to_metric_families(result.stdout))
@@ -252,6 +258,10 @@ def test_end_to_end_read_on_a_slurm_and_systemd_host(fake_nvidia_smi, tmp_path, 
     assert sample_value(families, "mig_exporter_systemd_unit_memory_used_bytes",
                         {"systemd_unit": "session-3.scope"}) == 1698693120
     assert {s.labels["pod"] for s in samples_of(families, "mig_exporter_process_info")} == {""}
+    assert sample_value(families, "mig_exporter_slurm_job_map_read_success") == 1
+    assert {(s.labels["index"], s.labels["slurm_job"], s.labels["resource"])
+            for s in samples_of(families, "mig_exporter_device_allocation_info")} == {
+        ("1000", "4242", "slurm"), ("1", "4300", "slurm")}
     assert "Traceback" not in result.stderr
 
 
