@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MIB, REPO, SAMPLES
+from conftest import MIB, REPO, SAMPLES, fixture_bytes
 from kube_node import PODS, make_kubelet_logs
 from test_dashboards import FOLDED, concrete, dashboard_queries
 from test_pods import demo_proc
@@ -160,3 +160,43 @@ def test_dashboard_queries_are_the_ones_checked():
     queries = dashboard_queries()
     assert len(queries) >= 20
     assert any(re.search(r"engine_memory_used_bytes", expr) for _, _, expr in queries)
+
+
+def test_a_firing_alert_holds_through_failed_reads_of_a_real_exporter(fake_nvidia_smi, tmp_path):
+    """Defect 4 of issue 15 with the real parts: Prometheus scrapes a real exporter every
+    second, MIGCardHasNoInstances fires, then two or three reads in a row fail (nvidia-smi
+    exits 9; the device and card series leave the scrape). The alert must stay firing at
+    every look, where a bare `mig_exporter_card_mig_instances == 0` would resolve and go
+    back to pending."""
+    _prometheus_binary()
+    real = fake_nvidia_smi(fixture_bytes("a100-mig-nothing-carved.xml"), fixture_bytes("a100-mig-nothing-carved.L.txt"))
+    failing = tmp_path / "failing"
+    smi = tmp_path / "flaky-nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nif [ -e '{failing}' ]; then echo 'driver gone' >&2; exit 9; fi\nexec '{real}' \"$@\"\n")
+    smi.chmod(0o755)
+    rules = yaml.safe_load(ALERTS.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "MIGCardHasNoInstances":
+                rule["for"] = "3s"
+    rules_path = tmp_path / "alerts.yml"
+    rules_path.write_text(yaml.safe_dump(rules))
+
+    with exporter(smi, tmp_path) as exp, prometheus(exp.address, tmp_path, rule_files=(rules_path,)) as prom:
+        firing = _wait("firing", lambda: _firing(prom, "MIGCardHasNoInstances"))
+        assert [(a["labels"]["card"], a["labels"]["instance"]) for a in firing] == [("0", exp.address)]
+        failing.touch()
+        looks = []
+        deadline = time.monotonic() + 3.0  # two or three failed reads at one scrape a second
+        while time.monotonic() < deadline:
+            looks.append(len(_firing(prom, "MIGCardHasNoInstances")))
+            time.sleep(0.2)
+        failing.unlink()
+        # The reads did fail, and the card's series did leave those scrapes...
+        assert _value(prom, f'min_over_time(mig_exporter_read_success{{instance="{exp.address}"}}[10s])') == 0
+        seen = _value(prom, f'count_over_time(mig_exporter_card_mig_instances{{instance="{exp.address}",card="0"}}[4s])')
+        assert seen < 4, f"the card's series was in every scrape ({seen}): no read failed"
+        # ...and the alert held at every look.
+        assert looks and set(looks) == {1}, looks
+        assert _wait("firing again", lambda: _firing(prom, "MIGCardHasNoInstances"))
+    assert "Traceback" not in exp.log.text()
