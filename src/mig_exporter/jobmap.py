@@ -24,7 +24,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from mig_exporter.logs import shown
 from mig_exporter.pods import card_device_indexes, uuid_device_indexes
+from mig_exporter.procfs import read_fd
 from mig_exporter.snapshot import SlurmAllocation, SlurmJobMapReading, Snapshot
 
 MAX_FILE_BYTES = 64 * 1024  # a job id per line: far beyond any real node's jobs
@@ -45,11 +47,6 @@ class JobMapFile:
 
 class BadFile(Exception):
     """A directory entry that is not a job-map file to read (the message says why)."""
-
-
-def _shown(text: str, limit: int = 80) -> str:
-    """A name or field from the directory as one printable line: it may hold anything."""
-    return ascii(text[:limit] + ("..." if len(text) > limit else ""))
 
 
 def parse_job_ids(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -87,12 +84,12 @@ def job_map_reading(
     for f in files:
         indexes = file_devices(snapshot, f.name)
         if not indexes:
-            out.append(f"slurm job map file {_shown(f.name)}: names no device read "
+            out.append(f"slurm job map file {shown(f.name)}: names no device read "
                        "(a card's index or a GPU-/MIG- UUID expected)")
             continue
         jobs, bad = parse_job_ids(f.text)
         if bad:
-            out.append(f"slurm job map file {_shown(f.name)}: {len(bad)} line(s) not starting with a numeric "
+            out.append(f"slurm job map file {shown(f.name)}: {len(bad)} line(s) not starting with a numeric "
                        f"Slurm job id ($SLURM_JOB_ID), first line {bad[0]}")
         found.update(SlurmAllocation(index, job) for index in indexes for job in jobs)
     ordered = sorted(found, key=lambda a: (a.device_index, a.job))
@@ -149,7 +146,7 @@ class SlurmJobMap:
             try:
                 files.append(JobMapFile(name, read_entry(dir_fd, name)))
             except BadFile as e:
-                problems.append(f"slurm job map file {_shown(name)}: {e}")
+                problems.append(f"slurm job map file {shown(name)}: {e}")
         return files, problems
 
 
@@ -172,22 +169,15 @@ def read_entry(dir_fd: int, name: str) -> str:
         raise BadFile(f"cannot open: {e.strerror or e}") from None
     try:
         _check_kind(os.fstat(fd).st_mode)
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_FILE_BYTES:
-            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        data = read_fd(fd, MAX_FILE_BYTES + 1)  # one byte over tells a file too large
     except OSError as e:
         raise BadFile(f"cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
-    if size > MAX_FILE_BYTES:
+    if len(data) > MAX_FILE_BYTES:
         raise BadFile(f"larger than {MAX_FILE_BYTES} bytes, skipped")
     try:
-        return b"".join(chunks).decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadFile(f"not UTF-8 text (byte {e.start})") from None
 

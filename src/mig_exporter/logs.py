@@ -31,6 +31,14 @@ def _exception(formatter: logging.Formatter, record: logging.LogRecord) -> str |
     return record.exc_text or None
 
 
+def shown(text: str, limit_chars: int = 64) -> str:
+    """Text from outside (a client's query, a file's name) as a log line can
+    hold it: escaped to printable ASCII, quoted, one line, at most
+    ``limit_chars`` long."""
+    escaped = ascii(text)
+    return escaped if len(escaped) <= limit_chars else escaped[: limit_chars - 4] + "...'"
+
+
 def logfmt_value(value: str) -> str:
     """A value as logfmt writes it: bare when it can be, else quoted with
     ``"``, ``\\`` and line breaks escaped, so the record stays one line."""

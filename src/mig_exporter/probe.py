@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from mig_exporter.collector import snapshot_families
 from mig_exporter.config import TARGET_NAME, Config, ConfigError, ProbeTarget, _one_line, load_config
+from mig_exporter.logs import shown
 from mig_exporter.scrape import ReadOutcome, Scraper
 from mig_exporter.source_smi import DEFAULT_TIMEOUT_S, NvidiaSmiSource
 
@@ -329,5 +330,4 @@ def _target_for_query(query: str, targets: Mapping[str, ProbeTarget]) -> ProbeTa
 
 def _shown(text: str) -> str:
     """Client input as it can be echoed: escaped to printable ASCII, one line, bounded."""
-    shown = ascii(text)
-    return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 4] + "...'"
+    return shown(text, _SHOWN_CHARS)

@@ -47,6 +47,7 @@ import bcrypt
 import yaml
 
 from mig_exporter.config import _kind, _one_line, _parse_yaml, _read_file, _show, _yaml_error, parse_duration
+from mig_exporter.logs import shown
 
 log = logging.getLogger("mig_exporter.web")
 
@@ -769,8 +770,7 @@ def _ssl_reason(e: BaseException) -> str:
 
 
 def _shown(text: str) -> str:
-    shown = ascii(text)
-    return shown if len(shown) <= 66 else shown[:62] + "...'"
+    return shown(text, 66)
 
 
 # --- watching the file --------------------------------------------------------------------------
