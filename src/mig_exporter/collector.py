@@ -11,7 +11,8 @@ unknown value is left out, never written as 0. Sample output (demo)::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -20,6 +21,7 @@ from mig_exporter.snapshot import (
     EngineReading,
     OwnerReading,
     PodReading,
+    Process,
     ProcessOwner,
     ProcessPod,
     SlurmJobMapReading,
@@ -34,6 +36,7 @@ SLURM_RESOURCE = "slurm"  # the resource label of a device a Slurm job-map file 
 # Never "job": Prometheus sets that label on every series it scrapes.
 OWNER_LABELS = ["slurm_job", "slurm_step", "systemd_unit", "user"]
 NO_OWNER = ProcessOwner(0, None, None, None, None)
+K = TypeVar("K")  # what memory is summed by: a pod's container, a Slurm job, a systemd unit
 
 
 def _device_labels(d: Device) -> list[str]:
@@ -257,15 +260,11 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
         )
         ok.add_metric([], 1 if reading.pod_resources_success else 0)
         yield ok
-    sums: dict[tuple[str, str, str], int | None] = {}
-    for p in snapshot.processes:
+    def container(p: Process) -> tuple[str, str, str] | None:
         pod = reading.processes.get(p.pid)
-        if pod is None or not pod.pod:
-            continue
-        key = (pod.namespace, pod.pod, pod.container)
-        if key in sums and sums[key] is None:
-            continue
-        sums[key] = None if p.used_bytes is None else (sums.get(key) or 0) + p.used_bytes
+        return None if pod is None or not pod.pod else (pod.namespace, pod.pod, pod.container)
+
+    sums = _memory_by(snapshot, container)
     used = GaugeMetricFamily(
         "mig_exporter_pod_memory_used_bytes",
         "Device memory the processes of a pod's container hold, summed over all devices, in bytes "
@@ -273,9 +272,21 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
         labels=POD_LABELS,
     )
     for key, value in sorted(sums.items()):
-        if value is not None:
-            used.add_metric(list(key), value)
+        used.add_metric(list(key), value)
     yield used
+
+
+def _memory_by(snapshot: Snapshot, key_of: Callable[[Process], K | None]) -> dict[K, int]:
+    """Process memory summed per key (``None``: not counted). A key one of
+    whose processes the driver gives no figure for is left out: its sum would
+    be too low."""
+    sums: dict[K, int | None] = {}
+    for p in snapshot.processes:
+        key = key_of(p)
+        if key is None or (key in sums and sums[key] is None):
+            continue
+        sums[key] = None if p.used_bytes is None else (sums.get(key) or 0) + p.used_bytes
+    return {key: value for key, value in sums.items() if value is not None}
 
 
 def allocation_families(pods: PodReading | None, job_map: SlurmJobMapReading | None) -> Iterator[Metric]:
@@ -317,16 +328,9 @@ def owner_families(reading: OwnerReading, snapshot: Snapshot) -> Iterator[Metric
         mig_exporter_slurm_job_memory_used_bytes{slurm_job="4242"} 2.147483648e+10
         mig_exporter_systemd_unit_memory_used_bytes{systemd_unit="ollama.service"} 1.207959552e+10
     """
-    jobs: dict[str, int | None] = {}
-    units: dict[str, int | None] = {}
-    for p in snapshot.processes:
-        owner = reading.processes.get(p.pid)
-        if owner is None:
-            continue
-        for sums, key in ((jobs, owner.slurm_job), (units, owner.systemd_unit)):
-            if key is None or (key in sums and sums[key] is None):
-                continue
-            sums[key] = None if p.used_bytes is None else (sums.get(key) or 0) + p.used_bytes
+    owners = reading.processes
+    jobs = _memory_by(snapshot, lambda p: owners[p.pid].slurm_job if p.pid in owners else None)
+    units = _memory_by(snapshot, lambda p: owners[p.pid].systemd_unit if p.pid in owners else None)
     for name, label, what, sums in (
         ("mig_exporter_slurm_job_memory_used_bytes", "slurm_job", "a Slurm job's processes (all its steps)", jobs),
         ("mig_exporter_systemd_unit_memory_used_bytes", "systemd_unit", "a systemd unit's processes", units),
@@ -338,8 +342,7 @@ def owner_families(reading: OwnerReading, snapshot: Snapshot) -> Iterator[Metric
             labels=[label],
         )
         for key, value in sorted(sums.items()):
-            if value is not None:
-                family.add_metric([key], value)
+            family.add_metric([key], value)
         yield family
 
 
