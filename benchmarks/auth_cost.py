@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import bcrypt
 
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
-from mig_exporter.source_demo import DemoSource
-from mig_exporter.webconfig import BasicAuth, WebSettings
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.demo import DemoSource
+from mig_exporter.web.server import ExporterServer
+from mig_exporter.web.webconfig import BasicAuth, WebSettings
 
 COST = 10
 

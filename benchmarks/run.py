@@ -51,8 +51,8 @@ from pathlib import Path
 import mig_exporter
 from benchmarks import scenarios
 from benchmarks.scenarios import BIG_MIG, MAIN_SHAPES, SINGLE, Shape
-from mig_exporter.scrape import ReadOutcome, Scraper
-from mig_exporter.source_smi import snapshot_from_smi
+from mig_exporter.metrics.scrape import ReadOutcome, Scraper
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
 
 # What Prometheus 2.42 (Debian's, which the tests run) sends with every scrape.
 PROMETHEUS_ACCEPT = (
@@ -140,7 +140,7 @@ class _Families:
 def render(families: list, accept: str) -> bytes:
     """Render as the server does for this Accept header."""
     try:
-        from mig_exporter.exposition import render as fast_render
+        from mig_exporter.metrics.exposition import render as fast_render
     except ImportError:  # before the exporter had its own encoder
         from prometheus_client.exposition import choose_encoder
 
@@ -386,7 +386,7 @@ class NvmlBench:
             self.nvitop_error = f"nvitop-exporter not installed ({e.name}); pip install '.[bench]'"
 
     def ours(self, shape: Shape) -> tuple[Callable[[], bytes], Callable[[], object]]:
-        from mig_exporter.source_nvml import NvmlSource
+        from mig_exporter.sources.nvml import NvmlSource
 
         source = NvmlSource()
         scraper = Scraper(source)
@@ -627,7 +627,7 @@ def profile(path: str, reps: int) -> str:
             return nvml.nvitop_error
         nvml.fake.set_scenario(scenarios.nvml_scenario(shape))
         if path == "nvml":
-            from mig_exporter.source_nvml import NvmlSource
+            from mig_exporter.sources.nvml import NvmlSource
 
             source = NvmlSource()  # read_now: in this thread, where cProfile sees it
 
@@ -653,7 +653,7 @@ SERVE_STAGES = (
     ("  read: nvidia-smi runs, parse, placement", "NvidiaSmiSource.read"),
     ("    run the two commands (spawn, pipes, wait)", "run_command"),
     ("    parse -q -x (lxml and our reading)", "parse_query_xml"),
-    ("      lxml's own parse", "parse_query_xml (mig_exporter/smi_xml.py:{fromstring})"),
+    ("      lxml's own parse", "parse_query_xml (mig_exporter/nvidia_smi/query_xml.py:{fromstring})"),
     ("    -L and its join", "apply_listing"),
     ("    placement", "place"),
     ("  collect: snapshot to families", "Scraper.families_for"),
@@ -668,7 +668,7 @@ def profile_serve(seconds: float) -> str:
     spy = Path(sys.executable).with_name("py-spy")
     if not spy.exists():
         return "py-spy not installed; pip install '.[bench]'"
-    import mig_exporter.smi_xml as smi_xml
+    import mig_exporter.nvidia_smi.query_xml as smi_xml
 
     fromstring_line = next(i for i, line in enumerate(Path(smi_xml.__file__).read_text().splitlines(), 1)
                            if "etree.fromstring(" in line)

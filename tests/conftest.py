@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mig_exporter.collector import snapshot_families
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
-from mig_exporter.snapshot import Snapshot
-from mig_exporter.source_smi import snapshot_from_smi
+from mig_exporter.metrics.families import snapshot_families
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.web.server import ExporterServer
 
 # Any skip fails the run: a group is left out by deselecting it, never by skipping.
 pytest_plugins = ["no_silent_skips"]

@@ -1,6 +1,6 @@
 """A fake kubelet: the real pod-resources gRPC API, served by grpcio on a unix socket.
 
-The messages and the service come from ``src/mig_exporter/podresources.proto``,
+The messages and the service come from ``src/mig_exporter/kubernetes/podresources.proto``,
 compiled with grpcio-tools when the tests start (``compile_proto``), so the
 bytes the exporter decodes are what the protobuf library encodes, not what
 our own decoder would expect. Each answer also carries the fields the exporter
@@ -23,7 +23,7 @@ from types import ModuleType
 
 import grpc
 
-PROTO = Path(__file__).resolve().parent.parent / "src" / "mig_exporter" / "podresources.proto"
+PROTO = Path(__file__).resolve().parent.parent / "src" / "mig_exporter" / "kubernetes" / "podresources.proto"
 
 
 def compile_proto(out: Path) -> ModuleType:

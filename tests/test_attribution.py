@@ -7,11 +7,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from conftest import MIB, scenario
-from mig_exporter.attribution import EngineWatch, engine_reading
-from mig_exporter.engines import DEFAULT_SETTINGS, parse_engines
-from mig_exporter.procfs import ProcfsSource
-from mig_exporter.snapshot import EngineProcess, EngineReading
-from mig_exporter.source_demo import DemoProcs, DemoSource
+from mig_exporter.engines.attribution import EngineReader, engine_reading
+from mig_exporter.engines.rules import DEFAULT_SETTINGS, parse_engines
+from mig_exporter.host.procfs import ProcfsSource
+from mig_exporter.model.readings import EngineProcess, EngineReading
+from mig_exporter.sources.demo import DemoProcs, DemoSource
 from proc_tree import CONTAINER_NS, Proc, make_proc
 
 LLAMA = ["/usr/local/bin/llama-server", "-m", "/models/q.gguf", "-ngl", "99"]
@@ -25,7 +25,7 @@ def demo_gpu():
 
 
 def read(root: Path, snapshot, settings=DEFAULT_SETTINGS) -> EngineReading:
-    watch = EngineWatch(settings, ProcfsSource(str(root)))
+    watch = EngineReader(settings, ProcfsSource(str(root)))
     return watch.reading(*watch.read_procs(), snapshot)
 
 
@@ -125,7 +125,7 @@ def test_a_driver_listing_no_process_is_no_mismatch(tmp_path):
 
 
 def test_the_demo_host():
-    watch = EngineWatch(DEFAULT_SETTINGS, DemoProcs())
+    watch = EngineReader(DEFAULT_SETTINGS, DemoProcs())
     assert engine_reading(DEFAULT_SETTINGS, *watch.read_procs(), demo_gpu()).processes == (
         EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),
         EngineProcess("llama.cpp", 50102, "llama-server", 20480 * MIB, (1,)),

@@ -17,9 +17,9 @@ from conftest import REPO
 sys.path.insert(0, str(REPO))
 from benchmarks import scenarios
 from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING
-from mig_exporter.smi_xml import parse_query_xml
-from mig_exporter.source_nvml import NvmlSource
-from mig_exporter.source_smi import snapshot_from_smi
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.query_xml import parse_query_xml
+from mig_exporter.sources.nvml import NvmlSource
 
 
 def test_big_mig_is_eight_cards_of_seven_instances_with_sixteen_processes_each():

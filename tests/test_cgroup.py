@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mig_exporter.cgroup import CgroupIdentity, parse_cgroup, parse_path
-from mig_exporter.procfs import ProcfsSource
+from mig_exporter.host.cgroup import CgroupIdentity, parse_cgroup, parse_path
+from mig_exporter.host.procfs import ProcfsSource
 from proc_tree import Proc, make_proc
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cgroup"

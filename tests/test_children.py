@@ -50,8 +50,8 @@ def kill_all(pids: list[int]) -> None:
 
 _DOUBLE_FLOOD = textwrap.dedent("""
     import resource, sys, time
-    from mig_exporter.errors import OutputTooLarge
-    from mig_exporter.source_smi import NvidiaSmiSource
+    from mig_exporter.core.errors import OutputTooLarge
+    from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
     source = NvidiaSmiSource(sys.argv[1], timeout_s=60)  # the default cap
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.monotonic()
@@ -88,8 +88,8 @@ def test_a_read_whose_two_commands_both_flood_holds_at_most_the_reads_cap(fake_n
 
 _AS_PID_1 = textwrap.dedent("""
     import os, sys, time
-    from mig_exporter.errors import ReadError
-    from mig_exporter.source_smi import NvidiaSmiSource
+    from mig_exporter.core.errors import ReadError
+    from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
     assert os.getpid() == 1, os.getpid()
     source = NvidiaSmiSource(sys.argv[1], timeout_s=0.3)
     failed = 0
@@ -164,7 +164,7 @@ def test_read_kills_the_grandchildren_that_escaped_and_does_not_wait_for_their_s
 
 _HELPER_OF_A_RUNNING_COMMAND = textwrap.dedent("""
     import os, sys, threading, time
-    from mig_exporter.command import reaping, run_command
+    from mig_exporter.sources.command import reaping, run_command
     pidfile = sys.argv[1]
     # A double-forks a helper into a session of its own and waits for its answer (0.5 s); the
     # helper then stays, holding A's stdout.
@@ -260,7 +260,7 @@ def _ignore(url: str) -> None:
 # --- reaper.py -----------------------------------------------------------------------------------
 
 def test_child_pids_lists_this_process_children_with_or_without_children_files(tmp_path):
-    from mig_exporter.reaper import child_pids
+    from mig_exporter.sources.reaper import child_pids
     from proc_tree import Proc, make_proc
 
     sleepers = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
@@ -278,8 +278,8 @@ def test_child_pids_lists_this_process_children_with_or_without_children_files(t
 
 
 def test_the_child_subreaper_flag_is_set_and_given_up():
-    from mig_exporter.command import reaping
-    from mig_exporter.reaper import is_child_subreaper
+    from mig_exporter.sources.command import reaping
+    from mig_exporter.sources.reaper import is_child_subreaper
 
     assert not is_child_subreaper()
     with reaping() as done:

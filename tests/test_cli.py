@@ -997,7 +997,7 @@ def test_a_traceback_stays_inside_its_one_log_line() -> None:
     import json
     import logging
 
-    from mig_exporter.logs import JsonFormatter, LogfmtFormatter
+    from mig_exporter.core.logs import JsonFormatter, LogfmtFormatter
 
     try:
         raise ValueError("boom\nsecond line")

@@ -6,9 +6,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import MIB, sample_value, scenario
-from mig_exporter.errors import CommandTimeout
-from mig_exporter.scrape import ScrapeCollector, Scraper
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.core.errors import CommandTimeout
+from mig_exporter.metrics.scrape import ScrapeCollector, Scraper
+from mig_exporter.sources.demo import DemoSource
 
 
 class _Fixed:
@@ -139,7 +139,7 @@ def test_an_unexpected_exception_in_a_source_is_a_failed_read_not_a_crash(caplog
 
 def test_problems_are_counted_and_logged_once_until_they_clear(caplog):
     from conftest import fixture_bytes
-    from mig_exporter.source_smi import snapshot_from_smi
+    from mig_exporter.nvidia_smi.build import snapshot_from_smi
 
     broken = snapshot_from_smi(fixture_bytes("h100-mig-processes.xml"), b"garbage")
     fine = scenario("h100-mig-processes")

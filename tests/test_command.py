@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _proc_stats
-from mig_exporter.command import CommandResult, run_command
-from mig_exporter.errors import (
+from mig_exporter.core.errors import (
     CommandError,
     CommandFailed,
     CommandNotFound,
@@ -22,6 +21,7 @@ from mig_exporter.errors import (
     OutputTooLarge,
     ReadError,
 )
+from mig_exporter.sources.command import CommandResult, run_command
 
 MIB = 1024 * 1024
 DRIVER_ERROR = (
@@ -315,7 +315,7 @@ def test_cancel_stops_a_running_command_at_once(tmp_path: Path) -> None:
 def test_kill_running_takes_down_commands_in_flight(tmp_path: Path) -> None:
     import threading
 
-    from mig_exporter.command import kill_running
+    from mig_exporter.sources.command import kill_running
 
     pidfile = tmp_path / "pid"
     errors: list[Exception] = []

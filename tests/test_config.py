@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mig_exporter.config import ConfigError, ProbeTarget, load_config, parse_config, parse_duration
+from mig_exporter.config.file import ConfigError, ProbeTarget, load_config, parse_config, parse_duration
 
 
 def errors_of(text: str) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mig_exporter.device_class import card_class, mig_device_class
+from mig_exporter.model.device_class import card_class, mig_device_class
 
 MIB = 1024 * 1024
 

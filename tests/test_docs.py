@@ -6,18 +6,18 @@ import re
 
 from conftest import REPO, scenario
 from kube_node import PODS, make_kubelet_logs
-from mig_exporter.attribution import EngineWatch
-from mig_exporter.config import ProbeTarget, parse_config
-from mig_exporter.engines import DEFAULT_SETTINGS
-from mig_exporter.errors import CommandFailed
-from mig_exporter.jobmap import SlurmJobMap
-from mig_exporter.owners import OwnerWatch
-from mig_exporter.podresources import PodResourcesClient
-from mig_exporter.pods import PodWatch
-from mig_exporter.probe import Prober, ProbeResult
-from mig_exporter.procfs import ProcfsSource
-from mig_exporter.scrape import ReadOutcome, Scraper
-from mig_exporter.source_demo import DemoProcs, DemoSource
+from mig_exporter.config.file import ProbeTarget, parse_config
+from mig_exporter.core.errors import CommandFailed
+from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.engines.rules import DEFAULT_SETTINGS
+from mig_exporter.host.jobmap import SlurmJobMap
+from mig_exporter.host.owners import OwnerReader
+from mig_exporter.host.procfs import ProcfsSource
+from mig_exporter.kubernetes.podresources import PodResourcesClient
+from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.metrics.scrape import ReadOutcome, Scraper
+from mig_exporter.sources.demo import DemoProcs, DemoSource
+from mig_exporter.web.probe import Prober, ProbeResult
 from proc_tree import CONTAINER_NS, make_proc
 from test_owners import HPC
 from test_pods import demo_proc
@@ -84,13 +84,13 @@ def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
     scrapers += [Scraper(DemoSource()), Scraper(failing)]
     container = str(make_proc(tmp_path / "container", [], namespace=CONTAINER_NS))
     scrapers += [
-        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
-        Scraper(DemoSource(), EngineWatch(DEFAULT_SETTINGS, ProcfsSource(container))),
-        Scraper(failing, EngineWatch(DEFAULT_SETTINGS, DemoProcs())),
-        Scraper(DemoSource(), pods=PodWatch(str(demo_proc(tmp_path / "node")), PodResourcesClient(kubelet.socket_path),
+        Scraper(DemoSource(), EngineReader(DEFAULT_SETTINGS, DemoProcs())),
+        Scraper(DemoSource(), EngineReader(DEFAULT_SETTINGS, ProcfsSource(container))),
+        Scraper(failing, EngineReader(DEFAULT_SETTINGS, DemoProcs())),
+        Scraper(DemoSource(), pods=PodReader(str(demo_proc(tmp_path / "node")), PodResourcesClient(kubelet.socket_path),
                                             str(make_kubelet_logs(tmp_path / "log")))),
         Scraper(DemoSource(), job_map=SlurmJobMap(str(_job_map(tmp_path / "job-map")))),
-        Scraper(DemoSource(), owners=OwnerWatch(str(make_proc(tmp_path / "hpc", HPC)))),
+        Scraper(DemoSource(), owners=OwnerReader(str(make_proc(tmp_path / "hpc", HPC)))),
     ]
     families = [f for scraper in scrapers for f in scraper.families()]
     return _kinds([*families, *_prober().families()])
@@ -177,7 +177,8 @@ def test_the_readme_gives_each_commands_own_log_level_default():
 
 
 def test_the_readme_lists_every_status_the_server_refuses_with():
-    codes = {int(c) for c in re.findall(r"_fail\((\d{3})", (REPO / "src" / "mig_exporter" / "server.py").read_text())}
+    server = (REPO / "src" / "mig_exporter" / "web" / "server.py").read_text()
+    codes = {int(c) for c in re.findall(r"_fail\((\d{3})", server)}
     readme = (REPO / "README.md").read_text()
     listed = re.search(r"Every answer that is not a success \(([^)]*)\)", readme.replace("\n", " "))
     assert listed, "the README lists the refusals it logs"

@@ -13,8 +13,8 @@ from conftest import fixture_bytes
 from fake_nvml import SCENARIOS
 from mig_exporter.cli import cli
 from mig_exporter.doctor import PathReading, compare, diagnose, timed_read
-from mig_exporter.source_nvml import NvmlSource
-from mig_exporter.source_smi import NvidiaSmiSource
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
+from mig_exporter.sources.nvml import NvmlSource
 
 
 def _doctor(fake_nvml_lib, fake_nvidia_smi, nvml_scenario, xml: bytes, listing: bytes, **smi_options):

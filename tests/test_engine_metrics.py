@@ -24,11 +24,11 @@ import pytest
 
 from conftest import MIB, SAMPLES, FakeSmi, value
 from conftest import samples as exposition_samples
-from mig_exporter.attribution import EngineWatch
-from mig_exporter.engines import DEFAULT_SETTINGS
-from mig_exporter.procfs import HOST_PID_NAMESPACE, ProcfsSource
-from mig_exporter.scrape import Scraper
-from mig_exporter.source_smi import NvidiaSmiSource
+from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.engines.rules import DEFAULT_SETTINGS
+from mig_exporter.host.procfs import HOST_PID_NAMESPACE, ProcfsSource
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 from proc_tree import CONTAINER_NS, Proc, make_proc
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,7 +51,7 @@ def demo_xml(pids: dict[int, int] | None = None) -> bytes:
 @pytest.fixture
 def serve(serve):
     """conftest's server, with the default engine presets reading ``proc_root``."""
-    return lambda source, proc_root: serve(Scraper(source, EngineWatch(DEFAULT_SETTINGS, ProcfsSource(proc_root))))
+    return lambda source, proc_root: serve(Scraper(source, EngineReader(DEFAULT_SETTINGS, ProcfsSource(proc_root))))
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

@@ -10,15 +10,15 @@ import pytest
 import yaml
 
 from conftest import REPO
-from mig_exporter.config import ConfigError, load_config
-from mig_exporter.engines import (
+from mig_exporter.config.file import ConfigError, load_config
+from mig_exporter.engines.rules import (
     DEFAULT_SETTINGS,
     PRESETS,
     GpuOffload,
     layers_ask_for_gpu,
     parse_engines,
 )
-from mig_exporter.procfs import ProcEntry
+from mig_exporter.host.procfs import ProcEntry
 
 
 def proc(cmdline: str, comm: str | None = None, exe: str | None = None, state: str = "S") -> ProcEntry:

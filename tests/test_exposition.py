@@ -17,10 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from conftest import FIXTURES, SAMPLES, families_of, fixture_bytes, require_real_corpus
-from mig_exporter import exposition
-from mig_exporter.collector import read_families
-from mig_exporter.exposition import render
-from mig_exporter.source_smi import snapshot_from_smi
+from mig_exporter.metrics import exposition
+from mig_exporter.metrics.exposition import render
+from mig_exporter.metrics.families import read_families
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
 
 ACCEPT_HEADERS = [
     "",

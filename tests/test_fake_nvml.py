@@ -30,9 +30,9 @@ from fake_nvml import (
     h200_shared_gpu_instance,
     one_lost_one_no_permission,
 )
-from mig_exporter.smi_list import apply_listing, parse_list
-from mig_exporter.smi_xml import parse_query_xml
-from mig_exporter.snapshot import CardReading, Memory, MigInstance, ProcessReading
+from mig_exporter.model.snapshot import CardReading, Memory, MigInstance, ProcessReading
+from mig_exporter.nvidia_smi.listing import apply_listing, parse_list
+from mig_exporter.nvidia_smi.query_xml import parse_query_xml
 
 FIXTURE_FILES = {
     "demo": (SAMPLES / "demo.xml", SAMPLES / "demo.L.txt"),

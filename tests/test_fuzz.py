@@ -31,13 +31,14 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import FIXTURES, REAL_CORPUS, SAMPLES
-from mig_exporter.collector import snapshot_families
-from mig_exporter.errors import ParseError
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
-from mig_exporter.smi_list import parse_list
-from mig_exporter.smi_xml import parse_query_xml
-from mig_exporter.source_smi import NvidiaSmiSource, snapshot_from_smi
+from mig_exporter.core.errors import ParseError
+from mig_exporter.metrics.families import snapshot_families
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.listing import parse_list
+from mig_exporter.nvidia_smi.query_xml import parse_query_xml
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
+from mig_exporter.web.server import ExporterServer
 
 FAST = 200
 FULL = 10_000

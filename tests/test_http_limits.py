@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from conftest import calls, fixture_bytes
-from mig_exporter.config import parse_config
-from mig_exporter.connections import Limits, parse_head, raise_open_file_limit
-from mig_exporter.probe import Prober
-from mig_exporter.source_demo import DemoSource
-from mig_exporter.source_smi import NvidiaSmiSource
+from mig_exporter.config.file import parse_config
+from mig_exporter.sources.demo import DemoSource
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
+from mig_exporter.web.connections import Limits, parse_head, raise_open_file_limit
+from mig_exporter.web.probe import Prober
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,11 +143,11 @@ def test_at_the_cap_the_slow_clients_go_first_and_health_checks_answer(serve):
 
 _EMFILE_SERVER = r"""
 import logging, resource, sys, threading
-from mig_exporter.connections import Limits
-from mig_exporter.logs import setup_logging
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.web.connections import Limits
+from mig_exporter.core.logs import setup_logging
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.web.server import ExporterServer
+from mig_exporter.sources.demo import DemoSource
 setup_logging("info", "logfmt")
 server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10,
                         limits=Limits(max_connections=1000, header_timeout_s=30, idle_timeout_s=30))
@@ -232,7 +232,7 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one():
     code = ("import resource\n"
             "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
-            "from mig_exporter.connections import raise_open_file_limit\n"
+            "from mig_exporter.web.connections import raise_open_file_limit\n"
             "print(raise_open_file_limit() == (64, hard), resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.stdout.split() == ["True", "True"], result.stderr
@@ -363,9 +363,9 @@ def test_a_flood_of_guesses_waits_in_its_own_pool_not_in_front_of_a_verified_scr
 
     import bcrypt
 
-    from mig_exporter.scrape import Scraper
-    from mig_exporter.server import ExporterServer
-    from mig_exporter.webconfig import WebSettings
+    from mig_exporter.metrics.scrape import Scraper
+    from mig_exporter.web.server import ExporterServer
+    from mig_exporter.web.webconfig import WebSettings
 
     hashed = bcrypt.hashpw(b"right", bcrypt.gensalt(rounds=10)).decode()  # ~0.07 s a check
     web = tmp_path / "web.yml"

@@ -12,10 +12,17 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SAMPLES, sample_value, samples_of, scenario
-from mig_exporter.jobmap import MAX_FILE_BYTES, JobMapFile, SlurmJobMap, file_devices, job_map_reading, parse_job_ids
-from mig_exporter.scrape import Scraper
-from mig_exporter.snapshot import SlurmAllocation
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.host.jobmap import (
+    MAX_FILE_BYTES,
+    JobMapFile,
+    SlurmJobMap,
+    file_devices,
+    job_map_reading,
+    parse_job_ids,
+)
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.model.readings import SlurmAllocation
+from mig_exporter.sources.demo import DemoSource
 
 H100 = scenario("h100-mig-processes")  # card 0 in MIG mode: 1000-1003
 H100_CARD = "GPU-0e9558c1-530a-493a-fbb8-b64cb580fac2"

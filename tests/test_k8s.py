@@ -10,7 +10,7 @@ import subprocess
 import yaml
 
 from conftest import REPO, require_tool
-from mig_exporter.config import parse_config
+from mig_exporter.config.file import parse_config
 
 K8S = REPO / "deploy" / "k8s"
 CORE_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service"}

@@ -26,13 +26,14 @@ import bcrypt
 import pytest
 
 from conftest import MIB, calls, fixture_bytes, left_behind, require_tool
-from mig_exporter import landing
-from mig_exporter.scrape import ReadOutcome, Scraper
-from mig_exporter.server import ExporterServer
-from mig_exporter.snapshot import EngineProcess, EngineReading, Process
-from mig_exporter.source_demo import DemoSource
-from mig_exporter.source_smi import NvidiaSmiSource
-from mig_exporter.webconfig import WebSettings
+from mig_exporter.metrics.scrape import ReadOutcome, Scraper
+from mig_exporter.model.readings import EngineProcess, EngineReading
+from mig_exporter.model.snapshot import Process
+from mig_exporter.sources.demo import DemoSource
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
+from mig_exporter.web import landing
+from mig_exporter.web.server import ExporterServer
+from mig_exporter.web.webconfig import WebSettings
 
 pytestmark = pytest.mark.timeout(120)
 

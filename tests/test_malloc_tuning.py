@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not hasattr(libc, "gnu_get_libc_version") or not
 # Four threads allocate at once, then malloc_info writes glibc's heaps to a file.
 _HEAPS_AFTER_FOUR_THREADS = """
 import ctypes, sys, threading
-from mig_exporter.malloc_tuning import limit_arenas
+from mig_exporter.core.malloc_tuning import limit_arenas
 
 if sys.argv[1] == "limited":
     print(limit_arenas())

@@ -16,15 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, SAMPLES, sample_value, samples_of
 from kube_node import BY_PID, LLAMA, make_kubelet_logs
-from mig_exporter.cgroup import CgroupIdentity
-from mig_exporter.exposition import render
-from mig_exporter.owners import OwnerWatch, owner_reading
-from mig_exporter.passwd import MAX_PASSWD_BYTES, PasswdFile, parse_passwd
-from mig_exporter.pods import PodWatch
-from mig_exporter.procfs import ProcfsSource, parse_status_uid
-from mig_exporter.scrape import Scraper
-from mig_exporter.snapshot import ProcessOwner
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.host.cgroup import CgroupIdentity
+from mig_exporter.host.owners import OwnerReader, owner_reading
+from mig_exporter.host.passwd import MAX_PASSWD_BYTES, PasswdFile, parse_passwd
+from mig_exporter.host.procfs import ProcfsSource, parse_status_uid
+from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.metrics.exposition import render
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.model.readings import ProcessOwner
+from mig_exporter.sources.demo import DemoSource
 from proc_tree import CONTAINER_NS, Proc, make_proc
 from test_pods import demo_proc
 
@@ -136,7 +136,7 @@ def _owners(families) -> dict[str, tuple[str, str, str, str]]:
 def test_the_host_s_processes_carry_their_job_unit_and_user_and_the_sums(tmp_path):
     passwd = tmp_path / "passwd"
     passwd.write_text(PASSWD)
-    families = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path), str(passwd))).families()
+    families = Scraper(DemoSource(), owners=OwnerReader(_hpc(tmp_path), str(passwd))).families()
     assert _owners(families) == {
         "48213": ("4242", "0", "", "alice"),
         "51877": ("4242", "batch", "", "alice"),
@@ -152,13 +152,13 @@ def test_the_host_s_processes_carry_their_job_unit_and_user_and_the_sums(tmp_pat
 
 
 def test_without_a_passwd_file_users_are_uids(tmp_path):
-    families = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path))).families()
+    families = Scraper(DemoSource(), owners=OwnerReader(_hpc(tmp_path))).families()
     assert {pid: owner[3] for pid, owner in _owners(families).items()} == {
         "48213": "1000", "51877": "1000", "50102": "0", "50318": "2000"}
 
 
 def test_an_unreadable_passwd_file_is_one_problem_logged_once_and_users_are_uids(tmp_path, caplog):
-    scraper = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path), str(tmp_path / "none")))
+    scraper = Scraper(DemoSource(), owners=OwnerReader(_hpc(tmp_path), str(tmp_path / "none")))
     with caplog.at_level(logging.INFO, logger="mig_exporter"):
         for _ in range(3):
             families = scraper.families()
@@ -169,7 +169,7 @@ def test_an_unreadable_passwd_file_is_one_problem_logged_once_and_users_are_uids
 
 
 def test_outside_the_host_pid_namespace_no_process_is_attributed_and_the_sums_are_absent(tmp_path):
-    families = Scraper(DemoSource(), owners=OwnerWatch(_hpc(tmp_path, CONTAINER_NS))).families()
+    families = Scraper(DemoSource(), owners=OwnerReader(_hpc(tmp_path, CONTAINER_NS))).families()
     assert set(_owners(families).values()) == {("", "", "", "")}
     text = render(families, None)[0].decode()
     assert "mig_exporter_slurm_job_memory_used_bytes" not in text
@@ -182,8 +182,8 @@ def test_on_a_kubernetes_node_pods_are_no_units_and_each_cgroup_is_read_once(tmp
     real = ProcfsSource.read_cgroup
     monkeypatch.setattr(ProcfsSource, "read_cgroup", lambda self, pid: reads.append(pid) or real(self, pid))
     proc = str(demo_proc(tmp_path / "proc"))
-    pods = PodWatch(proc, None, str(make_kubelet_logs(tmp_path / "log")))
-    families = Scraper(DemoSource(), pods=pods, owners=OwnerWatch(proc)).families()
+    pods = PodReader(proc, None, str(make_kubelet_logs(tmp_path / "log")))
+    families = Scraper(DemoSource(), pods=pods, owners=OwnerReader(proc)).families()
     assert sorted(reads) == sorted(BY_PID)  # one read per GPU process, for both
     info = {s.labels["pid"]: s.labels for s in samples_of(families, "mig_exporter_process_info")}
     assert info["48213"]["pod"] == LLAMA.pod and info["48213"]["systemd_unit"] == ""
@@ -200,7 +200,7 @@ def test_a_process_the_driver_says_n_a_for_leaves_its_job_s_sum_out(tmp_path):
             return replace(snapshot, processes=tuple(replace(p, used_bytes=None) if p.pid == 51877 else p
                                                      for p in snapshot.processes))
 
-    families = Scraper(NotSaid(), owners=OwnerWatch(_hpc(tmp_path))).families()
+    families = Scraper(NotSaid(), owners=OwnerReader(_hpc(tmp_path))).families()
     assert samples_of(families, "mig_exporter_slurm_job_memory_used_bytes") == []
     assert sample_value(families, "mig_exporter_systemd_unit_memory_used_bytes",
                         {"systemd_unit": "run-u12.service"}) == 20480 * MIB
@@ -208,15 +208,15 @@ def test_a_process_the_driver_says_n_a_for_leaves_its_job_s_sum_out(tmp_path):
 
 def test_out_of_time_the_processes_left_are_a_problem_not_a_hang(tmp_path):
     snapshot = DemoSource().read()
-    reading = OwnerWatch(_hpc(tmp_path)).read(snapshot, timeout_s=-1)
+    reading = OwnerReader(_hpc(tmp_path)).read(snapshot, timeout_s=-1)
     assert reading.processes == {}
     assert reading.problems == ("no time left in the scrape's budget: 4 process(es) may lack their user, "
                                 "Slurm job or systemd unit",)
-    assert OwnerWatch(_hpc(tmp_path / "again")).read(snapshot, timeout_s=5).problems == ()
+    assert OwnerReader(_hpc(tmp_path / "again")).read(snapshot, timeout_s=5).problems == ()
 
 
 def test_probe_answers_have_empty_owner_labels():
-    from mig_exporter.collector import snapshot_families
+    from mig_exporter.metrics.families import snapshot_families
 
     families = list(snapshot_families(DemoSource().read()))
     assert set(_owners(families).values()) == {("", "", "", "")}

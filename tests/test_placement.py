@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mig_exporter.placement import mig_placement_index, place
-from mig_exporter.snapshot import CardReading, Memory, MigInstance, ProcessReading
+from mig_exporter.model.placement import mig_placement_index, place
+from mig_exporter.model.snapshot import CardReading, Memory, MigInstance, ProcessReading
 
 
 def _mig_card(index: int, instances, processes) -> CardReading:

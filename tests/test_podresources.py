@@ -12,7 +12,7 @@ import pytest
 
 from fake_kubelet import Container, Pod, encode
 from kube_node import PODS
-from mig_exporter.podresources import (
+from mig_exporter.kubernetes.podresources import (
     FIELDS,
     LIST_METHOD,
     ContainerDevices,

@@ -19,13 +19,24 @@ import kube_node
 from conftest import MIB, SAMPLES, sample_value, samples_of
 from fake_kubelet import Container, Pod
 from kube_node import BY_PID, LLAMA, NOTEBOOK, PODS, TRAINER, VK_LLAMA, VLLM, make_kubelet_logs
-from mig_exporter.cgroup import CgroupIdentity
-from mig_exporter.podlogs import PodName, parse_container_link, parse_pod_dir, pod_names, read_pod_names
-from mig_exporter.podresources import ContainerDevices, ContainerResources, PodResources, PodResourcesClient
-from mig_exporter.pods import PodWatch, device_indexes, pod_reading
-from mig_exporter.scrape import Scraper
-from mig_exporter.snapshot import Allocation, ProcessPod
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.host.cgroup import CgroupIdentity
+from mig_exporter.kubernetes.podlogs import (
+    PodName,
+    parse_container_link,
+    parse_pod_dir,
+    pod_names,
+    read_pod_names,
+)
+from mig_exporter.kubernetes.podresources import (
+    ContainerDevices,
+    ContainerResources,
+    PodResources,
+    PodResourcesClient,
+)
+from mig_exporter.kubernetes.pods import PodReader, device_indexes, pod_reading
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.model.readings import Allocation, ProcessPod
+from mig_exporter.sources.demo import DemoSource
 from proc_tree import CONTAINER_NS, HOST_CGROUP
 
 DEMO = DemoSource().read()
@@ -151,12 +162,12 @@ def test_a_kubelet_that_failed_gives_no_allocations_and_success_0():
     assert (reading.allocations, reading.pod_resources_success, reading.problems) == (None, False, ("List failed",))
 
 
-# --- PodWatch and the metrics --------------------------------------------------------------------
+# --- PodReader and the metrics --------------------------------------------------------------------
 
-def _watch(tmp_path, socket_path, **kw) -> PodWatch:
+def _watch(tmp_path, socket_path, **kw) -> PodReader:
     proc = demo_proc(tmp_path / "proc", **kw)
     logs = make_kubelet_logs(tmp_path / "log")
-    return PodWatch(str(proc), PodResourcesClient(socket_path) if socket_path else None, str(logs))
+    return PodReader(str(proc), PodResourcesClient(socket_path) if socket_path else None, str(logs))
 
 
 def test_the_node_s_processes_carry_their_pods_and_the_devices_their_allocations(tmp_path, fake_kubelet):
@@ -224,7 +235,7 @@ def test_outside_the_host_pid_namespace_no_process_is_attributed(tmp_path, fake_
 
 
 def test_a_failed_gpu_read_reads_no_pods(tmp_path, fake_kubelet):
-    from mig_exporter.errors import CommandFailed
+    from mig_exporter.core.errors import CommandFailed
 
     class Failing(DemoSource):
         def read(self, timeout_s=None):

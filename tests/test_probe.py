@@ -20,11 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind
-from mig_exporter.config import load_config
-from mig_exporter.probe import Prober
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
-from mig_exporter.source_demo import DemoSource
+from mig_exporter.config.file import load_config
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.demo import DemoSource
+from mig_exporter.web.probe import Prober
+from mig_exporter.web.server import ExporterServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -626,7 +626,7 @@ def test_the_landing_page_links_the_probe_targets(serve: Serve, fake_nvidia_smi:
 
 
 def test_a_reload_hands_the_new_config_to_the_engine_watch(tmp_path):
-    from mig_exporter.config import load_config
+    from mig_exporter.config.file import load_config
 
     path = tmp_path / "mig-exporter.yml"
     path.write_text("engines:\n  presets: {vllm: false}\n")
@@ -644,14 +644,14 @@ def test_a_reload_hands_the_new_config_to_the_engine_watch(tmp_path):
 def test_an_unexpected_error_in_a_reload_is_a_failed_reload_in_one_line(
     serve: Serve, fake_nvidia_smi: FakeSmi, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mig_exporter.probe
+    import mig_exporter.web.probe
 
     exp = serve({"gpu-a": ([str(h100(fake_nvidia_smi))], None)})
 
     def broken(path):
         raise MemoryError
 
-    monkeypatch.setattr(mig_exporter.probe, "load_config", broken)
+    monkeypatch.setattr(mig_exporter.web.probe, "load_config", broken)
     with caplog.at_level(logging.INFO, logger="mig_exporter"):
         status, _, body = exp.get("/-/reload", method="POST")
 

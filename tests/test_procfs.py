@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mig_exporter.procfs import (
+from mig_exporter.host.procfs import (
     HOST_PID_NAMESPACE,
     MAX_FILE_BYTES,
     PidNamespace,

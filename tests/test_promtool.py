@@ -26,12 +26,13 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from conftest import MIB, fixture_bytes, require_tool
-from mig_exporter.attribution import EngineWatch
-from mig_exporter.engines import DEFAULT_SETTINGS
-from mig_exporter.errors import ReadError
-from mig_exporter.scrape import ScrapeCollector, Scraper, Source
-from mig_exporter.source_demo import DemoProcs, DemoSource
-from mig_exporter.source_smi import NvidiaSmiSource
+from mig_exporter.core.errors import ReadError
+from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.engines.rules import DEFAULT_SETTINGS
+from mig_exporter.metrics.scrape import ScrapeCollector, Scraper
+from mig_exporter.sources.base import Source
+from mig_exporter.sources.demo import DemoProcs, DemoSource
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 
 SCENARIOS = [
     "h100-mig-processes",
@@ -78,7 +79,7 @@ class Case:
     devices: int
     # (sample name, labels that must match, value); None means the sample is absent.
     expect: list[tuple[str, dict[str, str], float | None]] = field(default_factory=list)
-    engines: Callable[[], EngineWatch] | None = None  # watch engines beside the read
+    engines: Callable[[], EngineReader] | None = None  # watch engines beside the read
 
 
 def _smi(scenario: str) -> Callable[..., Source]:
@@ -126,7 +127,7 @@ CASES: dict[str, Case] = {
             ("mig_exporter_engine_info", {"pid": "52040", "index": "", "comm": "llama-server"}, 1),
             ("mig_exporter_engine_info", {"pid": "51860", "index": "1001", "comm": "vllm"}, 1),
         ],
-        engines=lambda: EngineWatch(DEFAULT_SETTINGS, DemoProcs()),
+        engines=lambda: EngineReader(DEFAULT_SETTINGS, DemoProcs()),
     ),
     "h100-mig-processes": Case(
         _smi("h100-mig-processes"),

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import MIB, REAL_CORPUS, require_real_corpus
-from mig_exporter.smi_list import parse_list
-from mig_exporter.smi_xml import parse_query_xml
-from mig_exporter.source_smi import snapshot_from_smi
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.listing import parse_list
+from mig_exporter.nvidia_smi.query_xml import parse_query_xml
 from real_corpus_facts import LIST_FACTS, NOT_PARSED, XML_FACTS
 
 

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import MIB, calls, fixture_bytes, left_behind
-from mig_exporter.config import parse_config
-from mig_exporter.probe import Prober
-from mig_exporter.source_smi import NvidiaSmiSource
+from mig_exporter.config.file import parse_config
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
+from mig_exporter.web.probe import Prober
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,8 +157,8 @@ XXE_PARAMETER = (b'<?xml version="1.0"?><!DOCTYPE nvidia_smi_log [<!ENTITY % d S
 
 _MEASURE = textwrap.dedent("""
     import resource, sys, time, tracemalloc
-    from mig_exporter.errors import ParseError
-    from mig_exporter.smi_xml import parse_query_xml
+    from mig_exporter.core.errors import ParseError
+    from mig_exporter.nvidia_smi.query_xml import parse_query_xml
     data = sys.stdin.buffer.read()
     parse_query_xml(b"<nvidia_smi_log/>")  # warm up: imports, the parser
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -15,10 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, fixture_bytes
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer, parse_listen_address
-from mig_exporter.source_demo import DemoSource
-from mig_exporter.source_smi import NvidiaSmiSource
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.demo import DemoSource
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
+from mig_exporter.web.server import ExporterServer, parse_listen_address
 
 
 def _get(url: str, headers: dict[str, str] | None = None, method: str = "GET"):

@@ -11,8 +11,8 @@ import time
 import pytest
 from prometheus_client.core import GaugeMetricFamily
 
-from mig_exporter import shared_scrape
-from mig_exporter.shared_scrape import Answer, ScrapeFailed, SharedScrapes
+from mig_exporter.web import shared_scrape
+from mig_exporter.web.shared_scrape import Answer, ScrapeFailed, SharedScrapes
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 

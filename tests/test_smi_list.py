@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import fixture_bytes
-from mig_exporter.errors import ParseError
-from mig_exporter.smi_list import apply_listing, parse_list
-from mig_exporter.smi_xml import parse_query_xml
-from mig_exporter.source_smi import snapshot_from_smi
+from mig_exporter.core.errors import ParseError
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.listing import apply_listing, parse_list
+from mig_exporter.nvidia_smi.query_xml import parse_query_xml
 
 
 def test_gpu_and_mig_lines_including_compute_instance_profiles():

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import MIB, fixture_bytes
-from mig_exporter.errors import ParseError
-from mig_exporter.smi_xml import _known, _Values, parse_query_xml
+from mig_exporter.core.errors import ParseError
+from mig_exporter.nvidia_smi.query_xml import _known, _Values, parse_query_xml
 
 
 def _log(*gpus: str, head: str = "<driver_version>550.90.07</driver_version>") -> bytes:
@@ -186,7 +186,7 @@ def test_the_parser_itself_expands_no_entity_even_past_the_pre_check():
     whatever the byte-level check lets through."""
     from lxml import etree
 
-    from mig_exporter.smi_xml import _parser
+    from mig_exporter.nvidia_smi.query_xml import _parser
 
     doc = b'<!DOCTYPE r [<!ENTITY a "expanded">]><r><v>&a;</v></r>'
     root = etree.fromstring(doc, _parser())

@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from conftest import MIB, fixture_bytes, sample_value, scenario
 from fake_nvml import OLD_DRIVER_MISSING, SCENARIOS
 from mig_exporter.cli import cli
-from mig_exporter.errors import ReadError
-from mig_exporter.nvml import NvmlUnavailable
-from mig_exporter.scrape import Scraper
-from mig_exporter.source_demo import DemoSource
-from mig_exporter.source_nvml import NvmlSource
+from mig_exporter.core.errors import ReadError
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.demo import DemoSource
+from mig_exporter.sources.nvml import NvmlSource
+from mig_exporter.sources.nvml_gateway import NvmlUnavailable
 
 FIXTURE_SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved",
                      "a100-mig-pending", "na-memory"]

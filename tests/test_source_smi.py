@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind
-from mig_exporter.errors import (
+from mig_exporter.core.errors import (
     CommandFailed,
     CommandNotFound,
     CommandTimeout,
@@ -20,8 +20,8 @@ from mig_exporter.errors import (
     ParseError,
     ReadError,
 )
-from mig_exporter.snapshot import Snapshot
-from mig_exporter.source_smi import NvidiaSmiSource
+from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,10 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from certs import Pair, make_pki, make_server_pair
-from mig_exporter.scrape import Scraper
-from mig_exporter.server import ExporterServer
-from mig_exporter.source_demo import DemoSource
-from mig_exporter.webconfig import WebSettings
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.demo import DemoSource
+from mig_exporter.web.server import ExporterServer
+from mig_exporter.web.webconfig import WebSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,7 +13,7 @@ import bcrypt
 import pytest
 
 from certs import make_pki
-from mig_exporter.webconfig import (
+from mig_exporter.web.webconfig import (
     AUTH_BCRYPT_SLOTS,
     AUTH_FAILED_CACHE_SIZE,
     BasicAuth,
@@ -542,7 +542,7 @@ def test_a_reload_into_an_alias_bomb_keeps_the_config_in_force(tmp_path, caplog)
 def test_an_unexpected_error_in_a_reload_keeps_the_config_in_force(tmp_path, caplog, monkeypatch):
     import logging
 
-    import mig_exporter.webconfig
+    import mig_exporter.web.webconfig
 
     web = tmp_path / "web.yml"
     web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
@@ -551,7 +551,7 @@ def test_an_unexpected_error_in_a_reload_keeps_the_config_in_force(tmp_path, cap
     def broken(path):
         raise RuntimeError("a bug\nin two lines")
 
-    monkeypatch.setattr(mig_exporter.webconfig, "load_web_config", broken)
+    monkeypatch.setattr(mig_exporter.web.webconfig, "load_web_config", broken)
     web.write_text(f"basic_auth_users:\n  bob: {HASH}\n")
     with caplog.at_level(logging.INFO, logger="mig_exporter"):
         assert settings.current().users == ("alice",)

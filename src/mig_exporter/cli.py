@@ -23,31 +23,32 @@ import click
 from click.core import ParameterSource
 
 from mig_exporter import __version__
-from mig_exporter.attribution import EngineWatch
-from mig_exporter.command import kill_running, reaping
-from mig_exporter.config import EMPTY, Config, ConfigError, load_config
-from mig_exporter.connections import Limits, raise_open_file_limit
+from mig_exporter.config.file import EMPTY, Config, ConfigError, load_config
+from mig_exporter.core.errors import CommandError
+from mig_exporter.core.logs import FORMATS, setup_logging
+from mig_exporter.core.malloc_tuning import limit_arenas
 from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
-from mig_exporter.engines import EngineSettings
-from mig_exporter.errors import CommandError
-from mig_exporter.exposition import render
-from mig_exporter.jobmap import SlurmJobMap
-from mig_exporter.logs import FORMATS, setup_logging
-from mig_exporter.malloc_tuning import limit_arenas
-from mig_exporter.owners import OwnerWatch
-from mig_exporter.podlogs import DEFAULT_LOG_DIR
-from mig_exporter.podresources import DEFAULT_SOCKET, PodResourcesClient
-from mig_exporter.pods import PodWatch
-from mig_exporter.probe import DEFAULT_MAX_CONCURRENT, Prober
-from mig_exporter.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
-from mig_exporter.procfs import ProcfsSource
-from mig_exporter.scrape import Scraper, Source
-from mig_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
-from mig_exporter.source_auto import AutoSource
-from mig_exporter.source_demo import DemoProcs, DemoSource
-from mig_exporter.source_nvml import NvmlSource
-from mig_exporter.source_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
-from mig_exporter.webconfig import WebConfigError, WebSettings, load_web_config
+from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.engines.rules import EngineSettings
+from mig_exporter.host.jobmap import SlurmJobMap
+from mig_exporter.host.owners import OwnerReader
+from mig_exporter.host.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
+from mig_exporter.host.procfs import ProcfsSource
+from mig_exporter.kubernetes.podlogs import DEFAULT_LOG_DIR
+from mig_exporter.kubernetes.podresources import DEFAULT_SOCKET, PodResourcesClient
+from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.metrics.exposition import render
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.auto import AutoSource
+from mig_exporter.sources.base import Source
+from mig_exporter.sources.command import kill_running, reaping
+from mig_exporter.sources.demo import DemoProcs, DemoSource
+from mig_exporter.sources.nvidia_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
+from mig_exporter.sources.nvml import NvmlSource
+from mig_exporter.web.connections import Limits, raise_open_file_limit
+from mig_exporter.web.probe import DEFAULT_MAX_CONCURRENT, Prober
+from mig_exporter.web.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
+from mig_exporter.web.webconfig import WebConfigError, WebSettings, load_web_config
 
 ENV_PREFIX = "MIG_EXPORTER_"
 log = logging.getLogger("mig_exporter")
@@ -152,12 +153,12 @@ def _slurm_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _make_pod_watch(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodWatch | None:
+def _make_pod_watch(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
     """Where pods are read from, or None when switched off (and in the demo,
     whose sample host is not a Kubernetes node)."""
     if not kubernetes or demo:
         return None
-    watch = PodWatch(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None)
+    watch = PodReader(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None)
     log.info("watching %s", watch.describe())
     return watch
 
@@ -170,19 +171,19 @@ def _make_job_map(directory: str | None) -> SlurmJobMap | None:
     return job_map
 
 
-def _make_owner_watch(proc_root: str, passwd: str | None, demo: bool) -> OwnerWatch | None:
+def _make_owner_watch(proc_root: str, passwd: str | None, demo: bool) -> OwnerReader | None:
     """Where Slurm jobs, systemd units and users are read from: on any host,
     Kubernetes or not (not in the demo, whose processes have no cgroups)."""
     if demo:
         return None
-    watch = OwnerWatch(proc_root, passwd)
+    watch = OwnerReader(proc_root, passwd)
     log.info("watching %s", watch.describe())
     return watch
 
 
-def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineWatch:
+def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineReader:
     """Which processes are engines, read from /proc or the demo's processes."""
-    watch = EngineWatch(settings, DemoProcs() if demo else ProcfsSource(proc_root))
+    watch = EngineReader(settings, DemoProcs() if demo else ProcfsSource(proc_root))
     log.info("watching %s", watch.describe())
     return watch
 

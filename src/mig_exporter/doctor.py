@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mig_exporter.errors import ReadError
-from mig_exporter.snapshot import MIB, Device, Snapshot
+from mig_exporter.core.errors import ReadError
+from mig_exporter.model.snapshot import MIB, Device, Snapshot
 
 # Memory in use on a device with no process listed, beyond this, means the
 # process list is hidden from us (not in the host PID namespace). An idle

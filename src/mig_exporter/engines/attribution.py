@@ -1,0 +1,145 @@
+"""Attribution: which engine processes hold how much GPU memory, and where.
+
+``engine_reading`` is pure: a /proc table and a GPU snapshot in, an
+``EngineReading`` out. ``EngineReader`` holds the engine settings and where
+processes are read from, for the scraper. The rules, all in docs/engines.md:
+
+- An engine process is the *top-most* process an engine rule matches. A
+  matched process under another matched process (a TGI shard under its
+  launcher, a llama-server started by a matched wrapper) is folded into it,
+  so its memory is counted once, under the top-most engine.
+- Its memory is what the driver lists for its pid, the ids of its threads,
+  and the pids and thread ids of all its descendants, summed over every
+  device. Descendants count because the engines put the model in workers:
+  vLLM's EngineCore, SGLang's schedulers, Triton's Python backend stubs and
+  TGI's shards are child processes, and the parent holds nothing itself.
+- 0 means none of them is on any GPU's process list: the engine runs on the
+  CPU.
+- Without the host's PID namespace the pids /proc shows are not the ones the
+  driver lists, so no engine process is reported at all rather than every
+  one as "on the CPU". The same holds for a read where the driver lists
+  processes and /proc has none of them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+from mig_exporter.engines.rules import EngineSettings
+from mig_exporter.host.procfs import ProcError, ProcReader, ProcTable
+from mig_exporter.model.readings import EngineProcess, EngineReading
+from mig_exporter.model.snapshot import Process, Snapshot
+
+
+class EngineReader:
+    """The engine settings and where to read processes from (a /proc tree,
+    or the demo's bundled table)."""
+
+    def __init__(self, settings: EngineSettings, procs: ProcReader) -> None:
+        self.settings = settings
+        self.procs = procs
+
+    def describe(self) -> str:
+        engines = ", ".join(self.settings.engines) or "none"
+        return f"engines: {engines} (/proc: {self.procs.describe()})"
+
+    def read_procs(self) -> tuple[ProcTable | None, str | None]:
+        """Read /proc now: the table, or ``None`` and why not. With no engine
+        switched on only the namespace is read, for host_pid_namespace."""
+        try:
+            if not self.settings.engines:
+                return ProcTable(self.procs.read_namespace(), {}), None
+            return self.procs.read(), None
+        except ProcError as e:
+            return None, str(e)
+
+    def reading(self, table: ProcTable | None, error: str | None, snapshot: Snapshot | None) -> EngineReading:
+        return engine_reading(self.settings, table, error, snapshot)
+
+
+def engine_reading(
+    settings: EngineSettings, table: ProcTable | None, error: str | None, snapshot: Snapshot | None
+) -> EngineReading:
+    """Map processes to engines and engines to the memory their trees hold.
+
+    ``snapshot`` is ``None`` when the GPU read failed: engines are still
+    counted, but where they are is unknown.
+    """
+    engines = settings.engines
+    placed = snapshot is not None
+    if table is None:
+        return EngineReading(engines, None, None, placed, (error or "cannot read /proc",) if engines else ())
+    host = table.namespace.is_host
+    if not engines:
+        return EngineReading((), host, None, placed)
+    if not host:
+        return EngineReading(engines, False, None, placed, (table.namespace.reason(),))
+    mismatch = _pids_not_ours(table, snapshot)
+    if mismatch:
+        return EngineReading(engines, True, None, placed, (mismatch,))
+
+    procs = table.processes
+    matched = {pid: engine for pid, p in procs.items() if p.alive and (engine := settings.match(p)) is not None}
+    children: dict[int, list[int]] = defaultdict(list)
+    for p in procs.values():
+        if p.ppid != p.pid:
+            children[p.ppid].append(p.pid)
+    on_gpu: dict[int, list[Process]] = defaultdict(list)
+    for gp in snapshot.processes if snapshot else ():
+        on_gpu[gp.pid].append(gp)
+
+    found: list[EngineProcess] = []
+    for pid in sorted(matched):
+        if _has_ancestor_in(pid, matched, lambda q: procs[q].ppid if q in procs else None):
+            continue  # folded into the top-most matched ancestor
+        ids: set[int] = set()
+        for member in _subtree(pid, children):
+            ids.add(member)
+            ids.update(procs[member].thread_ids if member in procs else ())
+        held = [gp for i in sorted(ids) for gp in on_gpu.get(i, ())]
+        unknown = not placed or any(gp.used_bytes is None for gp in held)
+        used = None if unknown else sum(gp.used_bytes or 0 for gp in held)
+        devices = tuple(sorted({gp.device_index for gp in held}))
+        found.append(EngineProcess(matched[pid], pid, procs[pid].comm, used, devices))
+    found.sort(key=lambda e: (e.engine, e.pid))
+    return EngineReading(engines, True, tuple(found), placed)
+
+
+def _has_ancestor_in(pid: int, matched: dict[int, str], parent: Callable[[int], int | None]) -> bool:
+    seen = {pid}
+    current = parent(pid)
+    while current is not None and current not in seen:
+        if current in matched:
+            return True
+        seen.add(current)
+        current = parent(current)
+    return False
+
+
+def _subtree(pid: int, children: dict[int, list[int]]) -> Iterator[int]:
+    seen: set[int] = set()
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        yield current
+        stack.extend(children.get(current, ()))
+
+
+def _pids_not_ours(table: ProcTable, snapshot: Snapshot | None) -> str | None:
+    """The driver lists processes and /proc has none of them: its pids are not
+    the ones we see, whatever the namespace link says, so "on no GPU's list"
+    would mean nothing. (They may also all have exited since; the next read
+    tells.)"""
+    if snapshot is None or not snapshot.processes:
+        return None
+    known = {i for p in table.processes.values() for i in (p.pid, *p.thread_ids)}
+    listed = sorted({p.pid for p in snapshot.processes})
+    if any(pid in known for pid in listed):
+        return None
+    shown = ", ".join(map(str, listed[:5])) + (", ..." if len(listed) > 5 else "")
+    return (f"none of the {len(listed)} process(es) the driver lists (pid {shown}) is in {table.namespace.root}; "
+            "engine metrics are left out of this read")

@@ -1,0 +1,175 @@
+"""Kubernetes attribution: which pod and container each GPU process runs in,
+and which pod each device is allocated to (docs/kubernetes.md).
+
+``pod_reading`` is pure: the GPU snapshot, the processes' cgroup identities,
+the names from the kubelet's log directories and the kubelet's pod-resources
+answer in, a ``PodReading`` out. ``PodReader`` reads those for the scraper,
+right after the GPUs, for the pids the driver listed:
+
+- a process's container id and pod UID come from ``/proc/PID/cgroup``
+  (``cgroup.py``), only where the /proc root is the host's PID namespace,
+  whose pids the driver lists;
+- its namespace, pod and container names from the kubelet's log directory
+  names (``podlogs.py``), by container id, else by pod UID;
+- allocations from the kubelet's pod-resources ``List`` (``podresources.py``):
+  each device id is mapped to placement indexes through the snapshot's UUIDs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from mig_exporter.host.cgroup import CgroupIdentity
+from mig_exporter.host.owners import read_identities
+from mig_exporter.host.procfs import ProcfsSource
+from mig_exporter.kubernetes.podlogs import PodName, PodNames, read_pod_names
+from mig_exporter.kubernetes.podresources import PodResources, PodResourcesClient, PodResourcesError
+from mig_exporter.model.placement import uuid_device_indexes
+from mig_exporter.model.readings import Allocation, PodReading, ProcessPod
+from mig_exporter.model.snapshot import Snapshot
+
+# NVIDIA's device plugin with --device-id-strategy=index: "0" for card 0,
+# "1:2" for MIG device 2 of card 1.
+_CARD_INDEX = re.compile(r"^(\d+)$")
+_MIG_INDEX = re.compile(r"^(\d+):(\d+)$")
+NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
+MIN_CALL_S = 0.05  # less than this left of the scrape's budget: not worth a call
+
+
+def device_indexes(snapshot: Snapshot, resource: str, device_id: str) -> tuple[int, ...]:
+    """The placement indexes a device plugin's device id stands for.
+
+    - ``GPU-…`` and ``MIG-…`` UUIDs (NVIDIA's default id strategy, also the old
+      ``MIG-GPU-…/gi/ci`` form) are looked up among the devices' UUIDs. A whole
+      card's UUID on a card in MIG mode (the "none" MIG strategy gives pods the
+      whole card) stands for all of its instances.
+    - A ``::N`` suffix is a time-slicing or MPS replica of the device: the
+      device is the part before it.
+    - For ``nvidia.com/`` resources only, the index id strategy: ``N`` is card
+      N, ``N:M`` its MIG device M.
+
+    Ids that match nothing (another vendor's, a device that was not read) give ().
+    """
+    base = device_id.split("::", 1)[0]
+    found = uuid_device_indexes(snapshot, base)
+    if found:
+        return found
+    if resource.startswith(NVIDIA_RESOURCE_PREFIX):
+        m = _CARD_INDEX.match(base)
+        if m and any(d.index == int(m.group(1)) and not d.is_mig for d in snapshot.devices):
+            return (int(m.group(1)),)
+        m = _MIG_INDEX.match(base)
+        if m:
+            index = 1000 + 100 * int(m.group(1)) + int(m.group(2))
+            if any(d.index == index and d.is_mig for d in snapshot.devices):
+                return (index,)
+    return ()
+
+
+def allocations(snapshot: Snapshot, pods: Iterable[PodResources]) -> tuple[tuple[Allocation, ...], tuple[str, ...]]:
+    """Each (device, container) allocation, and a problem line for each NVIDIA
+    device id that matches no device read."""
+    found: set[Allocation] = set()
+    unmatched: list[str] = []
+    for pod in pods:
+        for container in pod.containers:
+            for devices in container.devices:
+                for device_id in devices.device_ids:
+                    indexes = device_indexes(snapshot, devices.resource_name, device_id)
+                    if not indexes and devices.resource_name.startswith(NVIDIA_RESOURCE_PREFIX):
+                        unmatched.append(f"{pod.namespace}/{pod.name} {devices.resource_name} {device_id}")
+                    for index in indexes:
+                        found.add(Allocation(index, pod.namespace, pod.name, container.name, devices.resource_name))
+    problems: tuple[str, ...] = ()
+    if unmatched:
+        shown = ", ".join(sorted(unmatched)[:5]) + (", ..." if len(unmatched) > 5 else "")
+        problems = (f"{len(unmatched)} device(s) the kubelet allocated are on no device read: {shown}",)
+    ordered = sorted(found, key=lambda a: (a.device_index, a.namespace, a.pod, a.container, a.resource))
+    return tuple(ordered), problems
+
+
+def process_pods(identities: dict[int, CgroupIdentity], names: PodNames) -> dict[int, ProcessPod]:
+    """The processes that run in a container, with their names where the
+    kubelet's directories give them: by container id (all three names), else
+    by pod UID (namespace and pod)."""
+    out: dict[int, ProcessPod] = {}
+    for pid, identity in sorted(identities.items()):
+        if identity.container_id is None and identity.pod_uid is None:
+            continue
+        name = names.by_container_id.get(identity.container_id or "")
+        if name is None:
+            name = names.by_pod_uid.get(identity.pod_uid or "", PodName("", ""))
+        out[pid] = ProcessPod(pid, identity.container_id or "", name.namespace, name.pod, name.container)
+    return out
+
+
+def pod_reading(
+    snapshot: Snapshot,
+    identities: dict[int, CgroupIdentity],
+    names: PodNames,
+    listed: tuple[PodResources, ...] | None,
+    *,
+    asked: bool,
+    problems: Iterable[str] = (),
+    notes: Iterable[str] = (),
+) -> PodReading:
+    """Join what was read. ``listed`` is ``None`` when the kubelet was not
+    asked (``asked`` False) or did not answer."""
+    found = list(problems)
+    allocated = None
+    if listed is not None:
+        allocated, unmatched = allocations(snapshot, listed)
+        found.extend(unmatched)
+    success = (listed is not None) if asked else None
+    return PodReading(process_pods(identities, names), allocated, success, tuple(found), tuple(notes))
+
+
+class PodReader:
+    """Where the Kubernetes read looks: the /proc root, the kubelet's log
+    directory and its pod-resources socket (either may be switched off with
+    ``None``)."""
+
+    def __init__(self, proc_root: str, pod_resources: PodResourcesClient | None, log_dir: str | None) -> None:
+        self.procs = ProcfsSource(proc_root)
+        self.pod_resources = pod_resources
+        self.log_dir = log_dir
+
+    def describe(self) -> str:
+        parts = [f"cgroups under {self.procs.root}"]
+        parts.append(f"names from {self.log_dir}/{{pods,containers}}" if self.log_dir else "no pod names")
+        parts.append(self.pod_resources.describe() if self.pod_resources else "no allocations")
+        return "pods: " + ", ".join(parts)
+
+    def read(self, snapshot: Snapshot, timeout_s: float | None = None,
+             identities: dict[int, CgroupIdentity] | None = None) -> PodReading:
+        """Read for the processes of ``snapshot``; the kubelet call gets at
+        most ``timeout_s`` (what is left of the scrape's budget).
+        ``identities``: their cgroups, when already read for this scrape."""
+        problems: list[str] = []
+        notes: list[str] = []
+        if identities is None:
+            identities = read_identities(self.procs, (p.pid for p in snapshot.processes)) or {}
+        names = PodNames()
+        if self.log_dir and any(i.container_id or i.pod_uid for i in identities.values()):
+            names, reason = read_pod_names(self.log_dir)
+            if reason:
+                notes.append(f"{reason}: processes in containers get no pod, namespace or container names "
+                             "(mount the kubelet's /var/log/pods and /var/log/containers, see docs/kubernetes.md)")
+        listed = None
+        asked = False
+        client = self.pod_resources
+        if client is not None:
+            if not client.present():
+                notes.append(f"no kubelet pod-resources socket at {client.socket_path}: device allocations are left "
+                             "out (not on Kubernetes, or the socket's directory is not mounted)")
+            elif timeout_s is not None and timeout_s < MIN_CALL_S:
+                asked = True
+                problems.append("no time left in the scrape's budget to ask the kubelet for allocations")
+            else:
+                asked = True
+                try:
+                    listed = client.list(timeout_s)
+                except PodResourcesError as e:
+                    problems.append(str(e))
+        return pod_reading(snapshot, identities, names, listed, asked=asked, problems=problems, notes=notes)

@@ -1,0 +1,288 @@
+"""One scrape: read the source, keep the exporter's own bookkeeping, and hand
+the collector what to map.
+
+A failed read is data, not an exception: the scrape still answers, with
+``mig_exporter_read_success 0``, and the reason goes to the log as one line.
+With engines watched, /proc is read in the same read, just before the GPUs,
+so every engine process seen existed when the driver was asked. With pods
+watched, the cgroups of the processes the driver listed, the kubelet's log
+directory names and its pod-resources answer are read just after the GPUs,
+within what is left of the read's budget. With owners watched, the same
+cgroups (read once for both) and the processes' uids give their Slurm jobs,
+systemd units and users. With a Slurm job-map directory, it is read last,
+within what is then left.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client.core import Metric
+
+from mig_exporter import __version__
+from mig_exporter.core.errors import ReadError
+from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.host.cgroup import CgroupIdentity
+from mig_exporter.host.jobmap import SlurmJobMap
+from mig_exporter.host.owners import OwnerReader
+from mig_exporter.host.procfs import ProcTable
+from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.metrics.families import (
+    allocation_families,
+    engine_families,
+    owner_families,
+    pod_families,
+    read_families,
+    snapshot_families,
+)
+from mig_exporter.model.readings import EngineReading, OwnerReading, PodReading, SlurmJobMapReading
+from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.sources.base import Source
+
+log = logging.getLogger("mig_exporter")
+
+# What the GPU read still gets when reading /proc took the whole budget: enough to
+# fail as a timeout of its own, not so much that the answer comes late.
+_MIN_READ_BUDGET_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOutcome:
+    snapshot: Snapshot | None
+    duration_s: float
+    error: str | None = None
+    engines: EngineReading | None = None
+    pods: PodReading | None = None
+    job_map: SlurmJobMapReading | None = None
+    owners: OwnerReading | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.snapshot is not None
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        return ((self.snapshot.problems if self.snapshot else ()) + (self.engines.problems if self.engines else ())
+                + (self.pods.problems if self.pods else ()) + (self.owners.problems if self.owners else ())
+                + (self.job_map.problems if self.job_map else ()))
+
+
+class Scraper:
+    """Reads a source on demand and counts what went wrong.
+
+    Thread-safe: concurrent scrapes each read; only the counters are shared.
+    """
+
+    def __init__(self, source: Source, engines: EngineReader | None = None, name: str | None = None,
+                 pods: PodReader | None = None, owners: OwnerReader | None = None,
+                 job_map: SlurmJobMap | None = None) -> None:
+        self.source = source
+        self.name = name or source.name  # what the log calls this read path
+        self.engines = engines
+        self.pods = pods
+        self.job_map = job_map
+        self.owners = owners
+        self._lock = threading.Lock()
+        self._errors_total = 0
+        self._known_problems: dict[str, frozenset[str]] = {}
+        self._logged_bugs: set[str] = set()
+
+    @property
+    def errors_total(self) -> int:
+        with self._lock:
+            return self._errors_total
+
+    def read(self, timeout_s: float | None = None) -> ReadOutcome:
+        started = time.monotonic()
+        procs = self._read_procs()
+        try:
+            # The /proc read comes out of the scrape's budget: the answer is due at its deadline.
+            snapshot = self.source.read(None if timeout_s is None else
+                                        max(timeout_s - (time.monotonic() - started), _MIN_READ_BUDGET_S))
+        except ReadError as e:
+            return self._failed(started, str(e), self._engines(procs, None))
+        except Exception as e:  # a bug must not take the scrape down; say where
+            self._log_bug(f"read from {self.name} failed unexpectedly", e)
+            return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None))
+        engines = self._engines(procs, snapshot)
+        def left_s() -> float | None:
+            return None if timeout_s is None else timeout_s - (time.monotonic() - started)
+
+        identities = self._identities(snapshot, left_s())
+        owners = self._owners(snapshot, left_s(), identities)
+        pods = self._pods(snapshot, left_s(), identities)
+        job_map = self._job_map(snapshot, left_s())
+        duration = time.monotonic() - started
+        self._log_problems(snapshot.problems)
+        if engines is not None:
+            self._log_problems(engines.problems, "engines")
+        if pods is not None:
+            self._log_problems(pods.problems, "pods")
+            self._log_problems(pods.notes, "pod notes", logging.INFO)
+        if owners is not None:
+            self._log_problems(owners.problems, "owners")
+        if job_map is not None:
+            self._log_problems(job_map.problems, "slurm job map")
+        return ReadOutcome(snapshot, duration, engines=engines, pods=pods, owners=owners, job_map=job_map)
+
+    def _job_map(self, snapshot: Snapshot, left_s: float | None) -> SlurmJobMapReading | None:
+        if self.job_map is None:
+            return None
+        try:
+            return self.job_map.read(snapshot, left_s)
+        except Exception as e:  # a bug here costs the Slurm allocations, not the scrape
+            self._log_bug("reading the slurm job map failed unexpectedly", e)
+            return SlurmJobMapReading((), False, (f"slurm job map: unexpected {type(e).__name__}: {e}",))
+
+    def _identities(self, snapshot: Snapshot, left_s: float | None) -> dict[int, CgroupIdentity] | None:
+        """The GPU processes' cgroups, read once for owners and pods; ``None``
+        leaves each watch to read its own (no owners watched), or to find
+        that /proc is not the host's."""
+        if self.owners is None:
+            return None
+        try:
+            return self.owners.identities(snapshot, left_s)
+        except Exception as e:  # a bug here costs the attribution, not the scrape
+            self._log_bug("reading the GPU processes' cgroups failed unexpectedly", e)
+            return None
+
+    def _owners(self, snapshot: Snapshot, left_s: float | None,
+                identities: dict[int, CgroupIdentity] | None) -> OwnerReading | None:
+        if self.owners is None:
+            return None
+        if identities is None:
+            return OwnerReading({})  # not the host's PID namespace: its pids are not the driver's
+        try:
+            return self.owners.read(snapshot, left_s, identities)
+        except Exception as e:  # a bug here costs the owner labels, not the scrape
+            self._log_bug("attributing processes to Slurm jobs, units and users failed unexpectedly", e)
+            return OwnerReading({}, (f"owner attribution failed: unexpected {type(e).__name__}: {e}",))
+
+    def _pods(self, snapshot: Snapshot, left_s: float | None,
+              identities: dict[int, CgroupIdentity] | None = None) -> PodReading | None:
+        if self.pods is None:
+            return None
+        try:
+            return self.pods.read(snapshot, left_s, identities)
+        except Exception as e:  # a bug here costs the pod labels, not the scrape
+            self._log_bug("attributing processes to pods failed unexpectedly", e)
+            return PodReading({}, None, None, (f"pod attribution failed: unexpected {type(e).__name__}: {e}",))
+
+    def _read_procs(self) -> tuple[ProcTable | None, str | None] | None:
+        if self.engines is None:
+            return None
+        try:
+            return self.engines.read_procs()
+        except Exception as e:  # a bug in the /proc read costs the engine metrics, not the scrape
+            self._log_bug("reading processes failed unexpectedly", e)
+            return None, f"reading processes failed: unexpected {type(e).__name__}: {e}"
+
+    def _engines(
+        self, procs: tuple[ProcTable | None, str | None] | None, snapshot: Snapshot | None
+    ) -> EngineReading | None:
+        if self.engines is None or procs is None:
+            return None
+        try:
+            return self.engines.reading(*procs, snapshot)
+        except Exception as e:
+            self._log_bug("attributing GPU memory to engines failed unexpectedly", e)
+            problem = f"engine attribution failed: unexpected {type(e).__name__}: {e}"
+            return EngineReading((), None, None, False, (problem,))
+
+    def _failed(self, started: float, reason: str, engines: EngineReading | None = None) -> ReadOutcome:
+        with self._lock:
+            self._errors_total += 1
+        log.warning("read from %s failed: %s", self.name, reason)
+        outcome = ReadOutcome(None, time.monotonic() - started, reason, engines)
+        if engines is not None:
+            self._log_problems(engines.problems, "engines")
+        return outcome
+
+    def _log_bug(self, what: str, error: Exception) -> None:
+        """The traceback once per distinct fault; afterwards the failed-read
+        line alone, so a fault that repeats at every scrape cannot flood the log."""
+        key = f"{what}: {type(error).__name__}: {error}"
+        with self._lock:
+            first = key not in self._logged_bugs
+            self._logged_bugs.add(key)
+        if first:
+            log.error("%s (traceback shown once)", what, exc_info=error)
+
+    def _log_problems(self, problems: Iterable[str], kind: str = "gpu", level: int = logging.WARNING) -> None:
+        """Log a problem once when it appears and once when it clears, not at
+        every scrape: a card that stays broken would otherwise flood the log.
+        GPU, engine and pod problems are kept apart, so a failed GPU read (which
+        has no GPU problems to report) does not log theirs as cleared."""
+        current = frozenset(problems)
+        with self._lock:
+            known = self._known_problems.get(kind, frozenset())
+            new = current - known
+            cleared = known - current
+            self._known_problems[kind] = current
+        for problem in sorted(new):
+            log.log(level, "read from %s: %s", self.name, problem)
+        for problem in sorted(cleared):
+            log.info("read from %s: cleared: %s", self.name, problem)
+
+    def families(self, timeout_s: float | None = None) -> list[Metric]:
+        """Read once and map the outcome to metric families."""
+        return self.scrape(timeout_s)[1]
+
+    def scrape(self, timeout_s: float | None = None) -> tuple[ReadOutcome, list[Metric]]:
+        """Read once: the outcome (the landing page draws it) and its metric families."""
+        outcome = self.read(timeout_s)
+        try:
+            return outcome, list(self.families_for(outcome))
+        except Exception as e:  # a mapping bug still answers, as a failed read
+            self._log_bug(f"mapping the read from {self.name} failed", e)
+            with self._lock:
+                self._errors_total += 1
+            failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
+            return failed, list(self.families_for(failed))
+
+    def failed_scrape(self, reason: str, started: float) -> tuple[ReadOutcome, list[Metric]]:
+        """A read begun at ``started`` (``time.monotonic()``) that failed for
+        ``reason``, counted and logged as one, and its families."""
+        outcome = self._failed(started, reason)
+        return outcome, list(self.families_for(outcome))
+
+    def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
+        if outcome.snapshot is not None:
+            yield from snapshot_families(outcome.snapshot, outcome.pods, outcome.owners)
+            if outcome.pods is not None:
+                yield from pod_families(outcome.pods, outcome.snapshot)
+            if outcome.owners is not None:
+                yield from owner_families(outcome.owners, outcome.snapshot)
+            yield from allocation_families(outcome.pods, outcome.job_map)
+        if outcome.engines is not None:
+            yield from engine_families(outcome.engines)
+        yield from read_families(
+            self.source.name,
+            success=outcome.success,
+            duration_s=outcome.duration_s,
+            errors_total=self.errors_total,
+            problems=len(outcome.problems),
+            version=__version__,
+        )
+
+
+class ScrapeCollector:
+    """A prometheus_client collector that reads at every ``collect()``.
+
+    ``describe()`` returns nothing so that registering it never triggers a
+    read (the default registry would otherwise collect once to learn names).
+    """
+
+    def __init__(self, scraper: Scraper, timeout_s: float | None = None) -> None:
+        self.scraper = scraper
+        self.timeout_s = timeout_s
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.scraper.families(self.timeout_s)

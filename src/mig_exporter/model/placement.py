@@ -1,0 +1,187 @@
+"""Placement: turn cards as read into the devices a workload runs on.
+
+These rules are shared by every read path, so a dashboard cannot tell which
+path fed it:
+
+- A card in MIG mode is reported as its MIG instances, never as the whole
+  card. An instance's placement index is ``1000 + 100 * card + mig_index``;
+  instances are ordered by MIG device index.
+- A card not in MIG mode (or whose mode is unknown) is one device whose
+  placement index is its nvidia-smi index, and every process on the card is
+  on it.
+- On a MIG card, a process belongs to the instance whose GPU-instance *and*
+  compute-instance ids it carries, and to no other: charging the card's
+  processes to every instance would make each look busy.
+- A card in MIG mode with nothing carved yields no device; its
+  ``mig_instances`` is 0, which says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mig_exporter.model.device_class import card_class, mig_device_class
+from mig_exporter.model.snapshot import Card, CardReading, Device, Process, ProcessReading, Snapshot
+
+MIG_INDEX_BASE = 1000
+MIG_INDEX_PER_CARD = 100
+
+
+def mig_placement_index(card: int, mig_index: int) -> int:
+    """The placement index of MIG device ``mig_index`` on card ``card``."""
+    return MIG_INDEX_BASE + MIG_INDEX_PER_CARD * card + mig_index
+
+
+def place(
+    readings: Iterable[CardReading],
+    *,
+    driver_version: str | None,
+    cuda_version: str | None,
+    problems: Iterable[str] = (),
+) -> Snapshot:
+    """Build the snapshot from cards as read."""
+    cards: list[Card] = []
+    devices: list[Device] = []
+    processes: list[Process] = []
+    found = list(problems)
+    for reading in readings:
+        card, card_devices, card_processes, card_problems = _place_card(reading)
+        cards.append(card)
+        devices.extend(card_devices)
+        processes.extend(card_processes)
+        found.extend(card_problems)
+    return Snapshot(
+        driver_version=driver_version,
+        cuda_version=cuda_version,
+        cards=tuple(cards),
+        devices=tuple(devices),
+        processes=tuple(processes),
+        problems=tuple(found),
+    )
+
+
+def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list[str]]:
+    klass = card_class(r.name, r.memory.total_bytes)
+    in_mig = r.mig_current is True and r.error is None
+    card = Card(
+        index=r.index,
+        uuid=r.uuid,
+        name=r.name,
+        pci_bus_id=r.pci_bus_id,
+        card_class=klass,
+        mig_current=r.mig_current,
+        mig_pending=r.mig_pending,
+        mig_instances=len(r.instances) if in_mig else None,
+        temperature_celsius=r.temperature_celsius,
+        power_draw_watts=r.power_draw_watts,
+        # The driver does not measure utilisation per MIG instance and reports
+        # N/A on the card; never export a stale or zero value there.
+        utilization_ratio=None if r.mig_current else r.utilization_ratio,
+        error=r.error,
+    )
+    if r.error is not None:
+        return card, [], [], [f"card {r.index}: {r.error}"]
+    if not in_mig:
+        device = Device(
+            index=r.index,
+            card=r.index,
+            mig_index=None,
+            gpu_instance_id=None,
+            compute_instance_id=None,
+            profile=None,
+            uuid=r.uuid,
+            name=r.name,
+            device_class=klass,
+            memory=r.memory,
+        )
+        return card, [device], _merge(r.processes, device.index), []
+
+    devices: list[Device] = []
+    processes: list[Process] = []
+    problems: list[str] = []
+    claimed: set[int] = set()
+    seen_mig_indexes: set[int] = set()
+    # Processes by the (GPU instance, compute instance) they carry, in listed
+    # order: one pass over the card's processes, not one per instance.
+    by_ids: dict[tuple[int | None, int | None], list[int]] = {}
+    for i, p in enumerate(r.processes):
+        by_ids.setdefault((p.gpu_instance_id, p.compute_instance_id), []).append(i)
+    for inst in sorted(r.instances, key=lambda i: i.mig_index):
+        if not 0 <= inst.mig_index < MIG_INDEX_PER_CARD:
+            # Its placement index would be another card's instance (or a whole card's).
+            problems.append(f"card {r.index}: MIG device index {inst.mig_index} is out of range "
+                            f"(0 to {MIG_INDEX_PER_CARD - 1}); skipped")
+            continue
+        if inst.mig_index in seen_mig_indexes:
+            problems.append(f"card {r.index}: MIG device index {inst.mig_index} listed twice; kept the first")
+            continue
+        seen_mig_indexes.add(inst.mig_index)
+        device = Device(
+            index=mig_placement_index(r.index, inst.mig_index),
+            card=r.index,
+            mig_index=inst.mig_index,
+            gpu_instance_id=inst.gpu_instance_id,
+            compute_instance_id=inst.compute_instance_id,
+            profile=inst.profile,
+            uuid=inst.uuid,
+            name=f"{r.name} MIG {inst.profile}" if r.name and inst.profile else r.name,
+            device_class=mig_device_class(klass, inst.profile),
+            memory=inst.memory,
+        )
+        devices.append(device)
+        mine: list[int] = []
+        if inst.gpu_instance_id is not None:
+            mine = by_ids.get((inst.gpu_instance_id, inst.compute_instance_id), [])
+        claimed.update(mine)
+        processes.extend(_merge((r.processes[i] for i in mine), device.index))
+    for i, p in enumerate(r.processes):
+        if i not in claimed:
+            problems.append(
+                f"card {r.index}: process {p.pid} carries GPU instance {p.gpu_instance_id} "
+                f"and compute instance {p.compute_instance_id}, which match no MIG device; not placed"
+            )
+    return card, devices, processes, problems
+
+
+def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Process]:
+    """One process per pid on a device, in pid order, so no series is repeated.
+
+    A pid listed more than once (NVML lists a process in each of its compute,
+    graphics and MPS lists, each entry with the process's whole usage on the
+    device) is one process: its types joined (C+G, M+C) and the larger usage.
+    """
+    by_pid: dict[int, Process] = {}
+    for p in readings:
+        seen = by_pid.get(p.pid)
+        if seen is None:
+            by_pid[p.pid] = Process(p.pid, p.type, p.name, p.used_bytes, device_index)
+            continue
+        known = [u for u in (seen.used_bytes, p.used_bytes) if u is not None]
+        used = max(known) if known else None
+        types = sorted((set(seen.type.split("+")) | set(p.type.split("+"))) - {""}, key=_type_order)
+        by_pid[p.pid] = Process(p.pid, "+".join(types), seen.name or p.name, used, device_index)
+    # By pid: the drivers' list orders differ between paths (NVML lists compute
+    # before graphics), the snapshot must not.
+    return sorted(by_pid.values(), key=lambda p: p.pid)
+
+
+def _type_order(letter: str) -> tuple[int, str]:
+    # nvidia-smi writes combined types as C+G and M+C.
+    return ({"M": 0, "C": 1, "G": 2}.get(letter, 3), letter)
+
+
+def uuid_device_indexes(snapshot: Snapshot, uuid: str) -> tuple[int, ...]:
+    """The placement indexes a ``GPU-…`` or ``MIG-…`` UUID stands for: the
+    device with that UUID, else all devices of the card with it (a whole card
+    in MIG mode stands for all of its instances); () when none has it."""
+    found = tuple(d.index for d in snapshot.devices if d.uuid == uuid)
+    if found:
+        return found
+    card = next((c for c in snapshot.cards if c.uuid == uuid), None)
+    return () if card is None else card_device_indexes(snapshot, card.index)
+
+
+def card_device_indexes(snapshot: Snapshot, card: int) -> tuple[int, ...]:
+    """The placement indexes of card ``card``'s devices: the card itself, or
+    all of its MIG instances when it is in MIG mode."""
+    return tuple(d.index for d in snapshot.devices if d.card == card)

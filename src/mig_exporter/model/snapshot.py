@@ -1,0 +1,168 @@
+"""The snapshot: one read of the driver as frozen dataclasses.
+
+Both read paths (nvidia-smi and NVML) end here, and the collector starts here.
+Sizes are ints in bytes, temperatures in degrees Celsius, power in watts and
+utilisation as a ratio (0.0-1.0). ``None`` always means "the driver did not
+say" (N/A, Not Supported, a missing element); it is never read as zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """A framebuffer's memory, as nvidia-smi's ``fb_memory_usage`` reports it."""
+
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+    free_bytes: int | None = None
+    reserved_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """One MIG device of a card, as read (before placement).
+
+    ``profile`` and ``uuid`` come from ``nvidia-smi -L`` on the nvidia-smi path
+    (the XML does not carry them) and are ``None`` when that listing failed.
+    """
+
+    mig_index: int
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+    memory: Memory
+    profile: str | None = None
+    uuid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessReading:
+    """One process as the driver lists it on a card, before placement.
+
+    ``gpu_instance_id``/``compute_instance_id`` are ``None`` outside MIG.
+    """
+
+    pid: int
+    type: str
+    name: str
+    used_bytes: int | None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CardReading:
+    """One physical card as read, with its MIG instances and processes.
+
+    ``error`` is set when the card's section could not be read; the other
+    fields then hold whatever was read before the failure.
+    """
+
+    index: int
+    uuid: str | None = None
+    name: str | None = None
+    pci_bus_id: str | None = None
+    mig_current: bool | None = None
+    mig_pending: bool | None = None
+    temperature_celsius: float | None = None
+    power_draw_watts: float | None = None
+    utilization_ratio: float | None = None
+    memory: Memory = field(default_factory=Memory)
+    instances: tuple[MigInstance, ...] = ()
+    processes: tuple[ProcessReading, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    """A physical card: identity, mode and the card-wide readings.
+
+    ``mig_instances`` is the number of MIG devices when MIG is enabled, and
+    ``None`` on a card not in MIG mode. ``utilization_ratio`` is ``None`` on a
+    card in MIG mode: the driver does not measure it there, and zero would lie.
+    """
+
+    index: int
+    uuid: str | None
+    name: str | None
+    pci_bus_id: str | None
+    card_class: str | None
+    mig_current: bool | None
+    mig_pending: bool | None
+    mig_instances: int | None
+    temperature_celsius: float | None
+    power_draw_watts: float | None
+    utilization_ratio: float | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """What a workload runs on: a whole card, or one MIG instance of a card.
+
+    ``index`` is the placement index: the card's nvidia-smi index for a whole
+    card, ``1000 + 100 * card + mig_index`` for a MIG instance. Compute
+    instances of one GPU instance share its memory, so two devices with the
+    same ``card`` and ``gpu_instance_id`` report the same framebuffer.
+    """
+
+    index: int
+    card: int
+    mig_index: int | None
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+    profile: str | None
+    uuid: str | None
+    name: str | None
+    device_class: str | None
+    memory: Memory
+
+    @property
+    def is_mig(self) -> bool:
+        return self.mig_index is not None
+
+    @property
+    def display_name(self) -> str:
+        """What people read: ``1/mig2`` for MIG instance 2 of card 1 (placement
+        index 1102), ``1`` for whole card 1."""
+        return f"{self.card}/mig{self.mig_index}" if self.mig_index is not None else str(self.card)
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    """A process holding memory on one device (by placement index)."""
+
+    pid: int
+    type: str
+    name: str
+    used_bytes: int | None
+    device_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One read: cards, the devices they are reported as, and the processes.
+
+    ``problems`` lists what went wrong without failing the read (a card that
+    could not be read, a failed ``-L``, a process matching no instance), each
+    as one line for the log.
+    """
+
+    driver_version: str | None
+    cuda_version: str | None
+    cards: tuple[Card, ...]
+    devices: tuple[Device, ...]
+    processes: tuple[Process, ...]
+    problems: tuple[str, ...] = ()
+
+    def device(self, index: int) -> Device | None:
+        return next((d for d in self.devices if d.index == index), None)
+
+    def processes_on(self, index: int) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.device_index == index)
+
+

@@ -1,0 +1,141 @@
+"""The nvidia-smi read path: run ``nvidia-smi -q -x`` and ``nvidia-smi -L``.
+
+The full ``-q -x`` query is used rather than ``--query-compute-apps``, which
+lists compute processes only: a Vulkan llama.cpp is a graphics process and
+would read as on no GPU at all. ``-L`` runs beside it, in parallel, because
+only it names MIG profiles and MIG UUIDs.
+
+The binary may also be an argv prefix, for an nvidia-smi reached through a
+wrapper: ``["chroot", "/host", "nvidia-smi"]`` runs
+``chroot /host nvidia-smi -q -x`` (the probe targets of ``config.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+
+from mig_exporter.core.errors import CommandError, CommandNotFound
+from mig_exporter.core.flight import SingleFlight
+from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, OutputBudget, run_command
+
+DEFAULT_BINARY = "nvidia-smi"
+DEFAULT_TIMEOUT_S = 10.0
+# The commands are killed at the read's deadline and answer a few ms later;
+# wait that long for their own error rather than a generic timeout.
+_KILL_GRACE_S = 0.1
+
+
+def _why_not_executable(path: str) -> str:
+    """Why ``path`` cannot be run, as a user needs to hear it."""
+    if os.path.isdir(path):
+        return "is a directory, not an executable file"
+    if os.path.exists(path):
+        return "not executable (no permission to run it)"
+    if os.path.lexists(path):
+        return "a broken symbolic link"
+    return "no such file"
+
+
+class NvidiaSmiSource:
+    """Reads through an nvidia-smi binary, at each call.
+
+    ``binary`` is the binary (a path, or a name looked up on PATH), or an argv
+    prefix whose first element is one: the read appends ``-q -x`` and ``-L``.
+    ``max_output_bytes`` is the read's cap: what its two commands may write to
+    stdout, together.
+    """
+
+    name = "nvidia-smi"
+
+    def __init__(
+        self,
+        binary: str | Sequence[str] = DEFAULT_BINARY,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> None:
+        self.command: tuple[str, ...] = (binary,) if isinstance(binary, str) else tuple(binary)
+        if not self.command or not all(isinstance(arg, str) for arg in self.command):
+            raise ValueError(f"not an argv prefix: {self.command!r}")
+        self.binary = self.command[0]
+        self.timeout_s = timeout_s
+        self.max_output_bytes = max_output_bytes
+        self._reads: SingleFlight[Snapshot] = SingleFlight(f"{shlex.join(self.command)} read", "nvidia-smi-read")
+
+    def resolve(self) -> str:
+        """The binary's path (the first element of an argv prefix). Looked up
+        at each read, so a driver installed after start-up is picked up
+        without a restart."""
+        if os.sep in self.binary:
+            if os.path.isfile(self.binary) and os.access(self.binary, os.X_OK):
+                return self.binary
+            raise CommandNotFound(f"{self.binary}: {_why_not_executable(self.binary)}")
+        found = shutil.which(self.binary)
+        if found is None:
+            raise CommandNotFound(f"{self.binary}: not found on PATH")
+        return found
+
+    def resolve_command(self) -> tuple[str, ...]:
+        """The argv prefix with its binary resolved."""
+        return (self.resolve(), *self.command[1:])
+
+    def ready(self) -> tuple[bool, str]:
+        try:
+            return True, f"{self.resolve()} found"
+        except CommandError as e:
+            return False, str(e)
+
+    def describe(self) -> str:
+        return f"nvidia-smi ({shlex.join(self.command)}, timeout {self.timeout_s:g}s)"
+
+    def read(self, timeout_s: float | None = None) -> Snapshot:
+        """One read; a read already in flight is joined, not run again, so
+        concurrent scrapes cause one nvidia-smi run."""
+        budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        return self._reads.run(lambda: self.read_now(budget), budget, grace_s=_KILL_GRACE_S)
+
+    def read_now(self, budget: float) -> Snapshot:
+        """One read in the calling thread, within ``budget`` seconds."""
+        deadline = time.monotonic() + budget
+        prefix = self.resolve_command()
+
+        # -L runs in parallel with -q -x so a read costs the slower of the two.
+        listing: dict[str, object] = {}
+        cancel = threading.Event()
+        # The cap is the read's: both commands together hold at most max_output_bytes. -L prints a
+        # line per device (a few KiB on the largest node); -q -x gets the rest.
+        cap = self.max_output_bytes
+        listing_output = OutputBudget(cap // 16, read_cap=cap)
+        output = OutputBudget(cap - cap // 16, read_cap=cap)
+
+        def run_listing() -> None:
+            try:
+                listing["result"] = run_command([*prefix, "-L"], budget, cancel=cancel,
+                                                output_budget=listing_output)
+            except CommandError as e:
+                listing["error"] = f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {e}"
+
+        worker = threading.Thread(target=run_listing, name="nvidia-smi-L", daemon=True)
+        worker.start()
+        try:
+            query = run_command([*prefix, "-q", "-x"], budget, output_budget=output)
+        except BaseException:
+            cancel.set()  # the read has failed; -L is no longer wanted
+            raise
+        finally:
+            worker.join(max(deadline - time.monotonic(), 0.0) + 0.5)
+        result = listing.get("result")
+        error = listing.get("error")
+        if result is None and error is None:
+            error = "nvidia-smi -L did not finish in time; MIG profiles and UUIDs unknown"
+        return snapshot_from_smi(
+            query.stdout,
+            result.stdout if isinstance(result, CommandResult) else None,
+            error if isinstance(error, str) else None,
+        )

@@ -1,0 +1,141 @@
+"""The only module that touches pynvml: one gateway for every NVML call.
+
+NVML is initialised once and re-initialised after a driver-level error (the
+driver was reloaded or upgraded under us). Every call goes through
+``Nvml.call``, which turns pynvml's exceptions into ``NvmlCallError`` carrying
+the NVML error name, so callers can decide per call what a failure means
+(an empty MIG slot, an unsupported reading, a lost card).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pynvml
+
+from mig_exporter.core.errors import ReadError
+
+T = TypeVar("T")
+
+# Errors after which the library must be initialised again before the next call.
+_REINIT_ERRORS = frozenset({
+    pynvml.NVML_ERROR_UNINITIALIZED,
+    pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+})
+# Errors that mean "this reading does not exist here", not a failure.
+UNSUPPORTED = frozenset({
+    pynvml.NVML_ERROR_NOT_SUPPORTED,
+    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+    pynvml.NVML_ERROR_NO_DATA,
+})
+# Errors that mean the card as a whole cannot be read now.
+CARD_FAILURES = frozenset({
+    pynvml.NVML_ERROR_GPU_IS_LOST,
+    pynvml.NVML_ERROR_NO_PERMISSION,
+    pynvml.NVML_ERROR_UNKNOWN,
+    pynvml.NVML_ERROR_RESET_REQUIRED,
+    pynvml.NVML_ERROR_TIMEOUT,
+    pynvml.NVML_ERROR_IRQ_ISSUE,
+    pynvml.NVML_ERROR_CORRUPTED_INFOROM,
+})
+
+
+# Raised by pynvml's unversioned wrappers when the driver lacks the version
+# they call; not an NVMLError. Absent from older nvidia-ml-py releases.
+_LIBRARY_MISMATCH: type[Exception] = getattr(pynvml, "NVMLLibraryMismatchError", pynvml.NVMLError)
+
+
+class NvmlUnavailable(ReadError):
+    """libnvidia-ml could not be loaded or initialised."""
+
+
+class NvmlCallError(ReadError):
+    """One NVML call failed; ``code`` is the NVML return code."""
+
+    def __init__(self, function: str, code: int, message: str) -> None:
+        super().__init__(f"{function}: {message}")
+        self.function = function
+        self.code = code
+
+    @property
+    def unsupported(self) -> bool:
+        return self.code in UNSUPPORTED
+
+
+def error_name(code: int) -> str:
+    """``NVML_ERROR_GPU_IS_LOST`` for 15, and so on."""
+    for name in dir(pynvml):
+        if name.startswith("NVML_ERROR_") and getattr(pynvml, name) == code:
+            return name
+    return f"NVML error {code}"
+
+
+class Nvml:
+    """A handle on libnvidia-ml, initialised on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._initialised = False
+
+    def ensure(self) -> None:
+        """Initialise if needed. Raises ``NvmlUnavailable`` with the reason."""
+        with self._lock:
+            if self._initialised:
+                return
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as e:
+                raise NvmlUnavailable(f"NVML cannot be initialised: {_describe(e)}") from None
+            except OSError as e:  # the shared library itself would not load
+                raise NvmlUnavailable(f"libnvidia-ml cannot be loaded: {e}") from None
+            self._initialised = True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._initialised:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlShutdown()
+                self._initialised = False
+
+    def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Call one pynvml function. Every NVML call in the exporter comes here."""
+        try:
+            return function(*args, **kwargs)
+        except UnicodeDecodeError as e:
+            # pynvml decodes the names it returns strictly; a process name that
+            # is not UTF-8 must not fail the read: keep it, with replacements
+            # (a str, the T of the only calls that decode).
+            return e.object.decode("utf-8", errors="replace")  # type: ignore[return-value]
+        except _LIBRARY_MISMATCH as e:  # pynvml's own "this symbol's version is missing"
+            raise NvmlCallError(getattr(function, "__name__", "nvml"), pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+                                f"NVML_ERROR_FUNCTION_NOT_FOUND ({e})") from None
+        except pynvml.NVMLError as e:
+            code = int(getattr(e, "value", pynvml.NVML_ERROR_UNKNOWN))
+            if code in _REINIT_ERRORS:
+                with self._lock:
+                    self._initialised = False  # the next read initialises again
+            raise NvmlCallError(getattr(function, "__name__", "nvml"), code, _describe(e)) from None
+
+    def optional(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        """Like ``call``, but a reading the device does not have is ``None``."""
+        try:
+            return self.call(function, *args, **kwargs)
+        except NvmlCallError as e:
+            if e.unsupported:
+                return None
+            raise
+
+
+def _describe(e: pynvml.NVMLError) -> str:
+    code = int(getattr(e, "value", pynvml.NVML_ERROR_UNKNOWN))
+    try:
+        text = str(e)
+    except Exception:  # nvmlErrorString itself can fail on a broken library
+        text = ""
+    name = error_name(code)
+    return f"{name} ({text})" if text and text != name else name

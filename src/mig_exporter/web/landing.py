@@ -1,0 +1,291 @@
+"""The landing page (``/``): how the node's cards are carved and used, drawn
+from one read.
+
+A pure function of the read's outcome: server-rendered HTML with inline SVG
+bars and inline CSS, no JavaScript and nothing fetched from elsewhere, so it
+works on a node with no internet and under a Content-Security-Policy that
+forbids scripts. Every string from the driver (process names above all: any
+user picks them) is escaped.
+
+Per card: its mode (MIG on or off, and a pending change), its product name,
+then one row per GPU instance (MIG) or one for the whole card, with a bar
+sized by the memory total (one scale for the page) and filled to the used
+memory, the display name (``1/mig2``), the profile, used/total in MiB and the
+top processes. Compute instances of one GPU instance share its memory: they
+are one row, naming each of their devices, not several full bars. Above the
+cards, the inference engines on no GPU's process list (running on the CPU),
+counted as EngineHoldsNoGPUMemory counts them.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlencode
+
+from mig_exporter.metrics.scrape import ReadOutcome
+from mig_exporter.model.readings import EngineReading, ProcessPod
+from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process
+
+BAR_WIDTH = 360  # px: the widest row on the page (the largest card) spans this
+BAR_HEIGHT = 22
+TOP_PROCESSES = 3
+# A reason comes from a command's stderr and the like: shown, but bounded.
+_REASON_CHARS = 300
+CONTENT_SECURITY_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
+                           "form-action 'none'; frame-ancestors 'none'")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeLinks:
+    """The probe targets the config file names, linked from the page."""
+
+    config_source: str
+    targets: tuple[str, ...]
+    max_concurrent: int
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One bar: a whole card, a MIG device, or the compute instances sharing one GPU instance."""
+
+    devices: tuple[Device, ...]
+    memory: Memory
+    processes: tuple[Process, ...]
+
+    @property
+    def shared(self) -> bool:
+        return len(self.devices) > 1
+
+
+def rows(devices: Iterable[Device], processes: Sequence[Process]) -> list[Row]:
+    """A card's devices as bars, in placement order: compute instances of one GPU
+    instance together (they report the same memory: one bar, not one each)."""
+    groups: dict[tuple[str, int], list[Device]] = {}
+    for device in sorted(devices, key=lambda d: d.index):
+        key = ("gi", device.gpu_instance_id) if device.is_mig and device.gpu_instance_id is not None \
+            else ("device", device.index)
+        groups.setdefault(key, []).append(device)
+    out = []
+    for members in groups.values():
+        indexes = {d.index for d in members}
+        out.append(Row(tuple(members), members[0].memory,
+                       tuple(p for p in processes if p.device_index in indexes)))
+    return out
+
+
+def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks | None = None) -> str:
+    """The whole page for one read."""
+    parts = [_HEAD.format(bar_col=BAR_WIDTH + 16),
+             f"<header>\n<h1>mig-exporter {_e(version)}</h1>\n"
+             "<p>NVIDIA GPU memory per card, per MIG instance and per process, read at every scrape "
+             "(and at every load of this page).</p>\n"
+             f"<p class=\"source\">Source: {_e(source)}</p>\n{_links()}</header>\n<main>\n"]
+    parts.append(_read_summary(outcome))
+    parts.append(_engines_on_the_cpu(outcome.engines))
+    snapshot = outcome.snapshot
+    if snapshot is not None:
+        cards = {c.index: c for c in snapshot.cards}
+        by_card: dict[int, list[Device]] = {index: [] for index in cards}
+        for device in snapshot.devices:
+            by_card.setdefault(device.card, []).append(device)
+        card_rows = {index: rows(devices, snapshot.processes) for index, devices in by_card.items()}
+        # One scale for the page: the card with the most memory in its rows spans BAR_WIDTH.
+        scale_bytes = max((sum(r.memory.total_bytes or 0 for r in rs) for rs in card_rows.values()), default=0)
+        pods = outcome.pods.processes if outcome.pods is not None else {}
+        for index in sorted(card_rows):
+            parts.append(_card(index, cards.get(index), card_rows[index], scale_bytes, pods))
+        if not card_rows:
+            parts.append("<p class=\"empty\">The driver lists no cards.</p>\n")
+    if outcome.problems:
+        items = "".join(f"<li>{_e(_short(p))}</li>\n" for p in outcome.problems)
+        parts.append(f"<section class=\"problems\"><h2>Problems in this read</h2>\n<ul>\n{items}</ul>\n</section>\n")
+    parts.append("</main>\n")
+    if probes is not None:
+        parts.append(_probes(probes))
+    parts.append("</body>\n</html>\n")
+    return "".join(parts)
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def _short(reason: str) -> str:
+    one_line = " ".join(reason.split())
+    return one_line if len(one_line) <= _REASON_CHARS else one_line[:_REASON_CHARS - 1] + "…"
+
+
+def _mib(value: int | None) -> str:
+    return "N/A" if value is None else str(value // MIB)
+
+
+def _links() -> str:
+    return ("<nav><a href=\"/metrics\">/metrics</a> <a href=\"/-/healthy\">/-/healthy</a> "
+            "<a href=\"/-/ready\">/-/ready</a></nav>\n")
+
+
+def _read_summary(outcome: ReadOutcome) -> str:
+    snapshot = outcome.snapshot
+    if snapshot is None:
+        return ("<p class=\"read failed\"><strong>The read failed</strong> "
+                f"after {outcome.duration_s:.2f}s: {_e(_short(outcome.error or 'no reason given'))}</p>\n")
+    versions = "".join(f" · {label} {_e(value)}" for label, value in
+                       (("driver", snapshot.driver_version), ("CUDA", snapshot.cuda_version)) if value)
+    return (f"<p class=\"read ok\">Read in {outcome.duration_s:.2f}s{versions} · {len(snapshot.cards)} "
+            f"card{'s' if len(snapshot.cards) != 1 else ''}, {len(snapshot.devices)} "
+            f"device{'s' if len(snapshot.devices) != 1 else ''}. Reload the page to read again.</p>\n")
+
+
+def _engines_on_the_cpu(engines: EngineReading | None) -> str:
+    """The engines holding nothing on any device: what the exporter exists to
+    show. Nothing when that cannot be known (a failed read, not the host's PID
+    namespace); an engine the driver lists with 0 bytes is on a GPU."""
+    if engines is None or not engines.placed or engines.processes is None:
+        return ""
+    on_cpu = [e for e in engines.processes if e.used_bytes == 0 and not e.device_indexes]
+    if not on_cpu:
+        return ""
+    items = "".join(
+        f"<li><strong>{_e(e.engine)}</strong> <span class=\"pid\">{e.pid}</span> {_e(e.comm)}</li>\n"
+        for e in sorted(on_cpu, key=lambda e: (e.engine, e.pid))
+    )
+    return ("<section class=\"engines-cpu\"><h2>Engines on no GPU's process list: running on the CPU</h2>\n"
+            f"<ul>\n{items}</ul>\n<p>Their GPU backend did not load, or they were given no GPU; "
+            "see docs/engines.md.</p>\n</section>\n")
+
+
+def _mode(card: Card) -> str:
+    modes = {True: "MIG on", False: "MIG off", None: "no MIG"}
+    current = f"<span class=\"mode {'mig' if card.mig_current else 'whole'}\">{modes[card.mig_current]}</span>"
+    if card.mig_pending is not None and card.mig_pending != card.mig_current:
+        current += f" <span class=\"mode pending\">pending: {modes[card.mig_pending]} after the next GPU reset</span>"
+    return current
+
+
+def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int, pods: dict[int, ProcessPod]) -> str:
+    name = card.name if card is not None and card.name else "unknown card"
+    head = (f"<section class=\"card\" id=\"card-{index}\">\n<h2><span class=\"index\">GPU {index}</span> "
+            f"<span class=\"product\">{_e(name)}</span>{' ' + _mode(card) if card is not None else ''}</h2>\n")
+    notes = []
+    if card is not None and card.error:
+        notes.append(f"<p class=\"card-error\">This card could not be read: {_e(_short(card.error))}</p>\n")
+    if card is not None and card.mig_current and not card_rows:
+        notes.append("<p class=\"empty\">MIG is on and nothing is carved: no MIG instances.</p>\n")
+    table = ""
+    if card_rows:
+        body = "".join(_row(r, scale_bytes, pods) for r in card_rows)
+        table = ("<table class=\"devices\">\n<colgroup><col class=\"c-name\"><col class=\"c-profile\">"
+                 "<col class=\"c-bar\"><col class=\"c-used\"><col class=\"c-processes\"></colgroup>\n"
+                 "<thead><tr><th>Device</th><th>Profile</th><th>Memory</th>"
+                 f"<th>Used / total</th><th>Top processes</th></tr></thead>\n<tbody>\n{body}</tbody>\n</table>\n")
+    return head + "".join(notes) + table + "</section>\n"
+
+
+def _row(row: Row, scale_bytes: int, pods: dict[int, ProcessPod]) -> str:
+    names = [d.display_name for d in row.devices]
+    profiles = [d.profile or "" for d in row.devices]
+    shown_profiles = "<br>".join(_e(p) for p in profiles if p) or ("whole card" if not row.devices[0].is_mig else "")
+    shared = ""
+    if row.shared:
+        shared = (f"<div class=\"shared\">{len(row.devices)} compute instances share GPU instance "
+                  f"{row.devices[0].gpu_instance_id} and its memory</div>")
+    memory = row.memory
+    used_total = ("N/A" if memory.used_bytes is None and memory.total_bytes is None
+                  else f"{_mib(memory.used_bytes)} / {_mib(memory.total_bytes)} MiB")
+    if memory.used_bytes is not None and memory.total_bytes:
+        used_total += f" <span class=\"ratio\">({100 * memory.used_bytes / memory.total_bytes:.0f}%)</span>"
+    return (f"<tr class=\"device\" data-devices=\"{_e(' '.join(names))}\">"
+            f"<td class=\"name\">{'<br>'.join(_e(n) for n in names)}</td>"
+            f"<td class=\"profile\">{shown_profiles}</td>"
+            f"<td class=\"bar\">{_bar(row, names, scale_bytes)}{shared}</td>"
+            f"<td class=\"used-total\">{used_total}</td>"
+            f"<td class=\"processes\">{_processes(row, pods)}</td></tr>\n")
+
+
+def _bar(row: Row, names: list[str], scale_bytes: int) -> str:
+    total, used = row.memory.total_bytes, row.memory.used_bytes
+    label = " + ".join(names)
+    if not total or not scale_bytes:
+        return f"<span class=\"unknown\" title=\"{_e(label)}\">memory not reported</span>"
+    # At least 2 px, so a small instance beside a large card is still seen.
+    width = max(BAR_WIDTH * total / scale_bytes, 2.0)
+    ratio = None if used is None else min(max(used / total, 0.0), 1.0)
+    fill = "#9aa5b1" if ratio is None else "#2f9e6e" if ratio < 0.7 else "#e0a526" if ratio < 0.9 else "#d64545"
+    used_width = 0.0 if ratio is None else width * ratio
+    title = f"{label}: {_mib(used)} of {_mib(total)} MiB used"
+    return (f"<svg class=\"bar\" width=\"{BAR_WIDTH}\" height=\"{BAR_HEIGHT}\" "
+            f"viewBox=\"0 0 {BAR_WIDTH} {BAR_HEIGHT}\" role=\"img\" aria-label=\"{_e(title)}\">"
+            f"<title>{_e(title)}</title>"
+            f"<rect class=\"total\" x=\"0.5\" y=\"0.5\" width=\"{width - 1:.1f}\" height=\"{BAR_HEIGHT - 1}\" rx=\"3\" "
+            f"fill=\"#e8edf3\" stroke=\"#7b8794\" data-mib=\"{total // MIB}\"/>"
+            f"<rect class=\"used\" x=\"0.5\" y=\"0.5\" width=\"{max(used_width - 1, 0):.1f}\" "
+            f"height=\"{BAR_HEIGHT - 1}\" rx=\"3\" fill=\"{fill}\" data-mib=\"{_mib(used)}\"/></svg>")
+
+
+def _processes(row: Row, pods: dict[int, ProcessPod]) -> str:
+    if not row.processes:
+        return "<span class=\"none\">none</span>"
+    ranked = sorted(row.processes, key=lambda p: (-(p.used_bytes if p.used_bytes is not None else -1), p.pid))
+    names = {d.index: d.display_name for d in row.devices}
+    items = []
+    for p in ranked[:TOP_PROCESSES]:
+        where = f" <span class=\"on\">on {_e(names[p.device_index])}</span>" if row.shared else ""
+        pod = pods.get(p.pid)
+        in_pod = f" <span class=\"pod\">{_e(pod.namespace)}/{_e(pod.pod)}</span>" if pod is not None and pod.pod else ""
+        held = "N/A" if p.used_bytes is None else f"{p.used_bytes // MIB} MiB"
+        items.append(f"<li><span class=\"pid\">{p.pid}</span> <span class=\"pname\">{_e(p.name)}</span> "
+                     f"<span class=\"pmem\">{held}</span>{where}{in_pod}</li>")
+    if len(ranked) > TOP_PROCESSES:
+        items.append(f"<li class=\"more\">+{len(ranked) - TOP_PROCESSES} more</li>")
+    return "<ul>" + "".join(items) + "</ul>"
+
+
+def _probes(probes: ProbeLinks) -> str:
+    links = "".join(f"<li><a href=\"/probe?{_e(urlencode({'target': name}))}\">/probe?target={_e(name)}</a></li>\n"
+                    for name in probes.targets)
+    return (f"<footer>\n<p>Probe targets from {_e(probes.config_source)} (at most {probes.max_concurrent} probes "
+            f"at once):</p>\n<ul>\n{links or '<li>none</li>'}\n</ul>\n</footer>\n")
+
+
+_HEAD = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>mig-exporter</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body {{ font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; padding: 16px 24px;
+  max-width: 1280px; color: #1f2933; background: #fff; }}
+h1 {{ font-size: 22px; margin: 0 0 4px; }}
+header p {{ margin: 2px 0; }} .source {{ color: #52606d; }}
+nav a {{ margin-right: 12px; }}
+.read {{ padding: 6px 10px; border-radius: 4px; background: #f0f4f8; }}
+.read.failed, .card-error {{ background: #fde8e8; color: #8a1c1c; padding: 6px 10px; border-radius: 4px; }}
+.card {{ margin: 18px 0; border-top: 1px solid #d9e2ec; }}
+.card h2 {{ font-size: 17px; margin: 12px 0 8px; }}
+.card h2 .product {{ font-weight: normal; }}
+.mode {{ font-size: 12px; font-weight: 600; padding: 2px 8px; border-radius: 10px; margin-left: 6px;
+  vertical-align: middle; }}
+.mode.mig {{ background: #d5e8ff; color: #0b4f9c; }} .mode.whole {{ background: #e4e7eb; color: #3e4c59; }}
+.mode.pending {{ background: #fff3c4; color: #8d5b00; }}
+/* Fixed columns: every card's bars start at the same x, so their lengths compare across cards. */
+table.devices {{ border-collapse: collapse; width: 100%; table-layout: fixed; }}
+col.c-name {{ width: 100px; }} col.c-profile {{ width: 120px; }} col.c-bar {{ width: {bar_col}px; }}
+col.c-used {{ width: 210px; }}
+.devices th {{ text-align: left; font-weight: 600; color: #52606d; font-size: 12px; padding: 2px 8px; }}
+.devices td {{ padding: 5px 8px; vertical-align: top; border-top: 1px solid #eef2f6; }}
+td.name {{ font-weight: 600; white-space: nowrap; font-family: ui-monospace, monospace; }}
+td.profile, td.used-total {{ white-space: nowrap; font-family: ui-monospace, monospace; }}
+svg.bar {{ display: block; }}
+.shared {{ font-size: 12px; color: #8d5b00; }} .ratio {{ color: #616e7c; }}
+.processes ul {{ list-style: none; margin: 0; padding: 0; }}
+.processes li {{ white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }}
+.pid {{ font-family: ui-monospace, monospace; color: #52606d; }} .pmem {{ font-weight: 600; }}
+.on, .pod, .more, .none, .unknown, .empty {{ color: #616e7c; }}
+.problems li {{ color: #8a1c1c; }}
+.engines-cpu {{ margin: 12px 0; padding: 6px 12px; border-left: 4px solid #c81e1e; background: #fde8e8; }}
+.engines-cpu h2 {{ font-size: 15px; margin: 4px 0; color: #8a1c1c; }}
+.engines-cpu ul {{ margin: 4px 0; padding-left: 18px; }} .engines-cpu p {{ margin: 4px 0; color: #52606d; }}
+footer {{ margin-top: 24px; border-top: 1px solid #d9e2ec; }}
+</style></head>
+<body>
+"""

@@ -1,0 +1,333 @@
+"""``/probe?target=NAME``: one read through a command named in the config file,
+the way blackbox_exporter probes a target.
+
+Only a name from the config's ``probe_targets`` can run; the query string is
+checked before anything starts, and whatever is not exactly one configured
+name is refused with a one-line reason. Each answer comes from a registry
+built for the request::
+
+    probe_success 1.0
+    probe_duration_seconds 0.21
+    probe_read_problems 0.0
+    mig_exporter_device_memory_used_bytes{card="0",index="1000",mig_profile="3g.40gb"} 3.768582144e+09
+    ...
+
+At most ``max_concurrent`` commands run at once; a probe beyond that is
+refused at once (the server answers 503) instead of queueing behind hung
+ones. Probes of a target that is already running wait for that run and share
+its result, so a burst of scrapes costs one run. The exporter's own counters
+about probes are served on ``/metrics`` (``families()``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from mig_exporter.config.file import TARGET_NAME, Config, ConfigError, ProbeTarget, _one_line, load_config
+from mig_exporter.core.logs import shown
+from mig_exporter.metrics.families import snapshot_families
+from mig_exporter.metrics.scrape import ReadOutcome, Scraper
+from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S, NvidiaSmiSource
+
+log = logging.getLogger("mig_exporter.web.probe")
+
+DEFAULT_MAX_CONCURRENT = 4
+REJECT_REASONS = ("bad_request", "busy")
+_MAX_QUERY_FIELDS = 16
+_SHOWN_CHARS = 64
+_NAMES_IN_MESSAGE = 10
+
+
+class BadProbeRequest(Exception):
+    """The query does not name exactly one configured target (HTTP 400)."""
+
+
+class ProbeBusy(Exception):
+    """All probe slots are taken (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    target: ProbeTarget
+    outcome: ReadOutcome
+    duration_s: float
+
+    def collect(self) -> Iterator[Metric]:
+        """The families of the answer; a collector for a per-request registry."""
+        success = GaugeMetricFamily(
+            "probe_success", "1 when the probe's read succeeded, 0 when it failed (see the log)."
+        )
+        success.add_metric([], 1 if self.outcome.success else 0)
+        duration = GaugeMetricFamily("probe_duration_seconds", "How long the probe took, in seconds.")
+        duration.add_metric([], self.duration_s)
+        yield success
+        yield duration
+        snapshot = self.outcome.snapshot
+        if snapshot is not None:
+            problems = GaugeMetricFamily(
+                "probe_read_problems",
+                "Problems in the probe's read that did not fail it (an unreadable card or value, a failed "
+                "nvidia-smi -L); each is logged.",
+            )
+            problems.add_metric([], len(snapshot.problems))
+            yield problems
+            yield from snapshot_families(snapshot)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def registry(self) -> CollectorRegistry:
+        """A registry holding this answer alone."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        return registry
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A run in progress that later probes of the same target wait for."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: ReadOutcome | None = None
+
+
+class Prober:
+    """Runs probes against the configured targets; thread-safe.
+
+    ``default_timeout_s`` is the deadline of a target whose config gives
+    none. ``config_file`` is what ``reload()`` reads.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        config_file: str | None = None,
+        on_reload: Callable[[Config], None] | None = None,
+    ) -> None:
+        if max_concurrent < 1:
+            raise ValueError("max_concurrent must be at least 1")
+        self.max_concurrent = max_concurrent
+        self.default_timeout_s = default_timeout_s
+        self.config_file = config_file
+        self.on_reload = on_reload  # the rest of the exporter takes its part of a reloaded config
+        self._lock = threading.Lock()
+        self._reload_lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._flights: dict[ProbeTarget, _Flight] = {}
+        self._config = config
+        self._scrapers: dict[ProbeTarget, Scraper] = {}
+        self._probes: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self._reload_ok = True
+        self._reload_success_time = time.time()
+        self._apply(config)
+
+    @property
+    def config(self) -> Config:
+        with self._lock:
+            return self._config
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def target_for_query(self, query: str) -> ProbeTarget:
+        """The target a query string names, or ``BadProbeRequest`` with a
+        one-line reason. Nothing runs here."""
+        config = self.config
+        try:
+            return _target_for_query(query, config.probe_targets)
+        except BadProbeRequest as e:
+            with self._lock:
+                self._rejected["bad_request"] += 1
+            log.debug("probe refused: %s", e)
+            raise
+
+    def timeout_for(self, target: ProbeTarget) -> float:
+        return self.default_timeout_s if target.timeout_s is None else target.timeout_s
+
+    def probe(self, target: ProbeTarget, budget_s: float) -> ProbeResult:
+        """Read ``target`` within ``budget_s`` seconds, or join its run in
+        progress. Raises ``ProbeBusy`` at once when every slot is taken."""
+        started = time.monotonic()
+        deadline = started + max(budget_s, 0.0)
+        with self._lock:
+            flight = self._flights.get(target)
+            leader = flight is None
+            if leader:
+                if not self._slots.acquire(blocking=False):
+                    self._rejected["busy"] += 1
+                    raise ProbeBusy(f"{self.max_concurrent} probes are running already (--probe.max-concurrent)")
+                flight = _Flight()
+                self._flights[target] = flight
+                scraper = self._scraper_for(target)
+        assert flight is not None
+        outcome: ReadOutcome | None
+        if leader:
+            try:
+                flight.outcome = scraper.read(max(deadline - time.monotonic(), 0.0))
+            finally:
+                with self._lock:
+                    del self._flights[target]
+                self._slots.release()
+                flight.done.set()
+            outcome = flight.outcome
+            assert outcome is not None
+        else:
+            finished = flight.done.wait(max(deadline - time.monotonic(), 0.0))
+            outcome = flight.outcome
+            if outcome is None:
+                waited = time.monotonic() - started
+                reason = (f"deadline of {budget_s:.3g}s passed while waiting for the run already in progress"
+                          if not finished else "the run this probe waited for ended without a result")
+                log.warning("read from probe target %s failed: %s", target.name, reason)
+                outcome = ReadOutcome(None, waited, reason)
+        result = ProbeResult(target, outcome, time.monotonic() - started)
+        with self._lock:
+            if target.name in self._probes:  # not a target a reload has removed
+                self._probes[target.name] += 1
+                if not outcome.success:
+                    self._failures[target.name] += 1
+        return result
+
+    def _scraper_for(self, target: ProbeTarget) -> Scraper:
+        """The target's scraper (called with the lock held). Kept while the
+        target is unchanged, so a problem is logged once, not at every probe;
+        a target a reload has just replaced gets one of its own."""
+        return self._scrapers.get(target) or self._new_scraper(target)
+
+    def _new_scraper(self, target: ProbeTarget) -> Scraper:
+        source = NvidiaSmiSource(target.command, self.timeout_for(target))
+        return Scraper(source, name=f"probe target {target.name}")
+
+    # --- config ------------------------------------------------------------------------------
+
+    def reload(self) -> tuple[bool, str]:
+        """Read ``config_file`` again. A bad file keeps the config in use;
+        either way the answer is (ok, what happened: a line, then one line
+        per error). Never raises: an unexpected error is a failed reload too
+        (``mig_exporter_config_last_reload_successful`` 0), logged in one line
+        (its traceback at debug level)."""
+        if self.config_file is None:
+            return False, "no config file to reload: serve was started without --config.file"
+        with self._reload_lock:
+            try:
+                config = load_config(self.config_file)
+                if self.on_reload is not None:  # first: should it fail, the probe targets stay as they are
+                    self.on_reload(config)
+            except ConfigError as e:
+                return self._reload_failed(e.errors)
+            except Exception as e:  # a bug, or MemoryError: the exporter goes on with the config in use
+                log.debug("reloading %s failed", self.config_file, exc_info=True)
+                return self._reload_failed([f"unexpected error: {_one_line(e)}"])
+            self._apply(config)
+            with self._lock:
+                self._reload_ok = True
+                self._reload_success_time = time.time()
+            message = f"reloaded {self.config_file}: {config.summary()}"
+            log.info("%s", message)
+            return True, message
+
+    def _reload_failed(self, errors: Sequence[str]) -> tuple[bool, str]:
+        with self._lock:
+            self._reload_ok = False
+            kept = self._config.summary()
+        summary = f"reloading {self.config_file} failed; kept the previous config, {kept}"
+        log.error("%s: %s", summary, "; ".join(errors))
+        return False, "\n".join([f"{summary}:", *(f"  {error}" for error in errors)])
+
+    def _apply(self, config: Config) -> None:
+        """Use ``config``. Counters of targets that stay keep counting; a new
+        target starts at 0; a removed target's series go away."""
+        with self._lock:
+            self._config = config
+            names = list(config.probe_targets)
+            self._probes = {n: self._probes.get(n, 0) for n in names}
+            self._failures = {n: self._failures.get(n, 0) for n in names}
+            old = self._scrapers
+            self._scrapers = {}
+            for target in config.probe_targets.values():
+                self._scrapers[target] = old.get(target) or self._new_scraper(target)
+
+    # --- the exporter's own metrics, on /metrics ----------------------------------------------
+
+    def families(self) -> Iterator[Metric]:
+        with self._lock:
+            probes = dict(self._probes)
+            failures = dict(self._failures)
+            rejected = dict(self._rejected)
+            reload_ok, reload_time = self._reload_ok, self._reload_success_time
+        total = CounterMetricFamily("mig_exporter_probes", "Probes answered, by configured target.", labels=["target"])
+        failed = CounterMetricFamily(
+            "mig_exporter_probe_failures", "Probes answered with probe_success 0, by configured target.",
+            labels=["target"],
+        )
+        for name in sorted(probes):
+            total.add_metric([name], probes[name])
+            failed.add_metric([name], failures[name])
+        refused = CounterMetricFamily(
+            "mig_exporter_probes_rejected",
+            "Probe requests refused before anything ran: bad_request (HTTP 400: not exactly one configured target) "
+            "or busy (HTTP 503: --probe.max-concurrent probes already running).",
+            labels=["reason"],
+        )
+        for reason in REJECT_REASONS:
+            refused.add_metric([reason], rejected[reason])
+        yield from (total, failed, refused)
+        if self.config_file is not None:
+            ok = GaugeMetricFamily(
+                "mig_exporter_config_last_reload_successful",
+                "1 when the config file was last loaded without error, 0 when the last reload failed.",
+            )
+            ok.add_metric([], 1 if reload_ok else 0)
+            when = GaugeMetricFamily(
+                "mig_exporter_config_last_reload_success_timestamp_seconds",
+                "When the config file was last loaded successfully, in seconds since the epoch.",
+            )
+            when.add_metric([], reload_time)
+            yield from (ok, when)
+
+
+def _target_for_query(query: str, targets: Mapping[str, ProbeTarget]) -> ProbeTarget:
+    try:
+        fields = parse_qsl(query, keep_blank_values=True, errors="strict", max_num_fields=_MAX_QUERY_FIELDS)
+    except UnicodeDecodeError:
+        raise BadProbeRequest("the query is not valid UTF-8 once percent-decoded") from None
+    except ValueError:
+        raise BadProbeRequest(f"more than {_MAX_QUERY_FIELDS} query parameters") from None
+    unknown = sorted({k for k, _ in fields if k != "target"})
+    if unknown:
+        raise BadProbeRequest(f"unknown parameter {_shown(unknown[0])}: /probe takes only target=NAME")
+    names = [v for _, v in fields]
+    if not names:
+        raise BadProbeRequest("missing target: use /probe?target=NAME with a NAME from probe_targets")
+    if len(names) > 1:
+        raise BadProbeRequest(f"target is given {len(names)} times; give it once")
+    (name,) = names
+    if not name:
+        raise BadProbeRequest("empty target: use /probe?target=NAME with a NAME from probe_targets")
+    if not TARGET_NAME.fullmatch(name):
+        raise BadProbeRequest(
+            f"target {_shown(name)} is not a target name: give a NAME from probe_targets, not a path or a command"
+        )
+    target = targets.get(name)
+    if target is None:
+        known = sorted(targets)
+        listed = ", ".join(known[:_NAMES_IN_MESSAGE]) + (", ..." if len(known) > _NAMES_IN_MESSAGE else "")
+        raise BadProbeRequest(f"unknown target {_shown(name)}: not in probe_targets ({listed or 'none configured'})")
+    return target
+
+
+def _shown(text: str) -> str:
+    """Client input as it can be echoed: escaped to printable ASCII, one line, bounded."""
+    return shown(text, _SHOWN_CHARS)
