@@ -256,8 +256,24 @@ def python() -> str:
     return sys.executable
 
 
-# A fake libnvidia-ml beneath pynvml's real ctypes layer (tests/fake_nvml.py).
-from fake_nvml import fake_nvml_lib  # noqa: E402,F401  (registers the fixture)
+@pytest.fixture
+def fake_nvml_lib():
+    """``fake_nvml_lib(name_or_scenario)`` installs a fake libnvidia-ml beneath pynvml's real
+    ctypes layer (tests/fake_nvml.py) until the test ends; a second call replaces the first."""
+    from fake_nvml import install_fake_nvml
+
+    installed = []
+
+    def install(scenario):
+        for old in installed:
+            old.uninstall()
+        fake = install_fake_nvml(scenario)
+        installed.append(fake)
+        return fake
+
+    yield install
+    for fake in reversed(installed):
+        fake.uninstall()
 
 
 @pytest.fixture(scope="session")

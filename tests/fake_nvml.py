@@ -10,15 +10,16 @@ whose attributes are the callbacks (a missing one raises ``AttributeError``,
 which pynvml turns into ``NVMLError_FunctionNotFound``, as with a real
 library lacking a symbol).
 
-Use it from a test module or conftest.py (tests/ is on ``sys.path`` under
-pytest, as for ``from conftest import ...``)::
-
-    from fake_nvml import SCENARIOS, FakeNvmlScenario, fake_nvml, fake_nvml_lib  # noqa: F401
+It needs no pytest, so the benchmarks import it too (tests/ on ``sys.path``, as
+under pytest for ``from conftest import ...``). In a test, the fixture
+``fake_nvml_lib`` of tests/conftest.py installs it until the test ends::
 
     def test_something(fake_nvml_lib):
         fake = fake_nvml_lib("h100-mig-processes")    # a name from SCENARIOS, or a FakeNvmlScenario
         ...                                            # code under test calls pynvml.nvmlInit() etc.
         assert fake.exceptions == []
+
+    from fake_nvml import demo, fake_nvml
 
     with fake_nvml(demo()) as fake:                   # the same without pytest
         ...
@@ -51,7 +52,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pynvml
-import pytest
 
 MIB = 1024 * 1024
 
@@ -811,30 +811,19 @@ def _write_string(buf: int | None, length: int, text: str) -> int:
     return NVML_SUCCESS
 
 
+def install_fake_nvml(scenario: FakeNvmlScenario | str) -> FakeNvml:
+    """A fake libnvidia-ml installed under pynvml, for a name from ``SCENARIOS`` or a scenario;
+    ``uninstall()`` leaves pynvml as it was."""
+    return FakeNvml(SCENARIOS[scenario]() if isinstance(scenario, str) else scenario).install()
+
+
 @contextmanager
 def fake_nvml(scenario: FakeNvmlScenario | str) -> Iterator[FakeNvml]:
     """Install a fake libnvidia-ml under pynvml for the block, then leave pynvml as it was."""
-    fake = FakeNvml(SCENARIOS[scenario]() if isinstance(scenario, str) else scenario).install()
+    fake = install_fake_nvml(scenario)
     try:
         yield fake
     finally:
-        fake.uninstall()
-
-
-@pytest.fixture
-def fake_nvml_lib() -> Iterator[Callable[[FakeNvmlScenario | str], FakeNvml]]:
-    """``fake_nvml_lib(name_or_scenario)`` installs a fake libnvidia-ml until the test ends."""
-    installed: list[FakeNvml] = []
-
-    def install(scenario: FakeNvmlScenario | str) -> FakeNvml:
-        for old in installed:
-            old.uninstall()
-        fake = FakeNvml(SCENARIOS[scenario]() if isinstance(scenario, str) else scenario).install()
-        installed.append(fake)
-        return fake
-
-    yield install
-    for fake in reversed(installed):
         fake.uninstall()
 
 
