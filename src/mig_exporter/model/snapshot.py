@@ -39,6 +39,17 @@ class MigInstance:
     uuid: str | None = None
 
 
+# Linux never hands out a pid of 0 or at or above PID_MAX_LIMIT (2^22, the most
+# kernel.pid_max may be): a pid outside is a driver's garbage (the R535-era NVML
+# process struct mismatch gave 0 and 2^32-1), on either read path.
+PID_MAX_LIMIT = 4_194_304
+
+
+def is_plausible_pid(pid: object) -> bool:
+    """Whether ``pid`` could be a Linux process id."""
+    return isinstance(pid, int) and 0 < pid < PID_MAX_LIMIT
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessReading:
     """One process as the driver lists it on a card, before placement.

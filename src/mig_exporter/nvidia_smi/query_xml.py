@@ -21,7 +21,7 @@ from typing import cast
 from lxml import etree
 
 from mig_exporter.core.errors import ParseError
-from mig_exporter.model.snapshot import MIB, CardReading, Memory, MigInstance, ProcessReading
+from mig_exporter.model.snapshot import MIB, CardReading, Memory, MigInstance, ProcessReading, is_plausible_pid
 
 # Texts that mean "no value". Checked in lower case; anything in [brackets]
 # (the CSV forms: [N/A], [Not Supported], [Unknown Error]) counts too.
@@ -45,8 +45,6 @@ _DIGITS = re.compile(r"^[0-9]{1,10}$")
 _PROCESS_NAME = re.compile(rb"(<process_name>)(.*?)(</process_name>)", re.S)
 # Characters XML 1.0 forbids, which a process name may still carry.
 _XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
-# Linux never hands out a pid at or above 2^22 (PID_MAX_LIMIT).
-PID_MAX_LIMIT = 4_194_304
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +165,7 @@ def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardRead
         fields = _child_texts(el)
         pid_text = _raw(fields.get("pid"))
         pid = int(pid_text) if _DIGITS.match(pid_text) else 0
-        if not 0 < pid < PID_MAX_LIMIT:
+        if not is_plausible_pid(pid):
             problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
             continue
         processes.append(ProcessReading(

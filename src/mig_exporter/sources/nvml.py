@@ -25,13 +25,17 @@ import pynvml
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.flight import SingleFlight
 from mig_exporter.model.placement import place
-from mig_exporter.model.snapshot import CardReading, Memory, MigInstance, ProcessReading, Snapshot
+from mig_exporter.model.snapshot import (
+    CardReading,
+    Memory,
+    MigInstance,
+    ProcessReading,
+    Snapshot,
+    is_plausible_pid,
+)
 from mig_exporter.sources.nvml_gateway import Nvml, NvmlCallError, NvmlUnavailable, error_name
 
 DEFAULT_TIMEOUT_S = 10.0
-# Linux never hands out pids above PID_MAX_LIMIT (2^22); 0 and 2^32-1 are what
-# the R535-era v2/v3 process struct mismatch produced.
-_PID_MAX_LIMIT = 4_194_304
 _EMPTY_SLOT = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
 _PROFILE_IN_NAME = re.compile(r"\bMIG\s+(\S+)\s*$")
 
@@ -213,12 +217,12 @@ class NvmlSource:
                 if e.unsupported:
                     continue
                 raise
-            if all(_possible_pid(p.pid) for p in entries):
+            if all(is_plausible_pid(p.pid) for p in entries):
                 return [(int(p.pid), p.usedGpuMemory) for p in entries]
             garbled = entries
         if garbled is None:
             return None
-        kept: list[tuple[int, int | None]] = [(int(p.pid), None) for p in garbled if _possible_pid(p.pid)]
+        kept: list[tuple[int, int | None]] = [(int(p.pid), None) for p in garbled if is_plausible_pid(p.pid)]
         problems.append(
             f"{where}: {len(garbled) - len(kept)} process entries with impossible pids dropped and the memory of "
             f"{len(kept)} unknown (NVML process struct version mismatch)"
@@ -230,10 +234,6 @@ class NvmlSource:
             return _text(self.nvml.call(pynvml.nvmlSystemGetProcessName, pid)) or ""
         except NvmlCallError:
             return ""  # exited since it was listed, or not ours to see
-
-
-def _possible_pid(pid: object) -> bool:
-    return isinstance(pid, int) and 0 < pid < _PID_MAX_LIMIT
 
 
 def _profile(mig_name: str | None) -> str | None:
