@@ -25,7 +25,7 @@ from mig_exporter.host.owners import read_identities
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podlogs import PodName, PodNames, read_pod_names
 from mig_exporter.kubernetes.podresources import PodResources, PodResourcesClient, PodResourcesError
-from mig_exporter.model.placement import uuid_device_indexes
+from mig_exporter.model.placement import mig_placement_index, uuid_device_indexes
 from mig_exporter.model.readings import Allocation, PodReading, ProcessPod
 from mig_exporter.model.snapshot import Snapshot
 
@@ -61,7 +61,7 @@ def device_indexes(snapshot: Snapshot, resource: str, device_id: str) -> tuple[i
             return (int(m.group(1)),)
         m = _MIG_INDEX.match(base)
         if m:
-            index = 1000 + 100 * int(m.group(1)) + int(m.group(2))
+            index = mig_placement_index(int(m.group(1)), int(m.group(2)))
             if any(d.index == index and d.is_mig for d in snapshot.devices):
                 return (index,)
     return ()

@@ -18,10 +18,18 @@ path fed it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from mig_exporter.model.device_class import card_class, mig_device_class
-from mig_exporter.model.snapshot import Card, CardReading, Device, Process, ProcessReading, Snapshot
+from mig_exporter.model.snapshot import (
+    Card,
+    CardReading,
+    Device,
+    MigInstance,
+    Process,
+    ProcessReading,
+    Snapshot,
+)
 
 MIG_INDEX_BASE = 1000
 MIG_INDEX_PER_CARD = 100
@@ -63,7 +71,18 @@ def place(
 def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list[str]]:
     klass = card_class(r.name, r.memory.total_bytes)
     in_mig = r.mig_current is True and r.error is None
-    card = Card(
+    card = _card_from_reading(r, klass, in_mig)
+    if r.error is not None:
+        return card, [], [], [f"card {r.index}: {r.error}"]
+    if not in_mig:
+        device, processes = _place_whole_card(r, klass)
+        return card, [device], processes, []
+    devices, processes, problems = _place_mig_instances(r, klass)
+    return card, devices, processes, problems
+
+
+def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool) -> Card:
+    return Card(
         index=r.index,
         uuid=r.uuid,
         name=r.name,
@@ -79,43 +98,34 @@ def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list
         utilization_ratio=None if r.mig_current else r.utilization_ratio,
         error=r.error,
     )
-    if r.error is not None:
-        return card, [], [], [f"card {r.index}: {r.error}"]
-    if not in_mig:
-        device = Device(
-            index=r.index,
-            card=r.index,
-            mig_index=None,
-            gpu_instance_id=None,
-            compute_instance_id=None,
-            profile=None,
-            uuid=r.uuid,
-            name=r.name,
-            device_class=klass,
-            memory=r.memory,
-        )
-        return card, [device], _merge(r.processes, device.index), []
 
+
+def _place_whole_card(r: CardReading, klass: str | None) -> tuple[Device, list[Process]]:
+    """A card not in MIG mode: one device, with every process on the card."""
+    device = Device(
+        index=r.index,
+        card=r.index,
+        mig_index=None,
+        gpu_instance_id=None,
+        compute_instance_id=None,
+        profile=None,
+        uuid=r.uuid,
+        name=r.name,
+        device_class=klass,
+        memory=r.memory,
+    )
+    return device, _merge(r.processes, device.index)
+
+
+def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device], list[Process], list[str]]:
+    """A card in MIG mode: a device per instance, in MIG index order, each with the
+    processes that carry its instance ids; a problem line per process no instance claims."""
     devices: list[Device] = []
     processes: list[Process] = []
-    problems: list[str] = []
     claimed: set[int] = set()
-    seen_mig_indexes: set[int] = set()
-    # Processes by the (GPU instance, compute instance) they carry, in listed
-    # order: one pass over the card's processes, not one per instance.
-    by_ids: dict[tuple[int | None, int | None], list[int]] = {}
-    for i, p in enumerate(r.processes):
-        by_ids.setdefault((p.gpu_instance_id, p.compute_instance_id), []).append(i)
-    for inst in sorted(r.instances, key=lambda i: i.mig_index):
-        if not 0 <= inst.mig_index < MIG_INDEX_PER_CARD:
-            # Its placement index would be another card's instance (or a whole card's).
-            problems.append(f"card {r.index}: MIG device index {inst.mig_index} is out of range "
-                            f"(0 to {MIG_INDEX_PER_CARD - 1}); skipped")
-            continue
-        if inst.mig_index in seen_mig_indexes:
-            problems.append(f"card {r.index}: MIG device index {inst.mig_index} listed twice; kept the first")
-            continue
-        seen_mig_indexes.add(inst.mig_index)
+    instances, problems = _placeable_instances(r)
+    by_ids = _process_positions_by_instance_ids(r.processes)
+    for inst in instances:
         device = Device(
             index=mig_placement_index(r.index, inst.mig_index),
             card=r.index,
@@ -140,7 +150,38 @@ def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list
                 f"card {r.index}: process {p.pid} carries GPU instance {p.gpu_instance_id} "
                 f"and compute instance {p.compute_instance_id}, which match no MIG device; not placed"
             )
-    return card, devices, processes, problems
+    return devices, processes, problems
+
+
+def _process_positions_by_instance_ids(
+    readings: Sequence[ProcessReading],
+) -> dict[tuple[int | None, int | None], list[int]]:
+    """Positions of the card's processes by the (GPU instance, compute instance) they
+    carry, in listed order: one pass over the card's processes, not one per instance."""
+    by_ids: dict[tuple[int | None, int | None], list[int]] = {}
+    for i, p in enumerate(readings):
+        by_ids.setdefault((p.gpu_instance_id, p.compute_instance_id), []).append(i)
+    return by_ids
+
+
+def _placeable_instances(r: CardReading) -> tuple[list[MigInstance], list[str]]:
+    """The card's instances in MIG index order, less those whose index is out of range or
+    repeated, and a problem line for each of those."""
+    kept: list[MigInstance] = []
+    problems: list[str] = []
+    seen_mig_indexes: set[int] = set()
+    for inst in sorted(r.instances, key=lambda i: i.mig_index):
+        if not 0 <= inst.mig_index < MIG_INDEX_PER_CARD:
+            # Its placement index would be another card's instance (or a whole card's).
+            problems.append(f"card {r.index}: MIG device index {inst.mig_index} is out of range "
+                            f"(0 to {MIG_INDEX_PER_CARD - 1}); skipped")
+            continue
+        if inst.mig_index in seen_mig_indexes:
+            problems.append(f"card {r.index}: MIG device index {inst.mig_index} listed twice; kept the first")
+            continue
+        seen_mig_indexes.add(inst.mig_index)
+        kept.append(inst)
+    return kept, problems
 
 
 def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Process]:
