@@ -8,6 +8,7 @@ Run from the repository root::
     python -m benchmarks --profile smi   # cProfile of a big-mig path in process (smi, nvml, nvitop)
     python -m benchmarks --profile serve # py-spy of a serving process, by stage
     python -m benchmarks --check         # exit 1 when a target is missed
+    python -m benchmarks --podresources  # only the pod-resources decoding table
 
 For each scenario (benchmarks/scenarios.py) it measures, as medians over
 repeated runs:
@@ -20,7 +21,9 @@ repeated runs:
   difference is the exporter's overhead; then the serving process's peak RSS;
 - the NVML path on the same machine through tests/fake_nvml.py, next to
   nvitop-exporter's update of the same devices on the same fake library;
-- how the cost grows with processes and instances.
+- how the cost grows with processes and instances;
+- the kubelet's pod-resources answer decoded by our decoder, before and
+  after its rework, and by protobuf's generated stubs (benchmarks/podresources.py).
 
 Then it checks the targets of issue 8 and prints PASS or MISS for each.
 """
@@ -49,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mig_exporter
-from benchmarks import scenarios
+from benchmarks import podresources, scenarios
 from benchmarks.scenarios import BIG_MIG, MAIN_SHAPES, SINGLE, Shape
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
@@ -92,13 +95,14 @@ class Settings:
     reps_http: int
     reps_nvml: int
     reps_scaling: int
+    reps_podresources: int
     warmup: int
 
     @classmethod
     def make(cls, quick: bool) -> Settings:
         if quick:
-            return cls(True, 3, 3, 2, 2, 1)
-        return cls(False, 50, 100, 25, 25, 3)
+            return cls(True, 3, 3, 2, 2, 3, 1)
+        return cls(False, 50, 100, 25, 25, 100, 3)
 
     def http_reps(self, shape: Shape) -> int:
         # A small scrape is quick and its overhead a small difference of two
@@ -225,6 +229,7 @@ class Results:
     nvml: dict[str, NvmlResult] = field(default_factory=dict)
     process_scaling: list[ScalingRow] = field(default_factory=list)
     instance_scaling: list[ScalingRow] = field(default_factory=list)
+    podresources: podresources.DecodeResults | None = None
 
 
 # -- nvidia-smi path: in process ---------------------------------------------------
@@ -589,6 +594,10 @@ def report(results: Results, s: Settings, started: float, load_before: tuple[flo
             out.append(f"  {label}: least-squares line {slope * 1000:.1f} us per {unit} {intercept:+.2f} ms, "
                        f"R^2 = {r2:.3f}")
 
+    if results.podresources is not None:
+        out.append("")
+        out.extend(podresources.report(results.podresources))
+
     checks = []
     big, single = results.smi.get(BIG_MIG.name), results.smi.get(SINGLE.name)
     rss = [r.peak_rss_mib for r in results.smi.values() if r.peak_rss_mib is not None]
@@ -727,8 +736,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one path on big-mig and exit: cProfile of the nvidia-smi path, our NVML "
                              "path or nvitop-exporter's update in process; py-spy of a serving process (serve)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--podresources", action="store_true",
+                        help="only the pod-resources decoding: ours before and after, and protobuf's")
     args = parser.parse_args(argv)
     settings = Settings.make(args.quick)
+    if args.podresources:
+        load_before = os.getloadavg()
+        decoded = podresources.measure(settings.reps_podresources, settings.warmup)
+        print(f"machine: {machine()}")
+        print(f"load average before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
+              + ("; QUICK MODE: a smoke run, not a measurement" if settings.quick else ""))
+        print("\n".join(["", *podresources.report(decoded)]))
+        return 0
     if args.profile == "serve":
         print(profile_serve(4 if args.quick else 10))
         return 0
@@ -751,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measured {shape.name} (NVML path)", file=sys.stderr, flush=True)
     results.process_scaling = measure_scaling(PROCESS_SCALING, nvml, settings)
     results.instance_scaling = measure_scaling(INSTANCE_SCALING, nvml, settings)
+    results.podresources = podresources.measure(settings.reps_podresources, settings.warmup)
+    print("measured pod-resources decoding", file=sys.stderr, flush=True)
     text, all_met = report(results, settings, started, load_before)
     print(text, flush=True)
     return 1 if args.check and not all_met and not settings.quick else 0

@@ -23,6 +23,8 @@ from types import ModuleType
 
 import grpc
 
+from mig_exporter.kubernetes.podresources import ContainerDevices, ContainerResources, PodResources
+
 PROTO = Path(__file__).resolve().parent.parent / "src" / "mig_exporter" / "kubernetes" / "podresources.proto"
 
 
@@ -67,6 +69,17 @@ def encode(pb: ModuleType, pods: list[Pod]) -> object:
                 devices = container.devices.add(resource_name=resource, device_ids=ids)
                 devices.topology.nodes.add(ID=1)
     return response
+
+
+def pods_from_protobuf(response: object) -> tuple[PodResources, ...]:
+    """The exporter's pods from protobuf's decoding of a ListPodResourcesResponse."""
+    return tuple(
+        PodResources(p.namespace, p.name, tuple(
+            ContainerResources(c.name, tuple(
+                ContainerDevices(d.resource_name, tuple(d.device_ids)) for d in c.devices
+            )) for c in p.containers
+        )) for p in response.pod_resources
+    )
 
 
 class FakeKubelet:

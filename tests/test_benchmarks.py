@@ -15,8 +15,9 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO))
-from benchmarks import scenarios
+from benchmarks import podresources, scenarios
 from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING
+from mig_exporter.kubernetes.podresources import parse_list_response
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.nvidia_smi.query_xml import parse_query_xml
 from mig_exporter.sources.nvml import NvmlSource
@@ -55,6 +56,23 @@ def test_each_scenario_is_one_machine_through_nvml_and_nvidia_smi(fake_nvml_lib,
     fake = fake_nvml_lib(scenarios.nvml_scenario(shape))
     assert NvmlSource().read() == snapshot_from_smi(scenarios.query_xml(shape), scenarios.listing(shape))
     assert fake.exceptions == []
+
+
+def test_the_pod_resources_answers_are_a_gpu_node_s_and_every_decoder_reads_the_same_pods(podresources_pb):
+    answers = podresources.answers(podresources_pb)
+    assert [a.pods for a in answers] == [110, 500]
+    before, _ = podresources.decoder_before()  # None outside a git checkout with that commit
+    for answer in answers:
+        pods = parse_list_response(answer.data)
+        assert len(pods) == answer.pods
+        resources = [d.resource_name for p in pods for c in p.containers for d in c.devices]
+        assert {r.split("-", 1)[0] for r in resources} == {
+            "nvidia.com/gpu", "nvidia.com/mig", "example.com/fpga", "intel.com/sriov_netdevice"}
+        assert sum(r == "nvidia.com/gpu" for r in resources) >= answer.pods // 3
+        assert sum(r.startswith("nvidia.com/mig-") for r in resources) >= answer.pods // 3
+        assert any("::" in i for p in pods for c in p.containers for d in c.devices for i in d.device_ids)
+        assert len({len(p.containers) for p in pods}) == 3  # 1 to 3 containers
+        podresources.check_same(answer, podresources_pb, before)  # raises where two decoders disagree
 
 
 def _rows(text: str, title: str) -> list[list[str]]:
@@ -101,6 +119,15 @@ def test_the_benchmark_runs_in_quick_mode_and_prints_every_table():
     assert [r[0] for r in instances] == [s.name for s in INSTANCE_SCALING]
     assert [int(r[1]) for r in instances] == [7, 14, 28, 56]
     assert out.count("least-squares line") == 4
+
+    decoding = _rows(out, "pod-resources List decoding")
+    assert [r[0] for r in decoding] == ["110", "500"]
+    has_before = podresources.decoder_before()[0] is not None
+    for row in decoding:
+        before_cells = {4, 12}  # before, before / after
+        assert all(re.fullmatch(r"\d+(\.\d+)?", cell) for i, cell in enumerate(row) if i not in before_cells), row
+        assert all(bool(re.fullmatch(r"\d+\.\d+", row[i])) == has_before for i in before_cells), row
+    assert re.search(r"protobuf = protobuf [\d.]+, backend (upb|cpp|python)", out)
 
     targets = _rows(out, "targets (issue 8)")
     assert [r[0] for r in targets] == [

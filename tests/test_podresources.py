@@ -1,6 +1,6 @@
 """The kubelet pod-resources client against a fake kubelet serving the real
 gRPC API on a unix socket, and the decoder against protobuf's own encoding
-of our proto."""
+of our proto: chosen answers, generated ones, and mutated ones."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import socket
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from fake_kubelet import Container, Pod, encode
+from fake_kubelet import Container, Pod, encode, pods_from_protobuf
 from kube_node import PODS
 from mig_exporter.kubernetes.podresources import (
     FIELDS,
@@ -74,6 +76,63 @@ def test_unknown_fields_of_every_wire_type_are_skipped():
 def test_bytes_that_are_not_a_response_are_a_value_error(data):
     with pytest.raises(ValueError):
         parse_list_response(data)
+
+
+# Names as a kubelet could send them, and some no kubelet would: empty, non-ASCII.
+_NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=70)
+_CONTAINERS = st.builds(Container, _NAMES, st.dictionaries(_NAMES, st.lists(_NAMES, max_size=4), max_size=3))
+_PODS = st.lists(st.builds(Pod, _NAMES, _NAMES, st.lists(_CONTAINERS, max_size=3)), max_size=6)
+_EXAMPLES = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _expected(pods: list[Pod]) -> tuple[PodResources, ...]:
+    return tuple(
+        PodResources(p.namespace, p.name, tuple(
+            ContainerResources(c.name, tuple(ContainerDevices(r, tuple(ids)) for r, ids in c.devices.items()))
+            for c in p.containers))
+        for p in pods)
+
+
+@_EXAMPLES
+@given(pods=_PODS)
+def test_any_answer_protobuf_encodes_is_decoded_to_its_pods(podresources_pb, pods):
+    assert parse_list_response(encode(podresources_pb, pods).SerializeToString()) == _expected(pods)
+
+
+def _damaged(draw: st.DrawFn, data: bytes) -> bytes:
+    """``data`` with one to four bytes overwritten, inserted or deleted, or cut short."""
+    damaged = bytearray(data)
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(damaged)))
+        edit = draw(st.sampled_from(["overwrite", "insert", "delete", "cut"]))
+        byte = draw(st.integers(0, 255))
+        if edit == "overwrite" and at < len(damaged):
+            damaged[at] = byte
+        elif edit == "insert":
+            damaged.insert(at, byte)
+        elif edit == "delete" and at < len(damaged):
+            del damaged[at]
+        elif edit == "cut":
+            del damaged[at:]
+    return bytes(damaged)
+
+
+@_EXAMPLES
+@given(drawn=st.data())
+def test_a_damaged_answer_is_a_value_error_or_what_protobuf_reads_in_it(podresources_pb, drawn):
+    from google.protobuf.message import DecodeError
+
+    pods = drawn.draw(_PODS.filter(bool))
+    data = _damaged(drawn.draw, encode(podresources_pb, pods).SerializeToString())
+    try:
+        ours = parse_list_response(data)
+    except ValueError:
+        return  # the only error it may raise
+    try:
+        theirs = podresources_pb.ListPodResourcesResponse.FromString(data)
+    except DecodeError:
+        return  # protobuf reads more (CPU ids, memory, topology) and rejects bad UTF-8, which we replace
+    assert ours == pods_from_protobuf(theirs)
 
 
 def test_list_over_the_socket(fake_kubelet):
