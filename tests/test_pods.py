@@ -82,6 +82,8 @@ def _listed(pods: list[Pod]) -> tuple[PodResources, ...]:
     ("nvidia.com/gpu", "GPU-a84bba07-931d-b925-306a-0799dc6ebd71", (1000, 1001, 1002)),
     ("nvidia.com/gpu", "1", (1,)),  # --device-id-strategy=index
     ("nvidia.com/mig-2g.20gb", "0:1", (1001,)),
+    ("nvidia.com/mig-2g.20gb", "1:0", ()),  # card 1 is whole: it has no MIG device 0
+    ("nvidia.com/mig-2g.20gb", "0:100", ()),  # not card 1's MIG device 0 (index 1100) by another name
     ("nvidia.com/gpu", "0", ()),  # card 0 is in MIG mode: not a device of its own
     ("nvidia.com/gpu", "GPU-00000000-0000-0000-0000-000000000000", ()),
     ("example.com/fpga", "1", ()),  # another vendor's numbers are not our cards

@@ -25,7 +25,7 @@ from mig_exporter.host.owners import read_identities
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podlogs import PodName, PodNames, read_pod_names
 from mig_exporter.kubernetes.podresources import PodResources, PodResourcesClient, PodResourcesError
-from mig_exporter.model.placement import mig_placement_index, uuid_device_indexes
+from mig_exporter.model.placement import uuid_device_indexes
 from mig_exporter.model.readings import Allocation, PodReading, ProcessPod
 from mig_exporter.model.snapshot import Snapshot
 
@@ -61,9 +61,9 @@ def device_indexes(snapshot: Snapshot, resource: str, device_id: str) -> tuple[i
             return (int(m.group(1)),)
         m = _MIG_INDEX.match(base)
         if m:
-            index = mig_placement_index(int(m.group(1)), int(m.group(2)))
-            if any(d.index == index and d.is_mig for d in snapshot.devices):
-                return (index,)
+            # By card and MIG index, not by the index they would make: "0:150" is no device of card 0.
+            card, mig = int(m.group(1)), int(m.group(2))
+            return tuple(d.index for d in snapshot.devices if d.card == card and d.mig_index == mig)[:1]
     return ()
 
 
