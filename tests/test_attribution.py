@@ -7,8 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from conftest import MIB, scenario
+from mig_exporter.config.engines import parse_engines
 from mig_exporter.engines.attribution import EngineReader, engine_reading
-from mig_exporter.engines.rules import DEFAULT_SETTINGS, parse_engines
+from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.model.readings import EngineProcess, EngineReading
 from mig_exporter.sources.demo import DemoProcs, DemoSource

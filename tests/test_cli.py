@@ -481,9 +481,9 @@ def test_a_bad_config_file_gives_every_problem_one_line_each(tmp_path: Path) -> 
         assert result.returncode == 1
         errors = [line for line in result.stderr.splitlines() if line.startswith("mig-exporter: error:")]
         assert errors == [
-            f"mig-exporter: error: {config}: engines.presets.vllm: must be true or false, got str",
-            f"mig-exporter: error: {config}: engines.rules[0].cmdline[0]: not a valid regular expression "
-            "(missing ), unterminated subpattern at position 0): '('",
+            f"mig-exporter: error: {config}: engines.presets.vllm: must be true or false, not a string",
+            f"mig-exporter: error: {config}: engines.rules[0].cmdline[0]: '(' is not a valid regular expression "
+            "(missing ), unterminated subpattern at position 0)",
         ]
         assert "listening" not in result.stderr
 

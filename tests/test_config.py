@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mig_exporter.config.file import ConfigError, ProbeTarget, load_config, parse_config, parse_duration
+from mig_exporter.config.checks import ConfigError, parse_duration
+from mig_exporter.config.file import ProbeTarget, load_config, parse_config
 
 
 def errors_of(text: str) -> list[str]:
@@ -86,8 +87,8 @@ def test_every_error_is_reported_at_once() -> None:
         "scrape_interval: 15s\n"
     )
     assert errors == [
-        "line 22: key good is given twice (first on line 2)",
-        "scrape_interval: unknown setting (known: probe_targets, engines)",
+        "probe_targets.good: given twice (first on line 2, again on line 22)",
+        "scrape_interval: unknown key (known: probe_targets, engines)",
         "probe_targets.shell.command: must be a list of arguments (no shell is used), "
         "e.g. ['ssh', 'gpu-07', 'nvidia-smi']",
         "probe_targets.number.command[1]: 5 is a number; quote it to make it a string",
@@ -95,14 +96,14 @@ def test_every_error_is_reported_at_once() -> None:
         "probe_targets.relative.command[0]: './nvidia-smi' is a relative path; "
         "give an absolute path or a name looked up on PATH",
         "probe_targets.relative.timeout: 20m is out of range (100ms to 10m)",
-        "probe_targets.typo.comand: unknown setting (known: command, timeout)",
+        "probe_targets.typo.comand: unknown key (known: command, timeout)",
         "probe_targets.typo.command: missing; give the argv to run, e.g. [/usr/bin/nvidia-smi]",
-        "probe_targets.empty.command: must be a non-empty list of arguments, not a list",
+        "probe_targets.empty.command: must not be empty; give the argv to run, e.g. [/usr/bin/nvidia-smi]",
         "probe_targets.empty.timeout: 'fast' is not a duration (write it like 500ms, 5s or 1m30s)",
         "probe_targets.'../etc': not a valid target name "
         "(a letter or digit, then letters, digits, '_', '.' or '-'; at most 64 characters)",
         "probe_targets.not-a-mapping: must be a mapping with command (and optionally timeout), not a list",
-        "probe_targets.blank-arg.command[1]: empty argument",
+        "probe_targets.blank-arg.command[1]: must not be empty",
     ]
 
 
@@ -129,8 +130,8 @@ def test_a_non_string_name_is_refused() -> None:
 
 @pytest.mark.parametrize("text, error", [
     ("probe_targets: [a, b]\n", "probe_targets: must be a mapping of target names to targets, not a list"),
-    ("- probe_targets\n", "the file must be a mapping with probe_targets and engines, not a list"),
-    ("just text\n", "the file must be a mapping with probe_targets and engines, not a string"),
+    ("- probe_targets\n", "the file must be a mapping of settings, not a list (known: probe_targets, engines)"),
+    ("just text\n", "the file must be a mapping of settings, not a string (known: probe_targets, engines)"),
     ("probe_targets:\n  a: {command: [\"nvidia\\0smi\"]}\n", "probe_targets.a.command[0]: contains a NUL character"),
     ("probe_targets:\n  a: {command: [nvidia-smi], timeout: 50ms}\n",
      "probe_targets.a.timeout: 50ms is out of range (100ms to 10m)"),

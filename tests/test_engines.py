@@ -10,13 +10,14 @@ import pytest
 import yaml
 
 from conftest import REPO
-from mig_exporter.config.file import ConfigError, load_config
+from mig_exporter.config.checks import ConfigError
+from mig_exporter.config.engines import parse_engines
+from mig_exporter.config.file import load_config
 from mig_exporter.engines.rules import (
     DEFAULT_SETTINGS,
     PRESETS,
     GpuOffload,
     layers_ask_for_gpu,
-    parse_engines,
 )
 from mig_exporter.host.procfs import ProcEntry
 
@@ -173,29 +174,35 @@ def test_every_error_is_reported_at_once():
     })
     assert settings is None
     assert errors == [
-        "engines: unknown key 'rule' (known: presets, rules)",
-        "engines.presets: unknown preset 'llama' (known: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm)",
-        "engines.presets.vllm: must be true or false, got str",
-        "engines.rules[1].name: required, letters, digits, '.', '_' or '-' (e.g. llama.cpp), got None",
+        "engines.rule: unknown key (known: presets, rules)",
+        "engines.presets.llama: unknown preset (known: llama.cpp, ollama, vllm, sglang, tgi, triton, tensorrt-llm)",
+        "engines.presets.vllm: must be true or false, not a string",
+        "engines.rules[1].name: missing; give the engine label (letters, digits, '.', '_' or '-', e.g. llama.cpp)",
         "engines.rules[1].comm: 'text-generation-launcher' is longer than 15 bytes and can never match: the kernel "
-        "cuts process names to 15 ('text-generation'); match it with exe: or cmdline: instead",
-        "engines.rules[2].name: required, letters, digits, '.', '_' or '-' (e.g. llama.cpp), got 'bad regex'",
-        "engines.rules[2].cmdline[0]: not a valid regular expression (missing ), unterminated subpattern at "
-        "position 0): '(unclosed'",
-        "engines.rules[3]: give at least one of comm:, exe:, cmdline:",
-        "engines.rules[4].gpu_offload: unknown key 'extra' (known: flags, when_absent)",
-        "engines.rules[4].gpu_offload.flags: 'ngl' is not a command-line flag (it must start with '-')",
-        "engines.rules[4].gpu_offload.when_absent: must be true or false, got str",
-        "engines.rules[5]: must be a mapping, got str",
+        "cuts process names to 15 ('text-generation'); match it with exe or cmdline instead",
+        "engines.rules[2].name: 'bad regex' is not a valid engine label (letters, digits, '.', '_' or '-', "
+        "e.g. llama.cpp)",
+        "engines.rules[2].cmdline[0]: '(unclosed' is not a valid regular expression (missing ), unterminated "
+        "subpattern at position 0)",
+        "engines.rules[3]: give at least one of comm, exe, cmdline",
+        "engines.rules[4].gpu_offload.extra: unknown key (known: flags, when_absent)",
+        "engines.rules[4].gpu_offload.flags[0]: 'ngl' is not a command-line flag (it must start with '-')",
+        "engines.rules[4].gpu_offload.when_absent: must be true or false, not a string",
+        "engines.rules[5]: must be a mapping, not a string",
     ]
 
 
 @pytest.mark.parametrize("section,error", [
-    ([], "engines: must be a mapping with presets: and rules:, got list"),
-    ({"presets": ["vllm"]}, "engines.presets: must be true, false or a mapping of preset name to true/false, got list"),
-    ({"rules": {"name": "x"}}, "engines.rules: must be a list of rules, got dict"),
-    ({"rules": [{"name": "x", "comm": [1]}]}, "engines.rules[0].comm: must be a non-empty string or a list of them, "
-                                              "got [1]"),
+    ([], "engines: must be a mapping with presets and rules, not a list"),
+    ({"presets": ["vllm"]}, "engines.presets: must be true, false or a mapping of preset name to true/false, "
+                            "not a list"),
+    ({"rules": {"name": "x"}}, "engines.rules: must be a list of rules, not a mapping"),
+    ({"rules": [{"name": "x", "comm": [1]}]}, "engines.rules[0].comm[0]: 1 is a number; quote it to make it a string"),
+    ({"rules": [{"name": "x", "comm": {"a": 1}}]},
+     "engines.rules[0].comm: must be a string or a list of strings, not a mapping"),
+    ({"rules": [{"name": "x", "exe": ""}]}, "engines.rules[0].exe: must not be empty"),
+    ({"rules": [{"name": "x", "cmdline": "("}]}, "engines.rules[0].cmdline: '(' is not a valid regular expression "
+                                                 "(missing ), unterminated subpattern at position 0)"),
     ({"rules": [{"name": "x", "comm": "x", "gpu_offload": {}}]},
      "engines.rules[0].gpu_offload.flags: give the flags that take a GPU layer count, e.g. [-ngl, --n-gpu-layers]"),
 ])
@@ -214,8 +221,8 @@ def test_config_file(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ("engines: [\n", "expected the node content, but found '<stream end>'"),
-    ("- engines\n", "the file must be a mapping with probe_targets and engines, not a list"),
-    ("engine:\n  presets: false\nmodules: {}\n", "engine: unknown setting (known: probe_targets, engines)"),
+    ("- engines\n", "the file must be a mapping of settings, not a list (known: probe_targets, engines)"),
+    ("engine:\n  presets: false\nmodules: {}\n", "engine: unknown key (known: probe_targets, engines)"),
     ("engines:\n  presets: {vllm: maybe}\n", "engines.presets.vllm"),
 ])
 def test_config_file_errors(tmp_path, text, message):

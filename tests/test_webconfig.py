@@ -13,17 +13,10 @@ import bcrypt
 import pytest
 
 from certs import make_pki
-from mig_exporter.web.webconfig import (
-    AUTH_BCRYPT_SLOTS,
-    AUTH_FAILED_CACHE_SIZE,
-    BasicAuth,
-    TokenBucket,
-    WebConfigError,
-    WebSettings,
-    _peer_group,
-    load_web_config,
-    parse_web_config,
-)
+from mig_exporter.config.checks import ConfigError
+from mig_exporter.web.basic_auth import AUTH_BCRYPT_SLOTS, AUTH_FAILED_CACHE_SIZE, BasicAuth, _peer_group
+from mig_exporter.web.rate_limit import TokenBucket
+from mig_exporter.web.webconfig import WebSettings, load_web_config, parse_web_config
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
 
@@ -33,7 +26,7 @@ def basic(user: str, password: str) -> str:
 
 
 def errors_of(text: str, base_dir: str = ".") -> list[str]:
-    with pytest.raises(WebConfigError) as raised:
+    with pytest.raises(ConfigError) as raised:
         parse_web_config(text, "web.yml", base_dir)
     return list(raised.value.errors)
 
@@ -111,23 +104,23 @@ def test_every_error_is_reported_at_once(tmp_path):
         str(tmp_path),
     )
     assert errors == [
-        "auth_excluded_paths: unknown setting (known: tls_server_config, http_server_config, basic_auth_users, "
+        "auth_excluded_paths: unknown key (known: tls_server_config, http_server_config, basic_auth_users, "
         "rate_limit)",
         "tls_server_config: missing one of key or key_file",
-        "tls_server_config.client_auth_type: RequireAndVerifyClientCrt is not one of NoClientCert, "
+        "tls_server_config.client_auth_type: unknown value RequireAndVerifyClientCrt (known: NoClientCert, "
         "RequestClientCert, RequireAnyClientCert, RequireClientCert, VerifyClientCertIfGiven, "
-        "RequireAndVerifyClientCert",
-        "tls_server_config.min_version: TLS14 is not one of TLS10, TLS11, TLS12, TLS13",
-        "tls_server_config.cipher_suites: unknown cipher suite TLS_RSA_WITH_RC4_128_SHA (Go's names, e.g. "
+        "RequireAndVerifyClientCert)",
+        "tls_server_config.min_version: unknown value TLS14 (known: TLS10, TLS11, TLS12, TLS13)",
+        "tls_server_config.cipher_suites[0]: unknown cipher suite TLS_RSA_WITH_RC4_128_SHA (Go's names, e.g. "
         "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256)",
-        "tls_server_config.curve_preferences: unknown curve CurveP999 (one of CurveP256, CurveP384, CurveP521, "
+        "tls_server_config.curve_preferences[0]: unknown curve CurveP999 (known: CurveP256, CurveP384, CurveP521, "
         "X25519)",
         "basic_auth_users.alice: not a bcrypt hash ($2y$, $2b$ or $2a$ and 56 more characters; make one with: "
         "htpasswd -nBC 10 \"\" | tr -d ':\\n')",
         "basic_auth_users.bob: bcrypt cost 3 is out of range (4 to 31)",
-        "http_server_config.headers.X-Powered-By: this header cannot be set (one of Strict-Transport-Security, "
+        "http_server_config.headers.X-Powered-By: this header cannot be set (known: Strict-Transport-Security, "
         "X-Content-Type-Options, X-Frame-Options, X-XSS-Protection, Content-Security-Policy)",
-        "http_server_config.headers.X-Frame-Options: allow is not one of deny, sameorigin",
+        "http_server_config.headers.X-Frame-Options: unknown value allow (known: deny, sameorigin)",
         "rate_limit.burst: must be at least 1 when interval is set (0 would refuse every request)",
     ]
 
@@ -136,7 +129,7 @@ def test_files_that_do_not_load_are_reported_at_start(pki, tmp_path):
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("hello\n")
     assert errors_of(f"tls_server_config:\n  cert_file: {tmp_path}/nope.crt\n  key_file: {pki.server.key}\n") == [
-        f"tls_server_config.cert_file: {tmp_path}/nope.crt: no such file"]
+        f"tls_server_config.cert_file: no such file: '{tmp_path}/nope.crt'"]
     [mismatch] = errors_of(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.client.key}\n")
     assert mismatch.startswith("tls_server_config: cannot load the certificate and key (")
     assert "is the key the certificate's?" in mismatch
@@ -159,11 +152,12 @@ def test_files_that_do_not_load_are_reported_at_start(pki, tmp_path):
      "tls_server_config: min_version TLS13 is above max_version TLS12"),
     ("tls_server_config:\n  cert_file: a\n  cert: b\n  key_file: c\n",
      "tls_server_config: give cert or cert_file, not both"),
-    ("- just a list\n", "the file must be a mapping, not a list"),
+    ("- just a list\n", "the file must be a mapping of settings, not a list (known: tls_server_config, "
+     "http_server_config, basic_auth_users, rate_limit)"),
     ("basic_auth_users: [alice]\n",
      "basic_auth_users: must be a mapping of user names to bcrypt hashes, not a list"),
     ("tls_server_config: {cert_file: a, key_file: b}\ntls_server_config: {}\n",
-     "line 2: key tls_server_config is given twice (first on line 1)"),
+     "tls_server_config: given twice (first on line 1, again on line 2)"),
     ("basic_auth_users: {alice: [\n", None),
 ])
 def test_one_clear_error_per_mistake(text, error):
@@ -521,7 +515,7 @@ def test_anchors_and_aliases_are_refused_as_in_the_config_file(tmp_path):
     ]
     web = tmp_path / "web.yml"
     web.write_text("# a comment\n" * 100_000)
-    with pytest.raises(WebConfigError) as raised:
+    with pytest.raises(ConfigError) as raised:
         load_web_config(web)
     assert raised.value.errors == ("larger than 1 MiB; a config file is a few KB (is it the right file?)",)
 

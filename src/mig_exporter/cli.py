@@ -23,7 +23,8 @@ import click
 from click.core import ParameterSource
 
 from mig_exporter import __version__
-from mig_exporter.config.file import EMPTY, Config, ConfigError, load_config
+from mig_exporter.config.checks import ConfigError
+from mig_exporter.config.file import EMPTY, Config, load_config
 from mig_exporter.core.errors import CommandError
 from mig_exporter.core.logs import FORMATS, setup_logging
 from mig_exporter.core.malloc_tuning import limit_arenas
@@ -48,7 +49,7 @@ from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.web.connections import Limits, raise_open_file_limit
 from mig_exporter.web.probe import DEFAULT_MAX_CONCURRENT, Prober
 from mig_exporter.web.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
-from mig_exporter.web.webconfig import WebConfigError, WebSettings, load_web_config
+from mig_exporter.web.webconfig import WebSettings, load_web_config
 
 ENV_PREFIX = "MIG_EXPORTER_"
 log = logging.getLogger("mig_exporter")
@@ -276,7 +277,7 @@ def _load_web_config(path: str) -> WebSettings:
     """The web config, or a ClickException listing every error in it."""
     try:
         web = WebSettings(path)
-    except WebConfigError as e:
+    except ConfigError as e:
         raise click.ClickException("\n".join(f"{e.source}: {error}" for error in e.errors)) from None
     log.info("loaded %s: %s", path, web.config.summary())
     return web
@@ -399,7 +400,7 @@ def check_web_config(web_config_file: str) -> None:
     exit 1, or a summary and exit 0."""
     try:
         config = load_web_config(web_config_file)
-    except WebConfigError as e:
+    except ConfigError as e:
         raise click.ClickException("\n".join(f"{e.source}: {error}" for error in e.errors)) from None
     click.echo(f"{web_config_file}: ok: {config.summary()}")
 

@@ -1,2 +1,3 @@
-"""The exporter's config file: one checker for every setting (shapes, durations, unknown
-keys, one error shape), the file itself (probe targets) and its `engines:` section."""
+"""The config files: one checker for every setting of every file (the YAML loader, shapes,
+durations, unknown keys, one error shape), the config file itself (probe targets) and its
+`engines:` section. The web config file is checked with the same checker (web/)."""

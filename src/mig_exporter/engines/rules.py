@@ -1,5 +1,4 @@
-"""Which processes are inference engines: match rules, the built-in presets,
-and the ``engines:`` section of the config file.
+"""Which processes are inference engines: match rules and the built-in presets.
 
 A rule names an engine and says what a process of it looks like: its name
 (``comm``), its executable's basename (``exe``), regular expressions its
@@ -9,14 +8,14 @@ match; several rules with the same name are alternatives. Your rules are
 tried first, then the presets in the order of ``PRESETS``; the first that
 matches names the engine. docs/engines.md lists each preset's rule.
 
-Everything here is pure: ``parse_engines`` takes the parsed YAML mapping and
-returns the settings and every error at once.
+The ``engines:`` section of the config file is read into these by
+``config.engines``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mig_exporter.host.procfs import ProcEntry
@@ -176,129 +175,3 @@ def settings(rules: Iterable[EngineRule] = (), presets: Iterable[str] = tuple(PR
 
 
 DEFAULT_SETTINGS = settings()
-
-
-# --- the config section --------------------------------------------------------------------------
-
-SECTION_KEYS = ("presets", "rules")
-RULE_KEYS = ("name", "comm", "exe", "cmdline", "gpu_offload")
-OFFLOAD_KEYS = ("flags", "when_absent")
-
-
-def parse_engines(section: object, where: str = "engines") -> tuple[EngineSettings | None, list[str]]:
-    """Validate the ``engines:`` mapping of a config document.
-
-    Returns the settings and no errors, or ``None`` and every error found,
-    each as ``where.path: what is wrong``. A missing section (``None``) means
-    every preset and no rules of your own.
-    """
-    if section is None:
-        return DEFAULT_SETTINGS, []
-    errors: list[str] = []
-    if not isinstance(section, Mapping):
-        return None, [f"{where}: must be a mapping with presets: and rules:, got {_kind(section)}"]
-    errors.extend(_unknown_keys(section, SECTION_KEYS, where))
-    presets = _parse_presets(section.get("presets"), f"{where}.presets", errors)
-    rules: list[EngineRule] = []
-    raw_rules = section.get("rules")
-    if raw_rules is not None:
-        if not isinstance(raw_rules, list):
-            errors.append(f"{where}.rules: must be a list of rules, got {_kind(raw_rules)}")
-        else:
-            for i, raw in enumerate(raw_rules):
-                rule = _parse_rule(raw, f"{where}.rules[{i}]", errors)
-                if rule is not None:
-                    rules.append(rule)
-    if errors:
-        return None, errors
-    return settings(rules, presets), []
-
-
-def _parse_presets(raw: object, where: str, errors: list[str]) -> list[str]:
-    if raw is None or raw is True:
-        return list(PRESETS)
-    if raw is False:
-        return []
-    if not isinstance(raw, Mapping):
-        errors.append(f"{where}: must be true, false or a mapping of preset name to true/false, got {_kind(raw)}")
-        return []
-    switched = dict.fromkeys(PRESETS, True)
-    for name, on in raw.items():
-        if name not in PRESETS:
-            errors.append(f"{where}: unknown preset {name!r} (known: {', '.join(PRESETS)})")
-        elif not isinstance(on, bool):
-            errors.append(f"{where}.{name}: must be true or false, got {_kind(on)}")
-        else:
-            switched[name] = on
-    return [name for name, on in switched.items() if on]
-
-
-def _parse_rule(raw: object, where: str, errors: list[str]) -> EngineRule | None:
-    if not isinstance(raw, Mapping):
-        errors.append(f"{where}: must be a mapping, got {_kind(raw)}")
-        return None
-    before = len(errors)
-    errors.extend(_unknown_keys(raw, RULE_KEYS, where))
-    name = raw.get("name")
-    if not isinstance(name, str) or not ENGINE_NAME.match(name):
-        errors.append(f"{where}.name: required, letters, digits, '.', '_' or '-' (e.g. llama.cpp), got {name!r}")
-    comm = _strings(raw.get("comm"), f"{where}.comm", errors)
-    for c in comm:
-        if len(c.encode()) > COMM_MAX_LEN:
-            errors.append(f"{where}.comm: {c!r} is longer than {COMM_MAX_LEN} bytes and can never match: the kernel "
-                          f"cuts process names to {COMM_MAX_LEN} "
-                          f"({c.encode()[:COMM_MAX_LEN].decode(errors='replace')!r}); "
-                          "match it with exe: or cmdline: instead")
-    exe = _strings(raw.get("exe"), f"{where}.exe", errors)
-    patterns: list[re.Pattern[str]] = []
-    for i, text in enumerate(_strings(raw.get("cmdline"), f"{where}.cmdline", errors)):
-        try:
-            patterns.append(re.compile(text))
-        except re.error as e:
-            errors.append(f"{where}.cmdline[{i}]: not a valid regular expression ({e}): {text!r}")
-    if not any(key in raw for key in ("comm", "exe", "cmdline")):
-        errors.append(f"{where}: give at least one of comm:, exe:, cmdline:")
-    offload = _parse_offload(raw.get("gpu_offload"), f"{where}.gpu_offload", errors)
-    if len(errors) > before:
-        return None
-    assert isinstance(name, str)
-    return EngineRule(name, frozenset(comm), frozenset(exe), tuple(patterns), offload)
-
-
-def _parse_offload(raw: object, where: str, errors: list[str]) -> GpuOffload | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        errors.append(f"{where}: must be a mapping with flags: and when_absent:, got {_kind(raw)}")
-        return None
-    errors.extend(_unknown_keys(raw, OFFLOAD_KEYS, where))
-    flags = _strings(raw.get("flags"), f"{where}.flags", errors)
-    if not flags:
-        errors.append(f"{where}.flags: give the flags that take a GPU layer count, e.g. [-ngl, --n-gpu-layers]")
-    for flag in flags:
-        if not flag.startswith("-"):
-            errors.append(f"{where}.flags: {flag!r} is not a command-line flag (it must start with '-')")
-    when_absent = raw.get("when_absent", True)
-    if not isinstance(when_absent, bool):
-        errors.append(f"{where}.when_absent: must be true or false, got {_kind(when_absent)}")
-        when_absent = True
-    return GpuOffload(tuple(flags), when_absent)
-
-
-def _strings(raw: object, where: str, errors: list[str]) -> list[str]:
-    """A string or a list of non-empty strings."""
-    if raw is None:
-        return []
-    items = [raw] if isinstance(raw, str) else raw
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        errors.append(f"{where}: must be a non-empty string or a list of them, got {raw!r}")
-        return []
-    return list(items)
-
-
-def _unknown_keys(mapping: Mapping[object, object], known: Sequence[str], where: str) -> list[str]:
-    return [f"{where}: unknown key {key!r} (known: {', '.join(known)})" for key in mapping if key not in known]
-
-
-def _kind(value: object) -> str:
-    return "nothing" if value is None else type(value).__name__

@@ -75,7 +75,7 @@ class Limits:
     workers: int = 64
     queued_requests: int = 256
     health_workers: int = 2
-    # Requests whose credentials are not cached wait for a bcrypt check here (webconfig.py), in its
+    # Requests whose credentials are not cached wait for a bcrypt check here (basic_auth.py), in its
     # fair queue; more wait in the loop without a thread.
     auth_workers: int = 32
     auth_queued_requests: int = 0

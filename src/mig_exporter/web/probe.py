@@ -31,7 +31,8 @@ from urllib.parse import parse_qsl
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mig_exporter.config.file import TARGET_NAME, Config, ConfigError, ProbeTarget, _one_line, load_config
+from mig_exporter.config.checks import ConfigError, one_line
+from mig_exporter.config.file import TARGET_NAME, Config, ProbeTarget, load_config
 from mig_exporter.core.logs import shown
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
@@ -229,7 +230,7 @@ class Prober:
                 return self._reload_failed(e.errors)
             except Exception as e:  # a bug, or MemoryError: the exporter goes on with the config in use
                 log.debug("reloading %s failed", self.config_file, exc_info=True)
-                return self._reload_failed([f"unexpected error: {_one_line(e)}"])
+                return self._reload_failed([f"unexpected error: {one_line(e)}"])
             self._apply(config)
             with self._lock:
                 self._reload_ok = True
