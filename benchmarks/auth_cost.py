@@ -23,8 +23,9 @@ import bcrypt
 
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
+from mig_exporter.web.basic_auth import BasicAuth
 from mig_exporter.web.server import ExporterServer
-from mig_exporter.web.webconfig import BasicAuth, WebSettings
+from mig_exporter.web.webconfig import WebSettings
 
 COST = 10
 

@@ -68,7 +68,7 @@ def timing(rounds: int) -> dict[str, float]:
     """Median uncached check for an unknown user and for each real user's wrong password."""
     import bcrypt
 
-    from mig_exporter.web.webconfig import BasicAuth
+    from mig_exporter.web.basic_auth import BasicAuth
 
     users = {"prometheus": bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=COST)),
              "admin": bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=HIGH_COST))}

@@ -124,7 +124,7 @@ def test_invalid_target_names(name: str) -> None:
 def test_a_non_string_name_is_refused() -> None:
     # YAML reads 007 as the number 7: the name the user meant would be lost.
     assert errors_of("probe_targets:\n  007: {command: [nvidia-smi]}\n") == [
-        "probe_targets.7: the name is a number; quote it to make it a string"
+        "probe_targets.'7': the name is a number; quote it to make it a string"
     ]
 
 

@@ -260,3 +260,16 @@ def test_yaml_and_file_errors_name_the_line_or_the_file(tmp_path: Path):
     with pytest.raises(ConfigError) as raised:
         load_web_config(tmp_path / "missing.yml")
     assert str(raised.value) == f"{tmp_path / 'missing.yml'}: cannot read: No such file or directory"
+
+
+def test_a_date_that_is_no_date_is_an_error_line_not_a_crash():
+    """PyYAML builds timestamps itself and raises ValueError for 2020-02-30."""
+    with pytest.raises(ConfigError) as e:
+        parse_web_config("basic_auth_users:\n  bob: 2020-02-30\n")
+    assert str(e.value) == "<web config>: not valid YAML: 'day is out of range for month'"
+
+
+@pytest.mark.parametrize(("value", "hint"), [("5", "(write 5s)"), ("0.5", "(write 500ms)"), ("-1", "")])
+def test_a_bare_number_for_a_duration_hints_only_at_what_would_be_taken(value, hint):
+    [message] = _errors(parse_web_config, f"rate_limit:\n  interval: {value}\n  burst: 1\n")
+    assert message.endswith(hint) if hint else "write" not in message

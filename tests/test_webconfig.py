@@ -135,12 +135,12 @@ def test_files_that_do_not_load_are_reported_at_start(pki, tmp_path):
     assert "is the key the certificate's?" in mismatch
     [bad_ca] = errors_of(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
                          f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {not_pem}\n")
-    assert bad_ca.startswith("tls_server_config: cannot load client_ca_file (")
+    assert bad_ca.startswith("tls_server_config.client_ca_file: cannot load (")
 
 
 @pytest.mark.parametrize("text, error", [
     ("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_ca_file: c\n",
-     "tls_server_config: client_ca_file is set but client_auth_type is NoClientCert, so no client certificate "
+     "tls_server_config.client_ca_file: set, but client_auth_type is NoClientCert, so no client certificate "
      "would be checked; set client_auth_type: RequireAndVerifyClientCert"),
     ("tls_server_config:\n  cert_file: a\n  key_file: b\n  client_auth_type: RequireAnyClientCert\n",
      "tls_server_config.client_auth_type: RequireAnyClientCert needs client_ca_file here: Python's ssl cannot "

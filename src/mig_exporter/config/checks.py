@@ -83,6 +83,10 @@ def parse_yaml(text: str | bytes, source: str) -> tuple[Any, list[str]]:
             loader.dispose()
     except yaml.YAMLError as e:
         raise ConfigError(source, [_yaml_error(e)]) from None
+    except (ValueError, OverflowError) as e:
+        # PyYAML's own constructors raise these for a scalar of a right shape and a wrong value
+        # (the timestamp 2020-02-30); still a file that cannot be used, not a crash.
+        raise ConfigError(source, [f"not valid YAML: {show(str(e), 120)}"]) from None
 
 
 class _Refused(yaml.MarkedYAMLError):
@@ -181,10 +185,10 @@ def kind(value: object) -> str:
 def show(key: object, limit_chars: int = 80) -> str:
     """A key or a value as one line of an error message can hold it: plain when it is a
     plain word, else quoted and escaped, at most ``limit_chars`` long."""
-    text = key if isinstance(key, str) else repr(key)
-    if _PLAIN_KEY.fullmatch(text):
-        return text
-    shown = ascii(text)
+    if isinstance(key, str) and _PLAIN_KEY.fullmatch(key):
+        return key
+    # Quoted otherwise: the number 5 shows as '5', the string "5" as 5.
+    shown = ascii(key if isinstance(key, str) else repr(key))
     return shown if len(shown) <= limit_chars else shown[:limit_chars - 4] + "...'"
 
 
@@ -301,7 +305,10 @@ def parse_duration(text: str) -> float:
 def duration(value: object, where: str, errors: list[str]) -> float | None:
     """Seconds in a duration setting (``parse_duration``); None, with an error, for anything else."""
     if not isinstance(value, str):
-        hint = f" (write {value}s)" if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+        hint = ""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            # Only what parse_duration takes: whole seconds, else whole milliseconds.
+            hint = f" (write {int(value)}s)" if value == int(value) else f" (write {round(value * 1000)}ms)"
         errors.append(f"{must_be(where, 'a duration such as 5s or 500ms', value)}{hint}")
         return None
     try:

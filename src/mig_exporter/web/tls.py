@@ -168,7 +168,8 @@ def _client_auth(given: dict[str, str | None], allowed_sans: object,
         errors.append(unknown(f"{WHERE}.client_auth_type", f"value {show(auth_type)}", CLIENT_AUTH_TYPES))
     has_ca = bool(given["client_ca"] or given["client_ca_file"])
     if has_ca and auth_type == "NoClientCert":
-        errors.append(f"{WHERE}: client_ca_file is set but client_auth_type is NoClientCert, so no client "
+        ca_key = "client_ca" if given["client_ca"] else "client_ca_file"
+        errors.append(f"{WHERE}.{ca_key}: set, but client_auth_type is NoClientCert, so no client "
                       "certificate would be checked; set client_auth_type: RequireAndVerifyClientCert")
     if auth_type in _REQUIRES_CERT_UNVERIFIED and not has_ca:
         errors.append(f"{WHERE}.client_auth_type: {auth_type} needs client_ca_file here: Python's ssl cannot "
@@ -223,7 +224,8 @@ def ssl_context(tls: TlsSettings, errors: list[str]) -> ssl.SSLContext | None:
             return None
         assert cert is not None and key is not None
         _load_cert_and_key(context, cert, key, errors)
-        _set_client_verification(context, tls.client_auth_type, ca, errors)
+        ca_key = "client_ca" if tls.client_ca else "client_ca_file"
+        _set_client_verification(context, tls.client_auth_type, ca, ca_key, errors)
     return None if len(errors) > found else context
 
 
@@ -265,7 +267,8 @@ def _load_cert_and_key(context: ssl.SSLContext, cert: str, key: str, errors: lis
                       "and is the key the certificate's?")
 
 
-def _set_client_verification(context: ssl.SSLContext, auth_type: str, ca: str | None, errors: list[str]) -> None:
+def _set_client_verification(context: ssl.SSLContext, auth_type: str, ca: str | None, ca_key: str,
+                             errors: list[str]) -> None:
     context.verify_mode = CLIENT_AUTH_TYPES[auth_type]
     if context.verify_mode == ssl.CERT_NONE:
         return
@@ -275,7 +278,7 @@ def _set_client_verification(context: ssl.SSLContext, auth_type: str, ca: str | 
     try:
         context.load_verify_locations(cafile=ca)
     except (ssl.SSLError, OSError, ValueError) as e:
-        errors.append(f"{WHERE}: cannot load client_ca_file ({_ssl_reason(e)}); is it a PEM file of "
+        errors.append(f"{WHERE}.{ca_key}: cannot load ({_ssl_reason(e)}); is it a PEM file of "
                       "CA certificates?")
 
 
