@@ -99,8 +99,8 @@ def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
             raise ValueError("varint longer than 64 bits")
 
 
-def _read_fields(data: bytes, pos: int, end: int, read: dict[int, str]) -> list[tuple[int, int, int]]:
-    """``(number, start, stop)`` of each field in ``read`` of the message at ``data[pos:end]``,
+def _read_fields(data: bytes, pos: int, end: int, wanted: dict[int, str]) -> list[tuple[int, int, int]]:
+    """``(number, start, stop)`` of each field in ``wanted`` of the message at ``data[pos:end]``,
     in order; the others are skipped, as protobuf requires. Offsets, not slices: a nested
     message is read where it lies. Raises ``ValueError`` on bad input."""
     found = []
@@ -129,9 +129,9 @@ def _read_fields(data: bytes, pos: int, end: int, read: dict[int, str]) -> list[
         stop = pos + size
         if stop > end:
             raise ValueError("field runs past the end of the message")
-        if number in read:
+        if number in wanted:
             if wire != _LENGTH:
-                raise ValueError(f"{read[number]} is not length-delimited")
+                raise ValueError(f"{wanted[number]} is not length-delimited")
             found.append((number, pos, stop))
         pos = stop
     return found
@@ -143,41 +143,42 @@ def _text(data: bytes, start: int, stop: int) -> str:
 
 def _container_devices(data: bytes, start: int, end: int) -> ContainerDevices:
     resource, ids = "", []
-    for number, a, b in _read_fields(data, start, end, _DEVICES):
+    for number, field_start, field_stop in _read_fields(data, start, end, _DEVICES):
         if number == _RESOURCE_NAME:
-            resource = _text(data, a, b)
+            resource = _text(data, field_start, field_stop)
         else:
-            ids.append(_text(data, a, b))
+            ids.append(_text(data, field_start, field_stop))
     return ContainerDevices(resource, tuple(ids))
 
 
 def _container(data: bytes, start: int, end: int) -> ContainerResources:
     name, devices = "", []
-    for number, a, b in _read_fields(data, start, end, _CONTAINER):
+    for number, field_start, field_stop in _read_fields(data, start, end, _CONTAINER):
         if number == _CONTAINER_NAME:
-            name = _text(data, a, b)
+            name = _text(data, field_start, field_stop)
         else:
-            devices.append(_container_devices(data, a, b))
+            devices.append(_container_devices(data, field_start, field_stop))
     return ContainerResources(name, tuple(devices))
 
 
 def _pod(data: bytes, start: int, end: int) -> PodResources:
     name = namespace = ""
     containers = []
-    for number, a, b in _read_fields(data, start, end, _POD):
+    for number, field_start, field_stop in _read_fields(data, start, end, _POD):
         if number == _POD_NAME:
-            name = _text(data, a, b)
+            name = _text(data, field_start, field_stop)
         elif number == _POD_NAMESPACE:
-            namespace = _text(data, a, b)
+            namespace = _text(data, field_start, field_stop)
         else:
-            containers.append(_container(data, a, b))
+            containers.append(_container(data, field_start, field_stop))
     return PodResources(namespace, name, tuple(containers))
 
 
 def parse_list_response(data: bytes) -> tuple[PodResources, ...]:
     """Decode a ``ListPodResourcesResponse``. Raises ``ValueError`` on bytes
     that are not one."""
-    return tuple(_pod(data, a, b) for _, a, b in _read_fields(data, 0, len(data), _RESPONSE))
+    fields = _read_fields(data, 0, len(data), _RESPONSE)
+    return tuple(_pod(data, field_start, field_stop) for _, field_start, field_stop in fields)
 
 
 # --- the call ------------------------------------------------------------------------------------
