@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import bcrypt
 
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
 from mig_exporter.web.basic_auth import BasicAuth
@@ -52,7 +53,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         web = Path(tmp) / "web.yml"
         web.write_text(f"basic_auth_users:\n  prometheus: {hashed.decode()}\n")
-        server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5, web=WebSettings(str(web)))
+        server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(DemoSource()), timeout_s=5),
+                                web=WebSettings(str(web)))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
 
@@ -71,7 +73,7 @@ def main() -> None:
         server.server_close()
         with tempfile.TemporaryDirectory():
             pass
-    plain_server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5)
+    plain_server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(DemoSource()), timeout_s=5))
     threading.Thread(target=plain_server.serve_forever, daemon=True).start()
     conn = http.client.HTTPConnection(*plain_server.server_address[:2], timeout=10)
     plain = []

@@ -638,11 +638,11 @@ def profile(path: str, reps: int) -> str:
         if path == "nvml":
             from mig_exporter.sources.nvml import NvmlSource
 
-            source = NvmlSource()  # read_now: in this thread, where cProfile sees it
+            source = NvmlSource()  # read: in this thread, where cProfile sees it
 
             def work() -> bytes:
                 nvml.fake.calls.clear()
-                return render(families_of(source.read_now()), PROMETHEUS_ACCEPT)
+                return render(families_of(source.read()), PROMETHEUS_ACCEPT)
         else:
             work = nvml.theirs(shape)[0]
     work()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.snapshot import Snapshot
@@ -208,14 +209,15 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
 @pytest.fixture
 def serve():
     """Start an ``ExporterServer`` in this process, on 127.0.0.1, and give its URL:
-    ``serve(source_or_scraper, timeout_s=10.0, offset_s=0.5, prober=None, limits=None)``;
+    ``serve(source_or_scraper, timeout_s=10.0, offset_s=0.5, prober=None, limits=None)``, the
+    scrape and the prober's counters composed as serve composes them;
     ``serve.servers`` holds them. Every server started is shut down at the end of the test."""
     servers: list[ExporterServer] = []
 
     def start(source, timeout_s: float = 10.0, offset_s: float = 0.5, prober=None, limits=None) -> str:
         scraper = source if isinstance(source, Scraper) else Scraper(source)
-        server = ExporterServer(("127.0.0.1", 0), scraper, timeout_s=timeout_s, timeout_offset_s=offset_s,
-                                prober=prober, limits=limits)
+        exporter = Exporter(scraper, *([prober] if prober is not None else []), timeout_s=timeout_s)
+        server = ExporterServer(("127.0.0.1", 0), exporter, timeout_offset_s=offset_s, prober=prober, limits=limits)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return server.url

@@ -50,13 +50,14 @@ def kill_all(pids: list[int]) -> None:
 
 _DOUBLE_FLOOD = textwrap.dedent("""
     import resource, sys, time
+    from mig_exporter.core.deadline import Deadline
     from mig_exporter.core.errors import OutputTooLarge
     from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
     source = NvidiaSmiSource(sys.argv[1], timeout_s=60)  # the default cap
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.monotonic()
     try:
-        source.read_now(60)
+        source.read(Deadline.after(60))
         outcome = "read"
     except OutputTooLarge as e:
         outcome = "OutputTooLarge: " + str(e)
@@ -88,6 +89,7 @@ def test_a_read_whose_two_commands_both_flood_holds_at_most_the_reads_cap(fake_n
 
 _AS_PID_1 = textwrap.dedent("""
     import os, sys, time
+    from mig_exporter.core.deadline import Deadline
     from mig_exporter.core.errors import ReadError
     from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
     assert os.getpid() == 1, os.getpid()
@@ -95,7 +97,7 @@ _AS_PID_1 = textwrap.dedent("""
     failed = 0
     for _ in range(10):
         try:
-            source.read_now(0.3)
+            source.read(Deadline.after(0.3))
         except ReadError:
             failed += 1
 
@@ -164,6 +166,7 @@ def test_read_kills_the_grandchildren_that_escaped_and_does_not_wait_for_their_s
 
 _HELPER_OF_A_RUNNING_COMMAND = textwrap.dedent("""
     import os, sys, threading, time
+    from mig_exporter.core.deadline import Deadline
     from mig_exporter.sources.command import reaping, run_command
     pidfile = sys.argv[1]
     # A double-forks a helper into a session of its own and waits for its answer (0.5 s); the
@@ -172,11 +175,12 @@ _HELPER_OF_A_RUNNING_COMMAND = textwrap.dedent("""
          "i=0; while [ ! -e \\"$0\\" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i + 1)); done; cat \\"$0\\"")
     result = {}
     with reaping():
-        worker = threading.Thread(target=lambda: result.update(a=run_command(["sh", "-c", a, pidfile], 10)))
+        worker = threading.Thread(
+            target=lambda: result.update(a=run_command(["sh", "-c", a, pidfile], Deadline.after(10))))
         worker.start()
         others = 0
         while worker.is_alive() and others < 500:  # other commands end, and sweep, while A's helper works
-            run_command(["true"], 5)
+            run_command(["true"], Deadline.after(5))
             others += 1
         worker.join(15)
     done = result.get("a")

@@ -601,6 +601,67 @@ def test_serve_demo_answers_metrics_and_stops_on_sigterm() -> None:
     assert not any("Traceback" in line for line in server.log)
 
 
+def _without_duration_lines(body: bytes) -> bytes:
+    """The exposition less its ``mig_exporter_read_duration_seconds`` sample, which differs from
+    one read to the next; every other byte kept as it is."""
+    return b"".join(line for line in body.splitlines(keepends=True)
+                    if not line.startswith(b"mig_exporter_read_duration_seconds{"))
+
+
+@pytest.mark.parametrize("kind", ["demo", "fake nvidia-smi"])
+def test_read_and_a_scrape_of_serve_give_the_same_bytes(kind: str, fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:
+    """One exporter and one encoder for both: of the same snapshot, ``read`` prints what a scrape
+    without a header gets, byte for byte but the read's duration (the only sample that is not the
+    snapshot's or a count; the build info is the same version in both)."""
+    if kind == "demo":
+        args = ["--demo"]
+    else:
+        args = ["--nvidia-smi", str(h100_fake(fake_nvidia_smi)), "--proc.root", str(h100_host_proc(tmp_path / "proc")),
+                "--no-kubernetes"]
+    result = subprocess.run([sys.executable, "-m", "mig_exporter", "read", *args], env=cli_env(),
+                            stdin=subprocess.DEVNULL, capture_output=True, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    with serving("--web.listen-address", "127.0.0.1:0", *args) as server, \
+            urllib.request.urlopen(server.url + "/metrics", timeout=15) as response:
+        scraped = response.read()
+    assert b"mig_exporter_device_memory_used_bytes{" in scraped
+    assert scraped.count(b"mig_exporter_read_duration_seconds{") == 1
+    assert _without_duration_lines(result.stdout) == _without_duration_lines(scraped)
+
+
+def test_build_server_assembles_what_serve_runs(tmp_path: Path, fake_nvidia_smi: FakeSmi) -> None:
+    """serve's options to a listening server, without the process around it (signals, the
+    subreaper): the scrape, the probe targets, and the counters about probes on /metrics."""
+    from mig_exporter.cli import build_server
+
+    fake = h100_fake(fake_nvidia_smi)
+    config = probe_config(tmp_path / "mig.yml", gpu_a=h100_fake(fake_nvidia_smi))
+    server = build_server(
+        source="nvidia-smi", nvidia_smi=str(fake), timeout=5.0, config_file=str(config),
+        proc_root=str(h100_host_proc(tmp_path / "proc")), host_passwd=None, kubernetes=False,
+        pod_resources_socket="", kubelet_log_dir="", slurm_job_map_dir=None, listen_address="127.0.0.1:0",
+        timeout_offset=0.5, max_concurrent=2, max_connections=64, web_config_file=None,
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert server.url.startswith("http://127.0.0.1:") and server.exporter.timeout_s == 5.0
+        client = Server(None, server.url)  # type: ignore[arg-type]
+        status, body = client.get("/probe?target=gpu_a")
+        assert status == 200 and value(samples(body), "probe_success") == 1
+        status, body = client.get("/metrics")
+        parsed = samples(body)
+        assert value(parsed, "mig_exporter_read_success", source="nvidia-smi") == 1
+        assert value(parsed, "mig_exporter_device_memory_used_bytes", index="1002") == 7493 * MIB
+        assert value(parsed, "mig_exporter_probes_total", target="gpu_a") == 1
+        assert value(parsed, "mig_exporter_config_last_reload_successful") == 1
+        request = urllib.request.Request(server.url + "/-/reload", method="POST")
+        with urllib.request.urlopen(request, timeout=15) as response:
+            assert response.status == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_serve_listen_address_from_the_environment() -> None:
     with socket.socket() as probe:  # a free port, so the address seen can only come from the variable
         probe.bind(("127.0.0.1", 0))

@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import MIB, sample_value, scenario
 from mig_exporter.core.errors import CommandTimeout
-from mig_exporter.metrics.scrape import ScrapeCollector, Scraper
+from mig_exporter.metrics.exporter import Exporter
+from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
 
 
@@ -19,7 +20,7 @@ class _Fixed:
     def __init__(self, snapshot=None, error: Exception | None = None) -> None:
         self.snapshot, self.error, self.reads = snapshot, error, 0
 
-    def read(self, timeout_s=None):
+    def read(self, deadline=None):
         self.reads += 1
         if self.error is not None:
             raise self.error
@@ -35,14 +36,14 @@ class _Fixed:
 def _registry(source) -> tuple[CollectorRegistry, Scraper]:
     scraper = Scraper(source)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ScrapeCollector(scraper))
+    registry.register(Exporter(scraper))
     return registry, scraper
 
 
 def test_registering_the_collector_does_not_read():
     source = _Fixed(scenario("h100-mig-processes"))
     registry = CollectorRegistry()  # auto_describe=True, like the default registry
-    registry.register(ScrapeCollector(Scraper(source)))
+    registry.register(Exporter(Scraper(source)))
     assert source.reads == 0
 
 

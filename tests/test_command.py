@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import _proc_stats
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import (
     CommandError,
     CommandFailed,
@@ -69,7 +70,7 @@ def group_leader(pidfile: Path, within_s: float = 2.0) -> int:
 # --- success -----------------------------------------------------------------------------------
 
 def test_successful_command_returns_its_stdout_stderr_and_argv() -> None:
-    result = run_command(["sh", "-c", "printf 'GPU 0: NVIDIA H100\\n'; printf 'a warning\\n' >&2"], timeout_s=5)
+    result = run_command(["sh", "-c", "printf 'GPU 0: NVIDIA H100\\n'; printf 'a warning\\n' >&2"], Deadline.after(5))
 
     assert isinstance(result, CommandResult)
     assert result.stdout == b"GPU 0: NVIDIA H100\n"
@@ -81,20 +82,20 @@ def test_successful_command_returns_its_stdout_stderr_and_argv() -> None:
 def test_output_is_returned_byte_for_byte() -> None:
     every_byte = bytes(range(256)) * 4
     result = run_command(
-        [sys.executable, "-c", "import sys; sys.stdout.buffer.write(bytes(range(256)) * 4)"], timeout_s=10
+        [sys.executable, "-c", "import sys; sys.stdout.buffer.write(bytes(range(256)) * 4)"], Deadline.after(10)
     )
     assert result.stdout == every_byte
 
 
 def test_output_larger_than_one_read_is_returned_whole() -> None:
     # 3 MiB arrives over several reads of the pipe.
-    result = run_command(["head", "-c", str(3 * MIB), "/dev/zero"], timeout_s=5)
+    result = run_command(["head", "-c", str(3 * MIB), "/dev/zero"], Deadline.after(5))
     assert result.stdout == b"\0" * (3 * MIB)
 
 
 def test_command_gets_no_stdin() -> None:
     # With the test's stdin inherited, `cat` would wait for input; with /dev/null it ends at once.
-    result = run_command(["cat"], timeout_s=2)
+    result = run_command(["cat"], Deadline.after(2))
     assert result.stdout == b""
 
 
@@ -104,7 +105,7 @@ def test_nonzero_exit_raises_command_failed_with_first_nonempty_stderr_line() ->
     argv = ["sh", "-c",
             "printf '\\n   \\nFailed to initialize NVML: Driver/library version mismatch\\nsecond line\\n' >&2; exit 3"]
     with pytest.raises(CommandFailed) as raised:
-        run_command(argv, timeout_s=5)
+        run_command(argv, Deadline.after(5))
 
     message = str(raised.value)
     assert message.startswith("sh -c ")
@@ -116,26 +117,26 @@ def test_nonzero_exit_with_empty_stderr_carries_the_first_stdout_line() -> None:
     # nvidia-smi prints its driver error on stdout and exits 9.
     argv = ["sh", "-c", f"echo; echo {shlex.quote(DRIVER_ERROR)}; echo 'more text'; exit 9"]
     with pytest.raises(CommandFailed) as raised:
-        run_command(argv, timeout_s=5)
+        run_command(argv, Deadline.after(5))
 
     assert str(raised.value).split(": exit status 9: ", 1)[1] == DRIVER_ERROR
 
 
 def test_nonzero_exit_prefers_stderr_over_stdout() -> None:
     with pytest.raises(CommandFailed) as raised:
-        run_command(["sh", "-c", "echo partial output; echo the reason >&2; exit 1"], timeout_s=5)
+        run_command(["sh", "-c", "echo partial output; echo the reason >&2; exit 1"], Deadline.after(5))
     assert str(raised.value).endswith("exit status 1: the reason")
 
 
 def test_nonzero_exit_without_any_output_says_so() -> None:
     with pytest.raises(CommandFailed) as raised:
-        run_command(["sh", "-c", "exit 4"], timeout_s=5)
+        run_command(["sh", "-c", "exit 4"], Deadline.after(5))
     assert str(raised.value).endswith("exit status 4: no output")
 
 
 def test_death_by_signal_is_reported_as_such() -> None:
     with pytest.raises(CommandFailed) as raised:
-        run_command(["sh", "-c", "kill -TERM $$"], timeout_s=5)
+        run_command(["sh", "-c", "kill -TERM $$"], Deadline.after(5))
     assert "killed by signal 15" in str(raised.value)
 
 
@@ -150,14 +151,14 @@ def test_every_command_error_is_a_read_error() -> None:
 def test_missing_binary_raises_command_not_found(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir" / "nvidia-smi"
     with pytest.raises(CommandNotFound) as raised:
-        run_command([str(missing), "-L"], timeout_s=5)
+        run_command([str(missing), "-L"], Deadline.after(5))
     assert str(missing) in str(raised.value)
 
 
 def test_name_not_on_path_raises_command_not_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(CommandNotFound) as raised:
-        run_command(["nvidia-smi", "-L"], timeout_s=5)
+        run_command(["nvidia-smi", "-L"], Deadline.after(5))
     assert str(raised.value).startswith("nvidia-smi: ")
 
 
@@ -166,13 +167,13 @@ def test_file_without_execute_permission_raises_command_not_found(tmp_path: Path
     script.write_text("#!/bin/sh\necho should not run\n")
     script.chmod(0o644)
     with pytest.raises(CommandNotFound) as raised:
-        run_command([str(script), "-L"], timeout_s=5)
+        run_command([str(script), "-L"], Deadline.after(5))
     assert str(script) in str(raised.value)
 
 
 def test_directory_raises_command_not_found(tmp_path: Path) -> None:
     with pytest.raises(CommandNotFound):
-        run_command([str(tmp_path), "-L"], timeout_s=5)
+        run_command([str(tmp_path), "-L"], Deadline.after(5))
 
 
 def test_executable_that_is_not_a_program_raises_command_not_found(tmp_path: Path) -> None:
@@ -180,7 +181,7 @@ def test_executable_that_is_not_a_program_raises_command_not_found(tmp_path: Pat
     not_a_program.write_bytes(b"\x7fELF-not-really\0\0\0")
     not_a_program.chmod(0o755)
     with pytest.raises(CommandNotFound):
-        run_command([str(not_a_program)], timeout_s=5)
+        run_command([str(not_a_program)], Deadline.after(5))
 
 
 # --- timeout -----------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ def test_timeout_kills_the_whole_group_even_when_a_child_holds_the_pipes(tmp_pat
 
     started = time.monotonic()
     with pytest.raises(CommandTimeout) as raised:
-        run_command(argv, timeout_s=timeout)
+        run_command(argv, Deadline.after(timeout))
     elapsed = time.monotonic() - started
 
     assert timeout <= elapsed < timeout + 1.0
@@ -211,7 +212,7 @@ def test_timeout_after_the_command_closed_its_output_still_kills_it(tmp_path: Pa
 
     started = time.monotonic()
     with pytest.raises(CommandTimeout):
-        run_command(argv, timeout_s=0.5)
+        run_command(argv, Deadline.after(0.5))
     assert time.monotonic() - started < 1.5
 
     pgid = group_leader(pidfile)
@@ -221,7 +222,7 @@ def test_timeout_after_the_command_closed_its_output_still_kills_it(tmp_path: Pa
 
 
 def test_a_command_that_finishes_in_time_is_not_killed() -> None:
-    result = run_command(["sh", "-c", "sleep 0.2; echo finished"], timeout_s=3)
+    result = run_command(["sh", "-c", "sleep 0.2; echo finished"], Deadline.after(3))
     assert result.stdout == b"finished\n"
     assert result.duration_s >= 0.2
 
@@ -235,7 +236,8 @@ def test_output_over_the_cap_raises_quickly_with_bounded_memory(tmp_path: Path) 
     try:
         started = time.monotonic()
         with pytest.raises(OutputTooLarge) as raised:
-            run_command(["sh", "-c", f"echo $$ > {pidfile}; exec yes '<gpu>'"], timeout_s=10, max_output_bytes=cap)
+            run_command(["sh", "-c", f"echo $$ > {pidfile}; exec yes '<gpu>'"], Deadline.after(10),
+                        max_output_bytes=cap)
         elapsed = time.monotonic() - started
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -252,18 +254,19 @@ def test_output_over_the_cap_raises_quickly_with_bounded_memory(tmp_path: Path) 
 
 
 def test_output_exactly_at_the_cap_is_accepted() -> None:
-    result = run_command(["head", "-c", "65536", "/dev/zero"], timeout_s=5, max_output_bytes=65536)
+    result = run_command(["head", "-c", "65536", "/dev/zero"], Deadline.after(5), max_output_bytes=65536)
     assert len(result.stdout) == 65536
 
 
 def test_output_one_byte_over_the_cap_is_refused() -> None:
     with pytest.raises(OutputTooLarge):
-        run_command(["head", "-c", "65537", "/dev/zero"], timeout_s=5, max_output_bytes=65536)
+        run_command(["head", "-c", "65537", "/dev/zero"], Deadline.after(5), max_output_bytes=65536)
 
 
 def test_large_stderr_does_not_count_against_the_stdout_cap() -> None:
     # Stderr is kept only for the error line; a chatty command is not refused for it.
-    result = run_command(["sh", "-c", "head -c 200000 /dev/zero >&2; echo ok"], timeout_s=5, max_output_bytes=1024)
+    result = run_command(["sh", "-c", "head -c 200000 /dev/zero >&2; echo ok"], Deadline.after(5),
+                         max_output_bytes=1024)
     assert result.stdout == b"ok\n"
     assert len(result.stderr) <= 64 * 1024
 
@@ -273,7 +276,7 @@ def test_large_stderr_does_not_count_against_the_stdout_cap() -> None:
 def test_shell_metacharacters_in_arguments_are_passed_literally(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     hostile = f"; touch {marker} && echo $(touch {marker}) `touch {marker}` | cat > {marker} *"
-    result = run_command(["printf", "%s", hostile], timeout_s=5)
+    result = run_command(["printf", "%s", hostile], Deadline.after(5))
 
     assert result.stdout == hostile.encode()
     assert not marker.exists()
@@ -282,7 +285,7 @@ def test_shell_metacharacters_in_arguments_are_passed_literally(tmp_path: Path) 
 def test_an_argv_of_one_string_with_spaces_is_one_program_name() -> None:
     # Without a shell, "echo hi" is the name of a (missing) program, not a command line.
     with pytest.raises(CommandNotFound):
-        run_command(["echo hi"], timeout_s=5)
+        run_command(["echo hi"], Deadline.after(5))
 
 
 # --- what a command leaves behind, cancellation, shutdown ------------------------------------
@@ -292,7 +295,7 @@ def test_children_left_running_after_a_clean_exit_are_killed(tmp_path: Path) -> 
     that closed our pipes) does not leak it."""
     pidfile = tmp_path / "pid"
     script = f"echo $$ > {shlex.quote(str(pidfile))}; echo hi; sleep 600 >/dev/null 2>&1 &"
-    result = run_command(["sh", "-c", script], timeout_s=5)
+    result = run_command(["sh", "-c", script], Deadline.after(5))
     assert result.stdout == b"hi\n"
     left, zombies = wait_until_clean(group_leader(pidfile))
     assert left == [] and zombies == []
@@ -306,7 +309,8 @@ def test_cancel_stops_a_running_command_at_once(tmp_path: Path) -> None:
     threading.Timer(0.2, cancel.set).start()
     started = time.monotonic()
     with pytest.raises(CommandTimeout, match="cancelled"):
-        run_command(["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; sleep 600"], timeout_s=30, cancel=cancel)
+        run_command(["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; sleep 600"], Deadline.after(30),
+                    cancel=cancel)
     assert time.monotonic() - started < 2.0
     left, zombies = wait_until_clean(group_leader(pidfile))
     assert left == [] and zombies == []
@@ -322,7 +326,8 @@ def test_kill_running_takes_down_commands_in_flight(tmp_path: Path) -> None:
 
     def run() -> None:
         try:
-            run_command(["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; sleep 600 & sleep 600"], timeout_s=30)
+            run_command(["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; sleep 600 & sleep 600"],
+                        Deadline.after(30))
         except CommandError as e:
             errors.append(e)
 

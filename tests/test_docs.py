@@ -32,7 +32,7 @@ class _Source:
     def __init__(self, snapshot=None, error=None):
         self.snapshot, self.error = snapshot, error
 
-    def read(self, timeout_s=None):
+    def read(self, deadline=None):
         if self.error:
             raise self.error
         return self.snapshot
@@ -93,7 +93,7 @@ def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
         Scraper(DemoSource(), owners=OwnerReader(str(make_proc(tmp_path / "hpc", HPC)))),
     ]
     families = [f for scraper in scrapers for f in scraper.families()]
-    return _kinds([*families, *_prober().families()])
+    return _kinds([*families, *_prober().collect()])
 
 
 def _job_map(directory):

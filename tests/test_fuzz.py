@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import FIXTURES, REAL_CORPUS, SAMPLES
 from mig_exporter.core.errors import ParseError
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
@@ -264,7 +265,7 @@ class _Fed:
     def __init__(self) -> None:
         self.pair: tuple[bytes, str | bytes | None] = (b"", None)
 
-    def read(self, timeout_s=None):
+    def read(self, deadline=None):
         xml, listing = self.pair
         return snapshot_from_smi(xml, listing, None if listing is not None else "nvidia-smi -L failed")
 
@@ -291,7 +292,7 @@ def fuzz_server(tmp_path_factory):
     """One server over the fake nvidia-smi and one over the fed source, for every case."""
     outputs = _Outputs(tmp_path_factory.mktemp("fuzz-smi"))
     fed = _Fed()
-    servers = [ExporterServer(("127.0.0.1", 0), Scraper(source), timeout_s=10)
+    servers = [ExporterServer(("127.0.0.1", 0), Exporter(Scraper(source), timeout_s=10))
                for source in (NvidiaSmiSource(str(outputs.binary), timeout_s=10), fed)]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -413,7 +414,7 @@ def raw_requests(draw) -> bytes:
 
 @pytest.fixture(scope="module")
 def raw_server():
-    server = ExporterServer(("127.0.0.1", 0), Scraper(_Fed()), timeout_s=5)
+    server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(_Fed()), timeout_s=5))
     loop = threading.Thread(target=server.serve_forever, daemon=True)
     loop.start()
     bugs = _Bugs()

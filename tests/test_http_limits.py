@@ -145,11 +145,12 @@ _EMFILE_SERVER = r"""
 import logging, resource, sys, threading
 from mig_exporter.web.connections import Limits
 from mig_exporter.core.logs import setup_logging
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.web.server import ExporterServer
 from mig_exporter.sources.demo import DemoSource
 setup_logging("info", "logfmt")
-server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10,
+server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(DemoSource()), timeout_s=10),
                         limits=Limits(max_connections=1000, header_timeout_s=30, idle_timeout_s=30))
 # Lowered after the cap was set from it: descriptors run out before the cap is reached.
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -363,6 +364,7 @@ def test_a_flood_of_guesses_waits_in_its_own_pool_not_in_front_of_a_verified_scr
 
     import bcrypt
 
+    from mig_exporter.metrics.exporter import Exporter
     from mig_exporter.metrics.scrape import Scraper
     from mig_exporter.web.server import ExporterServer
     from mig_exporter.web.webconfig import WebSettings
@@ -370,7 +372,7 @@ def test_a_flood_of_guesses_waits_in_its_own_pool_not_in_front_of_a_verified_scr
     hashed = bcrypt.hashpw(b"right", bcrypt.gensalt(rounds=10)).decode()  # ~0.07 s a check
     web = tmp_path / "web.yml"
     web.write_text(f"basic_auth_users:\n  prometheus: {hashed}\n")
-    server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5,
+    server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(DemoSource()), timeout_s=5),
                             web=WebSettings(str(web), check_interval_s=0),
                             limits=Limits(auth_workers=1, header_timeout_s=60))
     threading.Thread(target=server.serve_forever, daemon=True).start()

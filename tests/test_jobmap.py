@@ -12,6 +12,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SAMPLES, sample_value, samples_of, scenario
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.jobmap import (
     MAX_FILE_BYTES,
     JobMapFile,
@@ -146,7 +147,7 @@ def test_a_huge_file_is_not_read_whole(tmp_path):
 
 def test_no_budget_left_is_a_problem_and_what_was_read_stays(tmp_path):
     (tmp_path / "1").write_text("4242\n")
-    reading = SlurmJobMap(str(tmp_path)).read(DEMO, timeout_s=-1.0)
+    reading = SlurmJobMap(str(tmp_path)).read(DEMO, Deadline.after(-1.0))
     assert reading.allocations == ()
     assert reading.read_success is True
     assert reading.problems == (f"slurm job map: the scrape's budget ran out after 0 of 1 files in {tmp_path}",)

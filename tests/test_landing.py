@@ -26,6 +26,7 @@ import bcrypt
 import pytest
 
 from conftest import MIB, calls, fixture_bytes, left_behind, require_tool
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.model.readings import EngineProcess, EngineReading
 from mig_exporter.model.snapshot import Process
@@ -325,7 +326,7 @@ def test_the_page_and_metrics_at_once_are_one_read(serve, fake_nvidia_smi, first
         leading = pool.submit(get, url + first)
         _wait(lambda: len(calls(fake)) >= 1)  # the first request's read has begun
         joining = pool.submit(get, url + second)
-        _wait(lambda: server.scrapes.joined() == 1 or leading.done())
+        _wait(lambda: server.exporter.joined() == 1 or leading.done())
         answers = {first: leading.result(), second: joining.result()}
     assert sorted(args for _, args in calls(fake)) == ["-L", "-q -x"], "one read for both"
     assert answers["/metrics"][0] == 200 and answers["/"][0] == 200
@@ -346,7 +347,7 @@ def test_the_page_needs_the_same_credentials_as_metrics(tmp_path, fake_nvidia_sm
     web = tmp_path / "web.yml"
     web.write_text(f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode()}\n")
     fake = smi(fake_nvidia_smi, "h100-mig-processes")
-    server = ExporterServer(("127.0.0.1", 0), Scraper(NvidiaSmiSource(str(fake))), timeout_s=10,
+    server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(NvidiaSmiSource(str(fake))), timeout_s=10),
                             web=WebSettings(str(web), check_interval_s=0))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

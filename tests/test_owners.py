@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, SAMPLES, sample_value, samples_of
 from kube_node import BY_PID, LLAMA, make_kubelet_logs
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import CgroupIdentity
 from mig_exporter.host.owners import OwnerReader, owner_reading
 from mig_exporter.host.passwd import MAX_PASSWD_BYTES, PasswdFile, parse_passwd
@@ -195,8 +196,8 @@ def test_a_process_the_driver_says_n_a_for_leaves_its_job_s_sum_out(tmp_path):
     from dataclasses import replace
 
     class NotSaid(DemoSource):
-        def read(self, timeout_s=None):
-            snapshot = super().read(timeout_s)
+        def read(self, deadline=None):
+            snapshot = super().read(deadline)
             return replace(snapshot, processes=tuple(replace(p, used_bytes=None) if p.pid == 51877 else p
                                                      for p in snapshot.processes))
 
@@ -208,11 +209,11 @@ def test_a_process_the_driver_says_n_a_for_leaves_its_job_s_sum_out(tmp_path):
 
 def test_out_of_time_the_processes_left_are_a_problem_not_a_hang(tmp_path):
     snapshot = DemoSource().read()
-    reading = OwnerReader(_hpc(tmp_path)).read(snapshot, timeout_s=-1)
+    reading = OwnerReader(_hpc(tmp_path)).read(snapshot, Deadline.after(-1))
     assert reading.processes == {}
     assert reading.problems == ("no time left in the scrape's budget: 4 process(es) may lack their user, "
                                 "Slurm job or systemd unit",)
-    assert OwnerReader(_hpc(tmp_path / "again")).read(snapshot, timeout_s=5).problems == ()
+    assert OwnerReader(_hpc(tmp_path / "again")).read(snapshot, Deadline.after(5)).problems == ()
 
 
 def test_probe_answers_have_empty_owner_labels():

@@ -19,6 +19,7 @@ import kube_node
 from conftest import MIB, SAMPLES, sample_value, samples_of
 from fake_kubelet import Container, Pod
 from kube_node import BY_PID, LLAMA, NOTEBOOK, PODS, TRAINER, VK_LLAMA, VLLM, make_kubelet_logs
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import CgroupIdentity
 from mig_exporter.kubernetes.podlogs import (
     PodName,
@@ -218,7 +219,7 @@ def test_a_kubelet_that_hangs_is_a_problem_within_the_scrape_s_budget(tmp_path, 
     kubelet = fake_kubelet(PODS)
     kubelet.delay_s = 5
     scraper = Scraper(DemoSource(), pods=_watch(tmp_path, kubelet.socket_path))
-    outcome = scraper.read(timeout_s=0.5)
+    outcome = scraper.read(Deadline.after(0.5))
     assert outcome.duration_s < 2.5
     families = list(scraper.families_for(outcome))
     assert sample_value(families, "mig_exporter_pod_resources_read_success") == 0
@@ -240,7 +241,7 @@ def test_a_failed_gpu_read_reads_no_pods(tmp_path, fake_kubelet):
     from mig_exporter.core.errors import CommandFailed
 
     class Failing(DemoSource):
-        def read(self, timeout_s=None):
+        def read(self, deadline=None):
             raise CommandFailed("nvidia-smi: exit status 9")
 
     kubelet = fake_kubelet(PODS)

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind
 from mig_exporter.config.file import load_config
+from mig_exporter.metrics import exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
 from mig_exporter.web.probe import Prober
@@ -108,7 +109,7 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
         config_file.write_text(config_text(targets))
         prober = Prober(load_config(config_file), max_concurrent=max_concurrent,
                         default_timeout_s=default_timeout_s, config_file=str(config_file))
-        server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10.0,
+        server = ExporterServer(("127.0.0.1", 0), exporter.Exporter(Scraper(DemoSource()), prober, timeout_s=10.0),
                                 timeout_offset_s=offset_s, prober=prober)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -313,7 +314,7 @@ def test_methods_other_than_get_run_nothing(serve: Serve, fake_nvidia_smi: FakeS
 
 
 def test_without_a_config_file_probe_and_reload_say_so(tmp_path: Path) -> None:
-    server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10.0)
+    server = ExporterServer(("127.0.0.1", 0), exporter.Exporter(Scraper(DemoSource()), timeout_s=10.0))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         exp = Exporter(server.url, server, tmp_path / "none.yml")
@@ -686,4 +687,4 @@ def test_a_failing_reload_hook_is_a_failed_reload_that_keeps_the_targets(tmp_pat
 
 
 def parse_metrics(prober: Prober) -> dict[tuple[str, frozenset], float]:
-    return {(s.name, frozenset(s.labels.items())): s.value for f in prober.families() for s in f.samples}
+    return {(s.name, frozenset(s.labels.items())): s.value for f in prober.collect() for s in f.samples}

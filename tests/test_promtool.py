@@ -1,7 +1,7 @@
 """The exposition passes ``promtool check metrics`` with zero findings.
 
 Every read the exporter can make is rendered through the real path, a
-``Scraper`` over a real source and a ``ScrapeCollector`` in a fresh
+``Scraper`` over a real source and an ``Exporter`` in a fresh
 ``CollectorRegistry``. The sources are the bundled demo, a fake nvidia-smi for
 each scenario of ``tests/fixtures/nvidia-smi`` and reads that fail. The text
 format is piped into Prometheus' own linter; both the text format and
@@ -29,7 +29,8 @@ from conftest import MIB, fixture_bytes, require_tool
 from mig_exporter.core.errors import ReadError
 from mig_exporter.engines.attribution import EngineReader
 from mig_exporter.engines.rules import DEFAULT_SETTINGS
-from mig_exporter.metrics.scrape import ScrapeCollector, Scraper
+from mig_exporter.metrics.exporter import Exporter
+from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.base import Source
 from mig_exporter.sources.demo import DemoProcs, DemoSource
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
@@ -59,7 +60,7 @@ class RaisingSource:
         self.error = error
         self.name = "raising"
 
-    def read(self, timeout_s: float | None = None):
+    def read(self, deadline=None):
         raise self.error
 
     def ready(self) -> tuple[bool, str]:
@@ -230,7 +231,7 @@ def case(request, fake_nvidia_smi) -> tuple[Case, CollectorRegistry]:
     c = CASES[request.param]
     registry = CollectorRegistry(auto_describe=False)
     engines = c.engines() if c.engines else None
-    registry.register(ScrapeCollector(Scraper(c.source(fake_nvidia_smi), engines), READ_TIMEOUT_S))
+    registry.register(Exporter(Scraper(c.source(fake_nvidia_smi), engines), timeout_s=READ_TIMEOUT_S))
     return c, registry
 
 

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, fixture_bytes
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
@@ -73,7 +74,7 @@ def test_answers_go_out_without_waiting_for_the_clients_delayed_ack():
     # The headers and the body are two writes. With Nagle's algorithm on, the
     # body waits for the client's delayed ACK of the headers: ~40 ms added to
     # every scrape on a kept-alive connection, as Prometheus keeps them.
-    server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=10)
+    server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(DemoSource()), timeout_s=10))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)

@@ -20,7 +20,10 @@ from click.testing import CliRunner
 from conftest import MIB, fixture_bytes, sample_value, scenario
 from fake_nvml import OLD_DRIVER_MISSING, SCENARIOS
 from mig_exporter.cli import cli
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
+from mig_exporter.doctor import timed_read
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
 from mig_exporter.sources.nvml import NvmlSource
@@ -146,7 +149,33 @@ def _hang(fake, symbol: str, release: threading.Event, argtypes) -> None:
     return hung
 
 
+def _scrape_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "scrape"]
+
+
 def test_a_hung_call_fails_the_read_at_its_deadline_and_later_reads_do_not_pile_up(fake_nvml_lib):
+    """NVML calls run in the scrape's flight: the caller answers at its deadline, and the next
+    scrape joins the hung one rather than starting another (metrics/exporter.py)."""
+    fake = fake_nvml_lib("a100-mig-pending")
+    source = NvmlSource(timeout_s=10)
+    source.read()  # initialised
+    exporter = Exporter(Scraper(source))
+    before = len(_scrape_threads())
+    release = threading.Event()
+    keep = _hang(fake, "nvmlDeviceGetCount_v2", release, (ctypes.c_void_p,))
+    try:
+        started = time.monotonic()
+        for _ in range(2):
+            outcome = exporter.answer(Deadline.after(0.3)).outcome
+            assert outcome is not None and re.search(r"did not finish within 0\.3s", outcome.error or "")
+        assert time.monotonic() - started < 3
+        assert len(_scrape_threads()) - before == 1, "the second read joined the hung one instead of starting another"
+    finally:
+        release.set()
+    del keep
+
+
+def test_doctor_reads_a_hung_call_as_a_failed_path_at_its_deadline(fake_nvml_lib):
     fake = fake_nvml_lib("a100-mig-pending")
     source = NvmlSource(timeout_s=10)
     source.read()  # initialised
@@ -154,13 +183,9 @@ def test_a_hung_call_fails_the_read_at_its_deadline_and_later_reads_do_not_pile_
     keep = _hang(fake, "nvmlDeviceGetCount_v2", release, (ctypes.c_void_p,))
     try:
         started = time.monotonic()
-        with pytest.raises(ReadError, match=r"did not finish within 0\.3s"):
-            source.read(timeout_s=0.3)
-        with pytest.raises(ReadError, match=r"did not finish within 0\.3s"):
-            source.read(timeout_s=0.3)
-        assert time.monotonic() - started < 3
-        threads = [t for t in threading.enumerate() if t.name == "nvml-read"]
-        assert len(threads) == 1, "the second read joined the hung one instead of starting another"
+        reading = timed_read("nvml", source.read, Deadline.after(0.3))
+        assert time.monotonic() - started < 2
+        assert reading.snapshot is None and reading.error == "nvml read did not finish within 0.3s"
     finally:
         release.set()
     del keep
@@ -170,6 +195,7 @@ def test_concurrent_reads_share_one_read(fake_nvml_lib):
     fake = fake_nvml_lib("h100-mig-processes")
     source = NvmlSource()
     source.read()
+    exporter = Exporter(Scraper(source))
     before = fake.called("nvmlDeviceGetCount_v2")
     release = threading.Event()
     original = fake._functions["nvmlDeviceGetCount_v2"]
@@ -180,14 +206,15 @@ def test_concurrent_reads_share_one_read(fake_nvml_lib):
     fake._functions["nvmlDeviceGetCount_v2"] = keep = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(slow)
     pynvml._nvmlGetFunctionPointer_cache.pop("nvmlDeviceGetCount_v2", None)
     results = []
-    readers = [threading.Thread(target=lambda: results.append(source.read())) for _ in range(5)]
+    readers = [threading.Thread(target=lambda: results.append(exporter.answer(Deadline.after(10)).outcome))
+               for _ in range(5)]
     for r in readers:
         r.start()
     time.sleep(0.2)
     release.set()
     for r in readers:
         r.join(10)
-    assert len(results) == 5 and all(r == scenario("h100-mig-processes") for r in results)
+    assert len(results) == 5 and all(r.snapshot == scenario("h100-mig-processes") for r in results)
     assert fake.called("nvmlDeviceGetCount_v2") - before == 1
     del keep
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import (
     CommandFailed,
     CommandNotFound,
@@ -378,7 +379,7 @@ def test_an_empty_prefix_is_refused() -> None:
 
 def test_read_timeout_shorter_than_configured_wins(fake_nvidia_smi: FakeSmi) -> None:
     fake = fake_for(fake_nvidia_smi, "h100-mig-processes", mode="hang")
-    result, elapsed = timed_read(NvidiaSmiSource(str(fake), timeout_s=30), timeout_s=0.5)
+    result, elapsed = timed_read(NvidiaSmiSource(str(fake), timeout_s=30), deadline=Deadline.after(0.5))
 
     assert isinstance(result, CommandTimeout), result
     assert 0.5 <= elapsed < 0.5 + 1.0
@@ -386,7 +387,7 @@ def test_read_timeout_shorter_than_configured_wins(fake_nvidia_smi: FakeSmi) -> 
 
 def test_configured_timeout_shorter_than_read_timeout_wins(fake_nvidia_smi: FakeSmi) -> None:
     fake = fake_for(fake_nvidia_smi, "h100-mig-processes", mode="hang")
-    result, elapsed = timed_read(NvidiaSmiSource(str(fake), timeout_s=0.5), timeout_s=30)
+    result, elapsed = timed_read(NvidiaSmiSource(str(fake), timeout_s=0.5), deadline=Deadline.after(30))
 
     assert isinstance(result, CommandTimeout), result
     assert 0.5 <= elapsed < 0.5 + 1.0
@@ -395,7 +396,7 @@ def test_configured_timeout_shorter_than_read_timeout_wins(fake_nvidia_smi: Fake
 def test_query_and_listing_run_in_parallel(fake_nvidia_smi: FakeSmi) -> None:
     # Each run of the fake takes 0.4 s: one after the other would take 0.8 s.
     fake = fake_for(fake_nvidia_smi, "h100-mig-processes", delay_s=0.4)
-    result, elapsed = timed_read(NvidiaSmiSource(str(fake), timeout_s=10), timeout_s=2.0)
+    result, elapsed = timed_read(NvidiaSmiSource(str(fake), timeout_s=10), deadline=Deadline.after(2.0))
 
     assert isinstance(result, Snapshot), repr(result)
     assert [d.profile for d in result.devices] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from certs import Pair, make_pki, make_server_pair
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
 from mig_exporter.web.server import ExporterServer
@@ -41,7 +42,7 @@ def serve_web(tmp_path):
     def start(text: str) -> tuple[str, int]:
         web = tmp_path / f"web-{len(servers)}.yml"
         web.write_text(text)
-        server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5,
+        server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(DemoSource()), timeout_s=5),
                                 web=WebSettings(str(web), check_interval_s=0))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -275,7 +276,7 @@ def test_failed_guesses_are_counted_against_the_peer_that_sent_them(tmp_path):
     # peer's checks behind everyone else's first tries (tests/test_webconfig.py).
     web = tmp_path / "web.yml"
     web.write_text(f"basic_auth_users:\n  prometheus: {HASH}\n")
-    server = ExporterServer(("127.0.0.1", 0), Scraper(DemoSource()), timeout_s=5,
+    server = ExporterServer(("127.0.0.1", 0), Exporter(Scraper(DemoSource()), timeout_s=5),
                             web=WebSettings(str(web), check_interval_s=0))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:

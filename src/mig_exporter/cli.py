@@ -25,6 +25,7 @@ from click.core import ParameterSource
 from mig_exporter import __version__
 from mig_exporter.config.checks import ConfigError
 from mig_exporter.config.file import EMPTY, Config, load_config
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError
 from mig_exporter.core.logs import FORMATS, setup_logging
 from mig_exporter.core.malloc_tuning import limit_arenas
@@ -38,7 +39,7 @@ from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podlogs import DEFAULT_LOG_DIR
 from mig_exporter.kubernetes.podresources import DEFAULT_SOCKET, PodResourcesClient
 from mig_exporter.kubernetes.pods import PodReader
-from mig_exporter.metrics.exposition import render
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.auto import AutoSource
 from mig_exporter.sources.base import Source
@@ -86,9 +87,7 @@ def _source_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Same as --source demo: the bundled sample (an A100 in MIG mode and a whole A100, and "
                           "its host's processes) instead of a GPU and /proc."),
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    return _with_options(options)(func)
 
 
 def _with_options(options: list[Callable[..., Any]]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -114,9 +113,7 @@ def _engine_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="The host's passwd file (e.g. /host/etc/passwd), which names the user of each GPU process "
                           "(docs/hpc.md). Without it, or for a uid it lacks, the user is the uid."),
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    return _with_options(options)(func)
 
 
 def _kubernetes_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -135,9 +132,7 @@ def _kubernetes_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Where the kubelet's pods/ and containers/ log directories are, whose names give each "
                           "container's pod, namespace and name (only the names are read). Empty: no names."),
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    return _with_options(options)(func)
 
 
 def _slurm_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -149,9 +144,7 @@ def _slurm_options(func: Callable[..., Any]) -> Callable[..., Any]:
                           "at each scrape into mig_exporter_device_allocation_info{slurm_job} (docs/metrics.md). "
                           "Unset: not read."),
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    return _with_options(options)(func)
 
 
 def _make_pod_watch(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
@@ -182,6 +175,15 @@ def _make_owner_watch(proc_root: str, passwd: str | None, demo: bool) -> OwnerRe
     return watch
 
 
+def _make_scraper(source: Source, engines: EngineReader, *, proc_root: str, host_passwd: str | None,
+                  kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
+                  demo: bool) -> Scraper:
+    """The scrape of ``source`` with the watches the options ask for (serve and read alike)."""
+    pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
+    owners = _make_owner_watch(proc_root, host_passwd, demo)
+    return Scraper(source, engines, pods=pods, owners=owners, job_map=_make_job_map(slurm_job_map_dir))
+
+
 def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineReader:
     """Which processes are engines, read from /proc or the demo's processes."""
     watch = EngineReader(settings, DemoProcs() if demo else ProcfsSource(proc_root))
@@ -206,10 +208,22 @@ def _is_demo(source: str, demo: bool) -> bool:
     return demo or source == "demo"
 
 
-def _make_source(source: str, nvidia_smi: str, timeout: float, demo: bool, *, strict: bool,
+def _chosen_source(source: str, demo: bool) -> str:
+    """The read path the flags name: ``demo`` for ``--demo``, and ``nvidia-smi`` for ``auto``
+    with an explicit ``--nvidia-smi``, which says which path to read."""
+    if demo:
+        return "demo"
+    if source == "auto" and click.get_current_context().get_parameter_source("nvidia_smi") not in (
+        ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None,
+    ):
+        return "nvidia-smi"
+    return source
+
+
+def _make_source(source: str, nvidia_smi: str, timeout: float, *, strict: bool,
                  strict_about_path: bool = True, unready: str = "serving with read_success 0 until it is available",
                  ) -> Source:
-    """The source the flags ask for.
+    """The source ``source`` names (as ``_chosen_source`` gives it).
 
     ``strict`` (``read`` to stdout) refuses a source that cannot work now.
     Otherwise only an explicit ``--nvidia-smi`` path is refused
@@ -218,13 +232,6 @@ def _make_source(source: str, nvidia_smi: str, timeout: float, demo: bool, *, st
     crash-looping; ``read --output`` writes read_success 0 (``unready`` says
     which, in the log line).
     """
-    ctx = click.get_current_context()
-    if demo:
-        source = "demo"
-    elif source == "auto" and ctx.get_parameter_source("nvidia_smi") not in (
-        ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None,
-    ):
-        source = "nvidia-smi"  # an explicit --nvidia-smi says which path to read
     if source == "demo":
         log.info("demo mode: serving the bundled sample, not a real GPU")
         return DemoSource()
@@ -324,7 +331,25 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
     log.debug("%s", limit_arenas())  # before any thread of ours starts
     before, after = raise_open_file_limit()
     log.debug("open-file limit %d, raised from %d", after, before)
-    demo = _is_demo(source, demo)
+    server = build_server(
+        source=_chosen_source(source, _is_demo(source, demo)), nvidia_smi=nvidia_smi, timeout=timeout,
+        config_file=config_file, proc_root=proc_root, host_passwd=host_passwd, kubernetes=kubernetes,
+        pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
+        slurm_job_map_dir=slurm_job_map_dir, listen_address=listen_address, timeout_offset=timeout_offset,
+        max_concurrent=max_concurrent, max_connections=max_connections, web_config_file=web_config_file,
+    )
+    _run(server)
+
+
+def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: str | None, proc_root: str,
+                 host_passwd: str | None, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
+                 slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
+                 max_connections: int, web_config_file: str | None) -> ExporterServer:
+    """The server serve runs, listening and assembled from serve's options (``source`` as
+    ``_chosen_source`` names it): the source and the scrape with its watches, the probe targets,
+    the one exporter that composes their metrics, the web config. A bad option or file is a
+    ``click.ClickException``."""
+    demo = source == "demo"
     try:
         address = parse_listen_address(listen_address)
     except ValueError as e:
@@ -336,18 +361,23 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         prober = Prober(config, max_concurrent=max_concurrent, default_timeout_s=timeout, config_file=config_file,
                         on_reload=lambda new: setattr(engines, "settings", new.engines))
         log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
-    pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
-    owners = _make_owner_watch(proc_root, host_passwd, demo)
     web = _load_web_config(web_config_file) if web_config_file else None
-    chosen = _make_source(source, nvidia_smi, timeout, demo, strict=False)
+    scraper = _make_scraper(_make_source(source, nvidia_smi, timeout, strict=False), engines, proc_root=proc_root,
+                            host_passwd=host_passwd, kubernetes=kubernetes,
+                            pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
+                            slurm_job_map_dir=slurm_job_map_dir, demo=demo)
+    # /metrics: the scrape's families, then the counters about probes.
+    exporter = Exporter(scraper, *([prober] if prober is not None else []), timeout_s=timeout)
     try:
-        server = ExporterServer(address, Scraper(chosen, engines, pods=pods, owners=owners,
-                                                 job_map=_make_job_map(slurm_job_map_dir)),
-                                timeout_s=timeout,
-                                timeout_offset_s=timeout_offset, prober=prober, web=web,
-                                limits=Limits(max_connections=max_connections))
+        return ExporterServer(address, exporter, timeout_offset_s=timeout_offset, prober=prober, web=web,
+                              limits=Limits(max_connections=max_connections))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
+
+
+def _run(server: ExporterServer) -> None:
+    """Serve until SIGTERM or SIGINT; SIGHUP reloads the config file."""
+    prober = server.prober
 
     def stop(signum: int, _frame: object) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)
@@ -357,14 +387,15 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         if prober is None:
             log.info("received SIGHUP; no --config.file, nothing to reload")
             return
-        log.info("received SIGHUP, reloading %s", config_file)
+        log.info("received SIGHUP, reloading %s", prober.config_file)
         # Off the signal handler: reloading takes locks the interrupted code may hold.
         threading.Thread(target=prober.reload, name="reload", daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, reload)
-    log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.listening, chosen.describe())
+    log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.listening,
+             server.exporter.source.describe())
     # What is alive now (modules, the parsers' tables) lives until exit; frozen,
     # the cyclic collector stops walking it at each full collection, a scrape's
     # largest cost after the work itself on a node with many processes.
@@ -424,16 +455,16 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
     demo = _is_demo(source, demo)
     config = _load_config(config_file) if config_file else EMPTY
     engines = _make_engine_watch(config.engines, proc_root, demo)
-    pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
-    owners = _make_owner_watch(proc_root, host_passwd, demo)
     # With --output a source that cannot work still gives a read: read_success 0
     # replaces the file, so node_exporter never goes on serving an old success.
-    chosen = _make_source(source, nvidia_smi, timeout, demo, strict=output is None, strict_about_path=False,
-                          unready=f"writing read_success 0 to {output}")
-    scraper = Scraper(chosen, engines, pods=pods, owners=owners, job_map=_make_job_map(slurm_job_map_dir))
+    chosen = _make_source(_chosen_source(source, demo), nvidia_smi, timeout, strict=output is None,
+                          strict_about_path=False, unready=f"writing read_success 0 to {output}")
+    scraper = _make_scraper(chosen, engines, proc_root=proc_root, host_passwd=host_passwd, kubernetes=kubernetes,
+                            pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
+                            slurm_job_map_dir=slurm_job_map_dir, demo=demo)
     with _reaping(), _signals_kill_commands():
-        # The encoder serve uses, text format.
-        text, _content_type = render(scraper.families(timeout), None)
+        # serve's answer to a scrape without a header, text format: the same exporter and encoder.
+        text, _content_type = Exporter(scraper, timeout_s=timeout).answer(Deadline.after(timeout)).encoded(None, False)
     if output is None:
         sys.stdout.buffer.write(text)
         sys.stdout.buffer.flush()
@@ -474,9 +505,10 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
         nvml = NvmlSource(timeout_s=timeout)
         smi = NvidiaSmiSource(nvidia_smi, timeout)
         with _signals_kill_commands():
+            # One after the other, each with the whole --timeout, in a thread it can be left in.
             report = diagnose(
-                timed_read("nvml", nvml.read),
-                timed_read("nvidia-smi", smi.read),
+                timed_read("nvml", nvml.read, Deadline.after(timeout)),
+                timed_read("nvidia-smi", smi.read, Deadline.after(timeout)),
                 slow_threshold_s=slow_threshold,
             )
     if output_format == "json":

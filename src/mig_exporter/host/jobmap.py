@@ -20,10 +20,10 @@ import errno
 import os
 import re
 import stat
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.logs import shown
 from mig_exporter.host.procfs import read_fd
 from mig_exporter.model.placement import card_device_indexes, uuid_device_indexes
@@ -107,10 +107,9 @@ class SlurmJobMap:
     def describe(self) -> str:
         return f"slurm job map in {self.directory}"
 
-    def read(self, snapshot: Snapshot, timeout_s: float | None = None) -> SlurmJobMapReading:
-        """Read the directory for ``snapshot``'s devices within ``timeout_s``
-        (what is left of the scrape's budget); files not reached in time are a problem."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def read(self, snapshot: Snapshot, deadline: Deadline | None = None) -> SlurmJobMapReading:
+        """Read the directory for ``snapshot``'s devices by ``deadline`` (the
+        scrape's); files not reached in time are a problem."""
         try:
             dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
@@ -125,7 +124,7 @@ class SlurmJobMap:
             os.close(dir_fd)
         return job_map_reading(snapshot, files, problems)
 
-    def _read_files(self, dir_fd: int, deadline: float | None) -> tuple[list[JobMapFile], list[str]]:
+    def _read_files(self, dir_fd: int, deadline: Deadline | None) -> tuple[list[JobMapFile], list[str]]:
         problems: list[str] = []
         names: list[str] = []
         with os.scandir(dir_fd) as entries:
@@ -140,7 +139,7 @@ class SlurmJobMap:
                 names.append(entry.name)
         files: list[JobMapFile] = []
         for n, name in enumerate(sorted(names)):
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and deadline.expired:
                 problems.append(f"slurm job map: the scrape's budget ran out after {n} of {len(names)} files "
                                 f"in {self.directory}")
                 break

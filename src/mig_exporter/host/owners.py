@@ -17,9 +17,9 @@ lists, and within what is left of the scrape's budget.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import NO_IDENTITY, CgroupIdentity, parse_cgroup
 from mig_exporter.host.passwd import PasswdFile
 from mig_exporter.host.procfs import ProcError, ProcfsSource, parse_status_uid
@@ -44,9 +44,9 @@ def owner_reading(
 
 
 def read_identities(procs: ProcfsSource, pids: Iterable[int],
-                    deadline: float | None = None) -> dict[int, CgroupIdentity] | None:
+                    deadline: Deadline | None = None) -> dict[int, CgroupIdentity] | None:
     """The cgroup identity of each pid that can still be read, until
-    ``deadline`` (``time.monotonic()``); ``None`` when the /proc root is not the
+    ``deadline``; ``None`` when the /proc root is not the
     host's PID namespace (its pids are not the driver's: engines report that)."""
     wanted = sorted(set(pids))
     if not wanted:
@@ -58,7 +58,7 @@ def read_identities(procs: ProcfsSource, pids: Iterable[int],
         return None
     out = {}
     for pid in wanted:
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and deadline.expired:
             break
         data = procs.read_cgroup(pid)
         if data is not None:
@@ -78,30 +78,28 @@ class OwnerReader:
         names = f"user names from {self.passwd.path}" if self.passwd else "users as uids (no --host.passwd)"
         return f"owners: Slurm jobs and systemd units from the cgroups under {self.procs.root}, {names}"
 
-    def identities(self, snapshot: Snapshot, timeout_s: float | None = None) -> dict[int, CgroupIdentity] | None:
+    def identities(self, snapshot: Snapshot, deadline: Deadline | None = None) -> dict[int, CgroupIdentity] | None:
         """The cgroups of the pids on the GPU lists (see ``read_identities``)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         return read_identities(self.procs, (p.pid for p in snapshot.processes), deadline)
 
-    def read(self, snapshot: Snapshot, timeout_s: float | None = None,
+    def read(self, snapshot: Snapshot, deadline: Deadline | None = None,
              identities: dict[int, CgroupIdentity] | None = None) -> OwnerReading:
-        """Read for the processes of ``snapshot`` within ``timeout_s``;
+        """Read for the processes of ``snapshot`` by ``deadline``;
         ``identities``: their cgroups, when already read for this scrape."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if identities is None:
-            identities = self.identities(snapshot, timeout_s)
+            identities = self.identities(snapshot, deadline)
             if identities is None:
                 return OwnerReading({})
         problems: list[str] = []
         uids: dict[int, int] = {}
         for pid in sorted(identities):
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and deadline.expired:
                 break
             data = self.procs.read_status(pid)
             uid = None if data is None else parse_status_uid(data)
             if uid is not None:
                 uids[pid] = uid
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and deadline.expired:
             # Some may have exited instead: once out of time, which is not worth finding out.
             missing = len({p.pid for p in snapshot.processes} - set(uids))
             if missing:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import CgroupIdentity
 from mig_exporter.host.owners import read_identities
 from mig_exporter.host.procfs import ProcfsSource
@@ -141,10 +142,10 @@ class PodReader:
         parts.append(self.pod_resources.describe() if self.pod_resources else "no allocations")
         return "pods: " + ", ".join(parts)
 
-    def read(self, snapshot: Snapshot, timeout_s: float | None = None,
+    def read(self, snapshot: Snapshot, deadline: Deadline | None = None,
              identities: dict[int, CgroupIdentity] | None = None) -> PodReading:
         """Read for the processes of ``snapshot``; the kubelet call gets at
-        most ``timeout_s`` (what is left of the scrape's budget).
+        most what is left until ``deadline`` (the scrape's).
         ``identities``: their cgroups, when already read for this scrape."""
         problems: list[str] = []
         notes: list[str] = []
@@ -163,13 +164,13 @@ class PodReader:
             if not client.present():
                 notes.append(f"no kubelet pod-resources socket at {client.socket_path}: device allocations are left "
                              "out (not on Kubernetes, or the socket's directory is not mounted)")
-            elif timeout_s is not None and timeout_s < MIN_CALL_S:
+            elif deadline is not None and deadline.left_s() < MIN_CALL_S:
                 asked = True
                 problems.append("no time left in the scrape's budget to ask the kubelet for allocations")
             else:
                 asked = True
                 try:
-                    listed = client.list(timeout_s)
+                    listed = client.list(None if deadline is None else deadline.left_s())
                 except PodResourcesError as e:
                     problems.append(str(e))
         return pod_reading(snapshot, identities, names, listed, asked=asked, problems=problems, notes=notes)

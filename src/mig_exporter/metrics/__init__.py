@@ -1,3 +1,3 @@
 """From readings to Prometheus: one scrape (what is read, in which order, and its
-failures), the metric families of a snapshot and its readings, and the text and OpenMetrics
-encoder."""
+failures), the metric families of a snapshot and its readings, the text and OpenMetrics
+encoder, and the exporter that composes them into the answer serve and read give."""

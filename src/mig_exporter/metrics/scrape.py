@@ -7,10 +7,9 @@ With engines watched, /proc is read in the same read, just before the GPUs,
 so every engine process seen existed when the driver was asked. With pods
 watched, the cgroups of the processes the driver listed, the kubelet's log
 directory names and its pod-resources answer are read just after the GPUs,
-within what is left of the read's budget. With owners watched, the same
-cgroups (read once for both) and the processes' uids give their Slurm jobs,
-systemd units and users. With a Slurm job-map directory, it is read last,
-within what is then left.
+by the read's deadline. With owners watched, the same cgroups (read once for
+both) and the processes' uids give their Slurm jobs, systemd units and users.
+With a Slurm job-map directory, it is read last, by the same deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from mig_exporter import __version__
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.engines.attribution import EngineReader
 from mig_exporter.host.cgroup import CgroupIdentity
@@ -47,7 +47,7 @@ log = logging.getLogger("mig_exporter")
 
 # What the GPU read still gets when reading /proc took the whole budget: enough to
 # fail as a timeout of its own, not so much that the answer comes late.
-_MIN_READ_BUDGET_S = 0.05
+_MIN_READ_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,26 +96,23 @@ class Scraper:
         with self._lock:
             return self._errors_total
 
-    def read(self, timeout_s: float | None = None) -> ReadOutcome:
+    def read(self, deadline: Deadline | None = None) -> ReadOutcome:
+        """One read, due at ``deadline`` (``None``: the source's own timeout, and no limit on the rest)."""
         started = time.monotonic()
         procs = self._read_procs()
         try:
             # The /proc read comes out of the scrape's budget: the answer is due at its deadline.
-            snapshot = self.source.read(None if timeout_s is None else
-                                        max(timeout_s - (time.monotonic() - started), _MIN_READ_BUDGET_S))
+            snapshot = self.source.read(None if deadline is None else max(deadline, Deadline.after(_MIN_READ_S)))
         except ReadError as e:
             return self._failed(started, str(e), self._engines(procs, None))
         except Exception as e:  # a bug must not take the scrape down; say where
             self._log_bug(f"read from {self.name} failed unexpectedly", e)
             return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None))
         engines = self._engines(procs, snapshot)
-        def left_s() -> float | None:
-            return None if timeout_s is None else timeout_s - (time.monotonic() - started)
-
-        identities = self._identities(snapshot, left_s())
-        owners = self._owners(snapshot, left_s(), identities)
-        pods = self._pods(snapshot, left_s(), identities)
-        job_map = self._job_map(snapshot, left_s())
+        identities = self._identities(snapshot, deadline)
+        owners = self._owners(snapshot, deadline, identities)
+        pods = self._pods(snapshot, deadline, identities)
+        job_map = self._job_map(snapshot, deadline)
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
         if engines is not None:
@@ -129,45 +126,45 @@ class Scraper:
             self._log_problems(job_map.problems, "slurm job map")
         return ReadOutcome(snapshot, duration, engines=engines, pods=pods, owners=owners, job_map=job_map)
 
-    def _job_map(self, snapshot: Snapshot, left_s: float | None) -> SlurmJobMapReading | None:
+    def _job_map(self, snapshot: Snapshot, deadline: Deadline | None) -> SlurmJobMapReading | None:
         if self.job_map is None:
             return None
         try:
-            return self.job_map.read(snapshot, left_s)
+            return self.job_map.read(snapshot, deadline)
         except Exception as e:  # a bug here costs the Slurm allocations, not the scrape
             self._log_bug("reading the slurm job map failed unexpectedly", e)
             return SlurmJobMapReading((), False, (f"slurm job map: unexpected {type(e).__name__}: {e}",))
 
-    def _identities(self, snapshot: Snapshot, left_s: float | None) -> dict[int, CgroupIdentity] | None:
+    def _identities(self, snapshot: Snapshot, deadline: Deadline | None) -> dict[int, CgroupIdentity] | None:
         """The GPU processes' cgroups, read once for owners and pods; ``None``
         leaves each watch to read its own (no owners watched), or to find
         that /proc is not the host's."""
         if self.owners is None:
             return None
         try:
-            return self.owners.identities(snapshot, left_s)
+            return self.owners.identities(snapshot, deadline)
         except Exception as e:  # a bug here costs the attribution, not the scrape
             self._log_bug("reading the GPU processes' cgroups failed unexpectedly", e)
             return None
 
-    def _owners(self, snapshot: Snapshot, left_s: float | None,
+    def _owners(self, snapshot: Snapshot, deadline: Deadline | None,
                 identities: dict[int, CgroupIdentity] | None) -> OwnerReading | None:
         if self.owners is None:
             return None
         if identities is None:
             return OwnerReading({})  # not the host's PID namespace: its pids are not the driver's
         try:
-            return self.owners.read(snapshot, left_s, identities)
+            return self.owners.read(snapshot, deadline, identities)
         except Exception as e:  # a bug here costs the owner labels, not the scrape
             self._log_bug("attributing processes to Slurm jobs, units and users failed unexpectedly", e)
             return OwnerReading({}, (f"owner attribution failed: unexpected {type(e).__name__}: {e}",))
 
-    def _pods(self, snapshot: Snapshot, left_s: float | None,
+    def _pods(self, snapshot: Snapshot, deadline: Deadline | None,
               identities: dict[int, CgroupIdentity] | None = None) -> PodReading | None:
         if self.pods is None:
             return None
         try:
-            return self.pods.read(snapshot, left_s, identities)
+            return self.pods.read(snapshot, deadline, identities)
         except Exception as e:  # a bug here costs the pod labels, not the scrape
             self._log_bug("attributing processes to pods failed unexpectedly", e)
             return PodReading({}, None, None, (f"pod attribution failed: unexpected {type(e).__name__}: {e}",))
@@ -228,13 +225,13 @@ class Scraper:
         for problem in sorted(cleared):
             log.info("read from %s: cleared: %s", self.name, problem)
 
-    def families(self, timeout_s: float | None = None) -> list[Metric]:
+    def families(self, deadline: Deadline | None = None) -> list[Metric]:
         """Read once and map the outcome to metric families."""
-        return self.scrape(timeout_s)[1]
+        return self.scrape(deadline)[1]
 
-    def scrape(self, timeout_s: float | None = None) -> tuple[ReadOutcome, list[Metric]]:
+    def scrape(self, deadline: Deadline | None = None) -> tuple[ReadOutcome, list[Metric]]:
         """Read once: the outcome (the landing page draws it) and its metric families."""
-        outcome = self.read(timeout_s)
+        outcome = self.read(deadline)
         try:
             return outcome, list(self.families_for(outcome))
         except Exception as e:  # a mapping bug still answers, as a failed read
@@ -268,21 +265,3 @@ class Scraper:
             problems=len(outcome.problems),
             version=__version__,
         )
-
-
-class ScrapeCollector:
-    """A prometheus_client collector that reads at every ``collect()``.
-
-    ``describe()`` returns nothing so that registering it never triggers a
-    read (the default registry would otherwise collect once to learn names).
-    """
-
-    def __init__(self, scraper: Scraper, timeout_s: float | None = None) -> None:
-        self.scraper = scraper
-        self.timeout_s = timeout_s
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self.scraper.families(self.timeout_s)

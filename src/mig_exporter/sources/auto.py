@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
@@ -64,5 +65,5 @@ class AutoSource:
             return "auto (NVML, else nvidia-smi; neither found yet)"
         return f"auto: {self._chosen.describe()}"
 
-    def read(self, timeout_s: float | None = None) -> Snapshot:
-        return self.choose().read(timeout_s)
+    def read(self, deadline: Deadline | None = None) -> Snapshot:
+        return self.choose().read(deadline)

@@ -40,6 +40,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandFailed, CommandNotFound, CommandTimeout, OutputTooLarge
 from mig_exporter.sources import reaper
 
@@ -124,12 +125,12 @@ class OutputBudget:
 
 def run_command(
     argv: Sequence[str],
-    timeout_s: float,
+    deadline: Deadline,
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     cancel: threading.Event | None = None,
     output_budget: OutputBudget | None = None,
 ) -> CommandResult:
-    """Run ``argv`` to completion within ``timeout_s`` and return its output.
+    """Run ``argv`` to completion by ``deadline`` and return its output.
 
     ``output_budget``: the read's, shared with its other commands; without
     one, the command may write ``max_output_bytes`` on its own.
@@ -142,7 +143,6 @@ def run_command(
     shown = " ".join(argv).replace("\n", "\\n")
     budget = output_budget if output_budget is not None else OutputBudget(max_output_bytes, shared=False)
     started = time.monotonic()
-    deadline = started + max(timeout_s, 0.0)
     proc = _spawn(argv)
     stdout = bytearray()
     stderr = bytearray()
@@ -251,7 +251,7 @@ def _spawn(argv: tuple[str, ...]) -> subprocess.Popen[bytes]:
 
 def _collect(
     proc: subprocess.Popen[bytes],
-    deadline: float,
+    deadline: Deadline,
     stdout: bytearray,
     stderr: bytearray,
     budget: OutputBudget,
@@ -308,10 +308,10 @@ def _drop(stdout: bytearray, budget: OutputBudget) -> None:
     stdout.clear()
 
 
-def _wait_for(deadline: float, cancel: threading.Event | None) -> float | str:
+def _wait_for(deadline: Deadline, cancel: threading.Event | None) -> float | str:
     """How long the next wait may block, or "timeout"/"cancelled" when it may
     not; with a cancel event the wait is cut short so a cancel is seen soon."""
-    remaining = deadline - time.monotonic()
+    remaining = deadline.left_s()
     if remaining <= 0:
         return "timeout"
     if cancel is None:
@@ -321,7 +321,7 @@ def _wait_for(deadline: float, cancel: threading.Event | None) -> float | str:
     return min(remaining, _CANCEL_POLL_S)
 
 
-def _wait_exited(proc: subprocess.Popen[bytes], deadline: float, cancel: threading.Event | None) -> str:
+def _wait_exited(proc: subprocess.Popen[bytes], deadline: Deadline, cancel: threading.Event | None) -> str:
     """Wait for the child to exit *without reaping it* ("eof"), so its group id
     stays reserved for the kill that follows; or "timeout"/"cancelled" when it
     closed its output but hangs on (a wedged driver call after printing)."""
@@ -410,7 +410,7 @@ def _finish(proc: subprocess.Popen[bytes]) -> None:
     # SIGKILL is acted on at once except in uninterruptible sleep (a wedged
     # driver call). Do not let such a child hold the caller past its deadline:
     # a daemon thread reaps it whenever the kernel lets it go.
-    if _wait_exited(proc, time.monotonic() + _REAP_GRACE_S, None) != "eof" or not _reap(proc):
+    if _wait_exited(proc, Deadline.after(_REAP_GRACE_S), None) != "eof" or not _reap(proc):
         threading.Thread(target=_reap_later, args=(proc,), name=f"reap-{proc.pid}", daemon=True).start()
         return
     if _is_reaping():
@@ -435,12 +435,12 @@ def _sweep(commands: Iterable[subprocess.Popen[bytes]], within_s: float = _SWEEP
     PID 1) once it is dead, so they are found at the next pass; the commands
     hand theirs on when they exit."""
     waiting = list(commands)
-    deadline = time.monotonic() + within_s
+    deadline = Deadline.after(within_s)
     delay = 0.0005
     while True:
         left = _kill_orphans()
         waiting = [proc for proc in waiting if not _exited(proc)]
-        if (not left and not waiting) or time.monotonic() >= deadline:
+        if (not left and not waiting) or deadline.expired:
             return
         time.sleep(delay)
         delay = min(delay * 2, 0.01)

@@ -14,6 +14,7 @@ import json
 from importlib import resources
 from typing import Any
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.procfs import PidNamespace, ProcTable, parse_process
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
@@ -34,7 +35,7 @@ class DemoSource:
     def describe(self) -> str:
         return "demo (bundled sample: an A100 in MIG mode and a whole A100; not a real GPU)"
 
-    def read(self, timeout_s: float | None = None) -> Snapshot:
+    def read(self, deadline: Deadline | None = None) -> Snapshot:
         return snapshot_from_smi(sample_bytes("demo.xml"), sample_bytes("demo.L.txt"))
 
 

@@ -16,20 +16,18 @@ import os
 import shlex
 import shutil
 import threading
-import time
 from collections.abc import Sequence
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError, CommandNotFound
-from mig_exporter.core.flight import SingleFlight
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, OutputBudget, run_command
 
 DEFAULT_BINARY = "nvidia-smi"
 DEFAULT_TIMEOUT_S = 10.0
-# The commands are killed at the read's deadline and answer a few ms later;
-# wait that long for their own error rather than a generic timeout.
-_KILL_GRACE_S = 0.1
+# -L is killed at the read's deadline as -q -x is; what it may take past it to answer.
+_LISTING_GRACE_S = 0.5
 
 
 def _why_not_executable(path: str) -> str:
@@ -66,7 +64,6 @@ class NvidiaSmiSource:
         self.binary = self.command[0]
         self.timeout_s = timeout_s
         self.max_output_bytes = max_output_bytes
-        self._reads: SingleFlight[Snapshot] = SingleFlight(f"{shlex.join(self.command)} read", "nvidia-smi-read")
 
     def resolve(self) -> str:
         """The binary's path (the first element of an argv prefix). Looked up
@@ -94,15 +91,11 @@ class NvidiaSmiSource:
     def describe(self) -> str:
         return f"nvidia-smi ({shlex.join(self.command)}, timeout {self.timeout_s:g}s)"
 
-    def read(self, timeout_s: float | None = None) -> Snapshot:
-        """One read; a read already in flight is joined, not run again, so
-        concurrent scrapes cause one nvidia-smi run."""
-        budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
-        return self._reads.run(lambda: self.read_now(budget), budget, grace_s=_KILL_GRACE_S)
-
-    def read_now(self, budget: float) -> Snapshot:
-        """One read in the calling thread, within ``budget`` seconds."""
-        deadline = time.monotonic() + budget
+    def read(self, deadline: Deadline | None = None) -> Snapshot:
+        """One read in the calling thread, its commands killed at ``deadline`` or at the
+        source's own timeout, whichever comes first. Concurrent scrapes share one
+        (``metrics/exporter.py``): this runs the commands each time it is called."""
+        deadline = Deadline.after(self.timeout_s) if deadline is None else deadline.within(self.timeout_s)
         prefix = self.resolve_command()
 
         # -L runs in parallel with -q -x so a read costs the slower of the two.
@@ -116,7 +109,7 @@ class NvidiaSmiSource:
 
         def run_listing() -> None:
             try:
-                listing["result"] = run_command([*prefix, "-L"], budget, cancel=cancel,
+                listing["result"] = run_command([*prefix, "-L"], deadline, cancel=cancel,
                                                 output_budget=listing_output)
             except CommandError as e:
                 listing["error"] = f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {e}"
@@ -124,12 +117,12 @@ class NvidiaSmiSource:
         worker = threading.Thread(target=run_listing, name="nvidia-smi-L", daemon=True)
         worker.start()
         try:
-            query = run_command([*prefix, "-q", "-x"], budget, output_budget=output)
+            query = run_command([*prefix, "-q", "-x"], deadline, output_budget=output)
         except BaseException:
             cancel.set()  # the read has failed; -L is no longer wanted
             raise
         finally:
-            worker.join(max(deadline - time.monotonic(), 0.0) + 0.5)
+            worker.join(deadline.left_s() + _LISTING_GRACE_S)
         result = listing.get("result")
         error = listing.get("error")
         if result is None and error is None:

@@ -22,8 +22,9 @@ from typing import Any
 
 import pynvml
 
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
-from mig_exporter.core.flight import SingleFlight
+from mig_exporter.core.flight import Flights
 from mig_exporter.model.placement import place
 from mig_exporter.model.snapshot import (
     CardReading,
@@ -56,17 +57,16 @@ class NvmlSource:
     def __init__(self, nvml: Nvml | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.nvml = nvml or Nvml()
         self.timeout_s = timeout_s
-        # An NVML call can hang in the driver: reads and readiness checks run
-        # through single-flight daemon threads, so a caller answers at its
-        # deadline, concurrent callers share one pass, and threads never pile up.
-        self._reads: SingleFlight[Snapshot] = SingleFlight("NVML read", "nvml-read")
-        self._checks: SingleFlight[tuple[bool, str]] = SingleFlight("NVML readiness check", "nvml-ready")
+        # An NVML call can hang in the driver: readiness checks (/-/ready, --source auto's
+        # choice) run in a flight's daemon thread, so a caller answers at its deadline,
+        # concurrent callers share one check, and threads never pile up. Reads do the same
+        # one level up, in the scrape's flight (metrics/exporter.py).
+        self._checks: Flights[str, tuple[bool, str]] = Flights("nvml-ready")
 
     def ready(self) -> tuple[bool, str]:
-        try:
-            return self._checks.run(self._check, self.timeout_s)
-        except ReadError as e:
-            return False, str(e)
+        def late() -> tuple[bool, str]:
+            return False, f"NVML readiness check did not finish within {self.timeout_s:.1f}s"
+        return self._checks.run("ready", Deadline.after(self.timeout_s), self._check, late)
 
     def _check(self) -> tuple[bool, str]:
         try:
@@ -79,12 +79,10 @@ class NvmlSource:
     def describe(self) -> str:
         return f"NVML (libnvidia-ml, timeout {self.timeout_s:g}s)"
 
-    def read(self, timeout_s: float | None = None) -> Snapshot:
-        budget = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
-        return self._reads.run(self.read_now, budget)
-
-    def read_now(self) -> Snapshot:
-        """One read, in the calling thread."""
+    def read(self, deadline: Deadline | None = None) -> Snapshot:
+        """One read, in the calling thread. NVML answers in microseconds or hangs in the
+        driver, where no deadline reaches: the scrape's flight (``metrics/exporter.py``) keeps
+        the caller's, and doctor's reads run in one too."""
         nv = self.nvml
         nv.ensure()
         driver = _text(nv.optional(pynvml.nvmlSystemGetDriverVersion))

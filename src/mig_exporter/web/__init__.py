@@ -1,2 +1,2 @@
 """HTTP and HTTPS: the connection loop, the server and its paths, `/probe`, the landing
-page, shared scrapes, and the web config file (TLS, basic auth, rate limit) with its reload."""
+page, and the web config file (TLS, basic auth, rate limit) with its reload."""

@@ -15,8 +15,9 @@ built for the request::
 At most ``max_concurrent`` commands run at once; a probe beyond that is
 refused at once (the server answers 503) instead of queueing behind hung
 ones. Probes of a target that is already running wait for that run and share
-its result, so a burst of scrapes costs one run. The exporter's own counters
-about probes are served on ``/metrics`` (``families()``).
+its result, so a burst of scrapes costs one run (``core/flight.py``, keyed by
+target). The exporter's own counters about probes are served on ``/metrics``
+(``collect()``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
 from prometheus_client import CollectorRegistry
@@ -33,6 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from mig_exporter.config.checks import ConfigError, one_line
 from mig_exporter.config.file import TARGET_NAME, Config, ProbeTarget, load_config
+from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.flight import FlightFailed, Flights
 from mig_exporter.core.logs import shown
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
@@ -92,14 +95,6 @@ class ProbeResult:
         return registry
 
 
-@dataclass(slots=True)
-class _Flight:
-    """A run in progress that later probes of the same target wait for."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    outcome: ReadOutcome | None = None
-
-
 class Prober:
     """Runs probes against the configured targets; thread-safe.
 
@@ -125,7 +120,7 @@ class Prober:
         self._lock = threading.Lock()
         self._reload_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
-        self._flights: dict[ProbeTarget, _Flight] = {}
+        self._runs: Flights[ProbeTarget, ReadOutcome] = Flights("probe")
         self._config = config
         self._scrapers: dict[ProbeTarget, Scraper] = {}
         self._probes: dict[str, int] = {}
@@ -157,42 +152,18 @@ class Prober:
     def timeout_for(self, target: ProbeTarget) -> float:
         return self.default_timeout_s if target.timeout_s is None else target.timeout_s
 
-    def probe(self, target: ProbeTarget, budget_s: float) -> ProbeResult:
-        """Read ``target`` within ``budget_s`` seconds, or join its run in
-        progress. Raises ``ProbeBusy`` at once when every slot is taken."""
+    def probe(self, target: ProbeTarget, deadline: Deadline) -> ProbeResult:
+        """Read ``target`` by ``deadline``, or join its run in progress.
+        Raises ``ProbeBusy`` at once when every slot is taken."""
         started = time.monotonic()
-        deadline = started + max(budget_s, 0.0)
-        with self._lock:
-            flight = self._flights.get(target)
-            leader = flight is None
-            if leader:
-                if not self._slots.acquire(blocking=False):
-                    self._rejected["busy"] += 1
-                    raise ProbeBusy(f"{self.max_concurrent} probes are running already (--probe.max-concurrent)")
-                flight = _Flight()
-                self._flights[target] = flight
-                scraper = self._scraper_for(target)
-        assert flight is not None
-        outcome: ReadOutcome | None
-        if leader:
-            try:
-                flight.outcome = scraper.read(max(deadline - time.monotonic(), 0.0))
-            finally:
-                with self._lock:
-                    del self._flights[target]
-                self._slots.release()
-                flight.done.set()
-            outcome = flight.outcome
-            assert outcome is not None
-        else:
-            finished = flight.done.wait(max(deadline - time.monotonic(), 0.0))
-            outcome = flight.outcome
-            if outcome is None:
-                waited = time.monotonic() - started
-                reason = (f"deadline of {budget_s:.3g}s passed while waiting for the run already in progress"
-                          if not finished else "the run this probe waited for ended without a result")
-                log.warning("read from probe target %s failed: %s", target.name, reason)
-                outcome = ReadOutcome(None, waited, reason)
+
+        def late() -> ReadOutcome:
+            return self._failed(target, started, f"deadline of {deadline.at - started:.3g}s passed while waiting "
+                                                 "for the run already in progress")
+        try:
+            outcome = self._runs.run(target, deadline, lambda: self._read(target, deadline), late, self._take_slot)
+        except FlightFailed:
+            outcome = self._failed(target, started, "the run this probe waited for ended without a result")
         result = ProbeResult(target, outcome, time.monotonic() - started)
         with self._lock:
             if target.name in self._probes:  # not a target a reload has removed
@@ -200,6 +171,27 @@ class Prober:
                 if not outcome.success:
                     self._failures[target.name] += 1
         return result
+
+    def _take_slot(self) -> None:
+        """Before a new run: a slot, or ``ProbeBusy``. A probe that joins a run takes none."""
+        if not self._slots.acquire(blocking=False):
+            with self._lock:
+                self._rejected["busy"] += 1
+            raise ProbeBusy(f"{self.max_concurrent} probes are running already (--probe.max-concurrent)")
+
+    def _read(self, target: ProbeTarget, deadline: Deadline) -> ReadOutcome:
+        """One run, in the flight's thread; its slot is given back when it ends."""
+        try:
+            with self._lock:
+                scraper = self._scraper_for(target)
+            return scraper.read(deadline)
+        finally:
+            self._slots.release()
+
+    @staticmethod
+    def _failed(target: ProbeTarget, started: float, reason: str) -> ReadOutcome:
+        log.warning("read from probe target %s failed: %s", target.name, reason)
+        return ReadOutcome(None, time.monotonic() - started, reason)
 
     def _scraper_for(self, target: ProbeTarget) -> Scraper:
         """The target's scraper (called with the lock held). Kept while the
@@ -262,7 +254,7 @@ class Prober:
 
     # --- the exporter's own metrics, on /metrics ----------------------------------------------
 
-    def families(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Metric]:
         with self._lock:
             probes = dict(self._probes)
             failures = dict(self._failures)

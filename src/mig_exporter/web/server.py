@@ -4,9 +4,11 @@ HTTPS and basic auth with a web config file (``webconfig.py``).
 
 Connections are owned by one event loop (``connections.py``): it accepts,
 caps, times out and reads each request whole, then a bounded pool of workers
-answers it here. Every scrape reads the source afresh; requests that arrive
-while a scrape is in flight share it and its encoded answer
-(``shared_scrape.py``); ``/`` draws the same shared scrape. A failed read
+answers it here. The answers come from the exporter (``metrics/exporter.py``),
+as client_python's handler asks a registry: every scrape reads the source
+afresh, requests that arrive while a scrape is in flight share it and its
+encoded answer, and ``/`` draws the same shared scrape. This module knows only
+HTTP: paths, methods, headers, the deadline Prometheus' header gives. A failed read
 still answers 200 with ``read_success 0``; no request ever gets a traceback. ``/probe`` and
 ``/-/reload`` exist when serve has a config file (``probe.py``). Every answer
 that is not a success is logged, one line with its reason, rate-limited per
@@ -25,14 +27,12 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
-from prometheus_client.core import Metric
-
 from mig_exporter import __version__
-from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.core.deadline import Deadline
+from mig_exporter.metrics.exporter import Answer, Exporter
 from mig_exporter.web import landing
 from mig_exporter.web.connections import Connection, ConnectionLoop, Limits, Request, peer_name
 from mig_exporter.web.probe import BadProbeRequest, ProbeBusy, Prober
-from mig_exporter.web.shared_scrape import Answer, SharedScrapes
 from mig_exporter.web.webconfig import WebConfig, WebSettings
 
 log = logging.getLogger("mig_exporter.http")
@@ -48,19 +48,18 @@ _PATHS = ("/", "/metrics", "/probe", "/-/healthy", "/-/ready", "/-/reload")
 _BACKLOG = 128
 
 
-def read_budget(limit_s: float, header: str | None, offset_s: float) -> float:
-    """A read's budget: ``limit_s``, or Prometheus' scrape timeout (the
-    header) less ``offset_s`` when that is shorter, so the answer arrives
+def read_deadline(limit_s: float, header: str | None, offset_s: float) -> Deadline:
+    """A read's deadline: ``limit_s`` from now, or Prometheus' scrape timeout
+    (the header) less ``offset_s`` when that is sooner, so the answer arrives
     before Prometheus gives up."""
+    budget_s = limit_s
     if header:
         try:
             offered = float(header) - offset_s
         except ValueError:
-            return limit_s
-        if offered > 0:
-            return min(limit_s, offered)
-        return min(limit_s, MIN_BUDGET_S)
-    return limit_s
+            offered = limit_s
+        budget_s = min(limit_s, offered if offered > 0 else MIN_BUDGET_S)
+    return Deadline.after(budget_s)
 
 
 def _accepts_gzip(header: str) -> bool:
@@ -86,22 +85,22 @@ class ExporterServer:
     def __init__(
         self,
         address: tuple[str, int],
-        scraper: Scraper,
+        exporter: Exporter,
         *,
-        timeout_s: float,
         timeout_offset_s: float = 0.5,
         prober: Prober | None = None,
         web: WebSettings | None = None,
         limits: Limits | None = None,
     ) -> None:
-        self.scraper = scraper
+        """``exporter`` answers ``/metrics`` and ``/``, within its ``timeout_s`` or Prometheus'
+        scrape timeout less ``timeout_offset_s``; ``prober`` answers ``/probe`` and
+        ``/-/reload`` (its counters are the exporter's to serve)."""
+        self.exporter = exporter
         self.prober = prober
         self.web = web
         self.tls = web is not None and web.config.tls is not None
-        self.timeout_s = timeout_s
         self.timeout_offset_s = timeout_offset_s
         self.limits = limits or Limits()
-        self.scrapes = SharedScrapes(self._scrape_answer, self._late_answer)
         self.socket = _listen(address)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
         self.loop = ConnectionLoop(self.socket, self.limits, self._handle, self._tls, self._client_allowed,
@@ -151,19 +150,6 @@ class ExporterServer:
         web = self.web_config()
         return (True, "") if web is None else web.client_allowed(cert)
 
-    def _scrape_answer(self, budget_s: float) -> Answer:
-        outcome, families = self.scraper.scrape(budget_s)
-        return Answer(self._with_probe_counters(families), outcome)
-
-    def _late_answer(self, reason: str, started: float) -> Answer:
-        outcome, families = self.scraper.failed_scrape(reason, started)
-        return Answer(self._with_probe_counters(families), outcome)
-
-    def _with_probe_counters(self, families: list[Metric]) -> list[Metric]:
-        if self.prober is not None:
-            families.extend(self.prober.families())
-        return families
-
     @property
     def url(self) -> str:
         """A URL that reaches the server from this host."""
@@ -186,10 +172,10 @@ class ExporterServer:
     def web_config(self) -> WebConfig | None:
         return self.web.current() if self.web is not None else None
 
-    def scrape_timeout(self, header: str | None) -> float:
-        """The read's budget: ``--timeout``, or Prometheus' scrape timeout less
-        the offset when that is shorter, so the answer arrives in time."""
-        return read_budget(self.timeout_s, header, self.timeout_offset_s)
+    def scrape_deadline(self, header: str | None) -> Deadline:
+        """The read's deadline: ``--timeout`` from now, or Prometheus' scrape
+        timeout less the offset when that is sooner, so the answer arrives in time."""
+        return read_deadline(self.exporter.timeout_s, header, self.timeout_offset_s)
 
 
 def _listen(address: tuple[str, int]) -> socket.socket:
@@ -269,7 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/-/healthy":
                 self._send(200, b"Healthy\n", _TEXT, send_body)
             else:  # /-/ready
-                ok, reason = self.server.scraper.source.ready()
+                ok, reason = self.server.exporter.source.ready()
                 if ok:
                     self._send(200, f"Ready: {reason}\n".encode(), _TEXT, send_body)
                 else:  # asked every few seconds by a readiness probe: not a warning each time
@@ -313,9 +299,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_answer(self._shared_answer(), send_body)
 
     def _shared_answer(self) -> Answer:
-        """This request's share of a scrape: the one in flight, if due in time, else a new one."""
-        timeout = self.server.scrape_timeout(self.headers.get(SCRAPE_TIMEOUT_HEADER))
-        return self.server.scrapes.answer(timeout)
+        """This request's share of a scrape: the one in flight, else a new one."""
+        return self.server.exporter.answer(self.server.scrape_deadline(self.headers.get(SCRAPE_TIMEOUT_HEADER)))
 
     def _probe(self, query: str, send_body: bool) -> None:
         prober = self.server.prober
@@ -328,9 +313,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(400, str(e), send_body)
             return
         header = self.headers.get(SCRAPE_TIMEOUT_HEADER)
-        budget = read_budget(prober.timeout_for(target), header, self.server.timeout_offset_s)
+        deadline = read_deadline(prober.timeout_for(target), header, self.server.timeout_offset_s)
         try:
-            result = prober.probe(target, budget)
+            result = prober.probe(target, deadline)
         except ProbeBusy as e:
             self._fail(503, f"{e}; try again later", send_body)
             return
@@ -359,14 +344,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _landing(self, send_body: bool) -> None:
         """The live layout (``landing.py``), drawn from the same shared scrape as ``/metrics``."""
         answer = self._shared_answer()
-        if answer.outcome is None:  # every answer of SharedScrapes carries its read; a 503 if not
+        if answer.outcome is None:  # every answer of the exporter carries its read; a 503 if not
             raise RuntimeError("the shared scrape answered without its read")
         probes = None
         prober = self.server.prober
         if prober is not None:
             config = prober.config
             probes = landing.ProbeLinks(config.source, tuple(config.probe_targets), prober.max_concurrent)
-        page = landing.page(answer.outcome, version=__version__, source=self.server.scraper.source.describe(),
+        page = landing.page(answer.outcome, version=__version__, source=self.server.exporter.source.describe(),
                             probes=probes)
         # No script may run on the page; a web config's own policy, if it sets one, wins.
         configured = {name.lower() for name in self._extra_headers}

@@ -1,0 +1,117 @@
+"""What the exporter answers, for ``serve`` and ``read`` alike: one scrape's families, then those
+of every other collector it was built with (the counters about probes), encoded by
+``exposition.py``. The HTTP server asks it for an answer as client_python's handler asks a
+registry: it knows nothing of which metrics exist.
+
+Concurrent callers share one scrape and its answer (``core/flight.py``): every request reading
+/proc, building its families and encoding them, fifty scrapes at once held fifty answers, and
+glibc's per-thread heaps kept that peak as resident memory (docs/reliability.md). Each encoding
+(format, gzipped or not) is made once per scrape. The answer carries the read's outcome too: the
+landing page (``/``) draws the read that ``/metrics`` answers with.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
+
+from prometheus_client.core import Metric
+
+from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.flight import Flights
+from mig_exporter.metrics.exposition import negotiate, render
+from mig_exporter.metrics.scrape import ReadOutcome, Scraper
+from mig_exporter.sources.base import Source
+from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S
+
+_SCRAPE = "scrape"  # the one key of the exporter's flights: every scrape reads the same
+
+
+class Collector(Protocol):
+    """What a registry collects from (client_python's ``Collector``)."""
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
+class Answer:
+    """The families of one scrape and their encodings, each made once, by the
+    first caller that asks for it; ``outcome`` is the read they were mapped
+    from (``None`` for an answer that has no read of this exporter's, a probe's)."""
+
+    def __init__(self, families: Sequence[Metric], outcome: ReadOutcome | None = None) -> None:
+        self.families = tuple(families)
+        self.outcome = outcome
+        self._lock = threading.Lock()
+        self._encodings: dict[tuple[str, bool], _Encoding] = {}
+
+    def encoded(self, accept: str | None, compress: bool) -> tuple[bytes, str]:
+        """The body and Content-Type for ``Accept: accept``, gzipped if ``compress``."""
+        # Keyed on what the header asks for, not its spelling; one lock per encoding,
+        # so a request for another format does not wait for this one.
+        key = (negotiate(accept)[1], compress)
+        with self._lock:
+            encoding = self._encodings.get(key)
+            if encoding is None:
+                encoding = self._encodings[key] = _Encoding()
+        with encoding.lock:
+            if encoding.value is None:
+                body, content_type = render(self.families, accept)
+                if compress:
+                    # Level 1, as nginx's default: a third of level 6's time for a
+                    # body ~15% larger, on a scrape that must cost next to nothing.
+                    body = gzip.compress(body, compresslevel=1)
+                encoding.value = (body, content_type)
+            return encoding.value
+
+
+class _Encoding:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.value: tuple[bytes, str] | None = None
+
+
+class Exporter:
+    """The scrape collector and the other collectors, composed: ``answer(deadline)`` scrapes
+    or joins the scrape in flight; ``collect()`` is the same with ``timeout_s`` (a
+    prometheus_client registry can hold it: ``describe()`` is empty, so registering it never
+    reads)."""
+
+    def __init__(self, scraper: Scraper, *collectors: Collector, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.scraper = scraper
+        self.collectors = collectors
+        self.timeout_s = timeout_s  # --timeout: the budget of a scrape no one gave a shorter one
+        self._scrapes: Flights[str, Answer] = Flights("scrape")
+
+    @property
+    def source(self) -> Source:
+        return self.scraper.source
+
+    def answer(self, deadline: Deadline) -> Answer:
+        """This caller's share of a scrape due at ``deadline``: the one in flight, else a new one.
+        Kept past its deadline by the scrape it joined, the caller gets a failed read, counted and
+        logged once for the callers kept waiting together."""
+        started = time.monotonic()
+        return self._scrapes.run(_SCRAPE, deadline, lambda: self._answer(*self.scraper.scrape(deadline)),
+                                 late=lambda: self._late(deadline, started))
+
+    def joined(self) -> int:
+        """How many callers wait on the scrape in flight besides the one that started it."""
+        return self._scrapes.joined(_SCRAPE)
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.answer(Deadline.after(self.timeout_s)).families
+
+    def _answer(self, outcome: ReadOutcome, families: list[Metric]) -> Answer:
+        for collector in self.collectors:
+            families.extend(collector.collect())
+        return Answer(families, outcome)
+
+    def _late(self, deadline: Deadline, started: float) -> Answer:
+        reason = f"the scrape in flight did not finish within {deadline.at - started:.1f}s"
+        return self._answer(*self.scraper.failed_scrape(reason, started))

@@ -1,0 +1,270 @@
+"""One keyed single-flight (core/flight.py) for every shared read: callers of one key share one
+run, each waits only until its own deadline, what the run raised reaches every caller, callers
+a run kept past their deadline share one late answer, and a run hung for good neither doubles
+nor holds up the interpreter's exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from mig_exporter.core import flight
+from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.flight import FlightFailed, Flights
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Work:
+    """Work that counts its runs and, while ``hold`` is set, waits until released."""
+
+    def __init__(self, hold: bool = True, error: Exception | None = None) -> None:
+        self.runs = 0
+        self.lates = 0
+        self.hold = hold
+        self.error = error
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self) -> str:
+        self.runs += 1
+        run = self.runs
+        self.threads.append(threading.current_thread())
+        self.started.set()
+        if self.hold:
+            self.release.wait(10)
+        if self.error is not None:
+            raise self.error
+        return f"run {run}"
+
+    def late(self) -> str:
+        self.lates += 1
+        return f"late {self.lates}"
+
+
+def ask(flights: Flights, key: str, work: Work, budget_s: float, results: list) -> threading.Thread:
+    """A caller in a thread of its own; what it got (or raised) and when, in ``results``."""
+    def call() -> None:
+        started = time.monotonic()
+        try:
+            results.append((flights.run(key, Deadline.after(budget_s), work, work.late), time.monotonic() - started))
+        except Exception as e:
+            results.append((e, time.monotonic() - started))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread
+
+
+def wait_joined(flights: Flights, key: str, count: int) -> None:
+    """Until ``count`` callers wait on the run of ``key``: releasing it earlier would let a slow
+    thread start a run of its own."""
+    deadline = time.monotonic() + 10
+    while flights.joined(key) < count:
+        assert time.monotonic() < deadline, f"{flights.joined(key)} of {count} callers joined"
+        time.sleep(0.005)
+
+
+def finish(*threads: threading.Thread) -> None:
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+# --- sharing -----------------------------------------------------------------------------------
+
+def test_callers_of_one_key_share_one_run() -> None:
+    flights: Flights[str, str] = Flights("read")
+    work = Work()
+    results: list = []
+    first = ask(flights, "gpu", work, 5.0, results)
+    assert work.started.wait(5)
+    others = [ask(flights, "gpu", work, 5.0, results) for _ in range(20)]
+    wait_joined(flights, "gpu", 20)
+    work.release.set()
+    finish(first, *others)
+    assert work.runs == 1
+    assert [answer for answer, _ in results] == ["run 1"] * 21
+    assert flights.joined("gpu") == 0, "the run has left the table"
+
+
+def test_each_key_has_runs_of_its_own() -> None:
+    flights: Flights[str, str] = Flights("probe")
+    slow, fast = Work(), Work(hold=False)
+    results: list = []
+    held = ask(flights, "slow", slow, 5.0, results)
+    assert slow.started.wait(5)
+    assert flights.run("fast", Deadline.after(5.0), fast, fast.late) == "run 1"
+    assert (slow.runs, fast.runs) == (1, 1) and held.is_alive(), "the other key's run does not wait for this one"
+    slow.release.set()
+    finish(held)
+    assert results[0][0] == "run 1"
+
+
+def test_a_run_that_has_ended_is_not_reused() -> None:
+    flights: Flights[str, str] = Flights("read")
+    work = Work(hold=False)
+    assert flights.run("gpu", Deadline.after(5.0), work, work.late) == "run 1"
+    assert flights.run("gpu", Deadline.after(5.0), work, work.late) == "run 2"
+
+
+def test_the_work_runs_in_a_daemon_thread_named_by_the_flight() -> None:
+    flights: Flights[str, str] = Flights("scrape")
+    work = Work(hold=False)
+    flights.run("gpu", Deadline.after(5.0), work, work.late)
+    (thread,) = work.threads
+    assert thread is not threading.current_thread() and thread.daemon and thread.name == "scrape"
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+def test_every_caller_of_a_run_that_raised_gets_the_error() -> None:
+    flights: Flights[str, str] = Flights("scrape")
+    bug = RuntimeError("mapping bug")
+    work = Work(error=bug)
+    results: list = []
+    threads = [ask(flights, "gpu", work, 5.0, results)]
+    assert work.started.wait(5)
+    threads += [ask(flights, "gpu", work, 5.0, results) for _ in range(3)]
+    wait_joined(flights, "gpu", 3)
+    work.release.set()
+    finish(*threads)
+    assert work.runs == 1
+    errors = [e for e, _ in results]
+    # The caller that started the run raises its error; each of the others an exception of its
+    # own caused by it: raising the one object in every thread would pile every thread's frames
+    # onto its traceback.
+    assert errors.count(bug) == 1
+    joined = [e for e in errors if e is not bug]
+    assert len(joined) == 3 and all(isinstance(e, FlightFailed) and e.__cause__ is bug for e in joined)
+    assert str(joined[0]) == "the shared scrape failed: mapping bug"
+
+
+def test_a_refused_admission_starts_nothing_and_a_joiner_is_not_asked() -> None:
+    flights: Flights[str, str] = Flights("probe")
+    work = Work()
+    asked: list[str] = []
+
+    def refuse() -> None:
+        asked.append("refused")
+        raise LookupError("no slot")
+
+    with pytest.raises(LookupError, match="no slot"):
+        flights.run("gpu", Deadline.after(5.0), work, work.late, admit=refuse)
+    assert work.runs == 0 and flights.joined("gpu") == 0
+    results: list = []
+    first = ask(flights, "gpu", work, 5.0, results)
+    assert work.started.wait(5)
+    # Joining the run in flight needs no admission: refuse() is not called.
+    joiner = threading.Thread(target=lambda: results.append(
+        (flights.run("gpu", Deadline.after(5.0), work, work.late, admit=refuse), 0.0)))
+    joiner.start()
+    wait_joined(flights, "gpu", 1)
+    work.release.set()
+    finish(first, joiner)
+    assert asked == ["refused"] and [answer for answer, _ in results] == ["run 1", "run 1"]
+
+
+# --- deadlines ---------------------------------------------------------------------------------
+
+def test_a_caller_with_a_sooner_deadline_joins_the_run_and_answers_at_its_own() -> None:
+    """Behind a run due in 8 s (a read hung for all of it), a caller with 0.5 s joins it, rather
+    than starting another, and answers after its own 0.5 s with the late answer; the run goes on."""
+    flights: Flights[str, str] = Flights("read")
+    work = Work()
+    results: list = []
+    slow = ask(flights, "gpu", work, 8.0, results)
+    assert work.started.wait(5)
+    started = time.monotonic()
+    answer = flights.run("gpu", Deadline.after(0.5), work, work.late)
+    waited = time.monotonic() - started
+    assert answer == "late 1" and work.runs == 1
+    # No grace: the run was not due by this caller's deadline, so the grace would not bring it.
+    assert 0.5 <= waited < 0.5 + flight.JOIN_GRACE_S, f"waited {waited:.2f}s"
+    assert slow.is_alive()
+    work.release.set()
+    finish(slow)
+    assert results[0][0] == "run 1"
+
+
+def test_a_run_due_by_the_callers_deadline_gets_the_grace_to_answer() -> None:
+    """A command killed at the deadline answers a few ms after it: the caller waits that long."""
+    flights: Flights[str, str] = Flights("read")
+
+    def a_little_late() -> str:
+        time.sleep(0.4)
+        return "answered"
+
+    started = time.monotonic()
+    assert flights.run("gpu", Deadline.after(0.3), a_little_late, lambda: "late") == "answered"
+    assert time.monotonic() - started < 0.3 + flight.JOIN_GRACE_S
+
+
+def test_callers_kept_past_their_deadline_together_share_one_late_answer(monkeypatch) -> None:
+    """A run that overran its own deadline (a bug) keeps callers waiting: they answer at their
+    deadline, with one late answer between them (a failed read counted and logged once)."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
+    flights: Flights[str, str] = Flights("scrape")
+    work = Work()
+    results: list = []
+    first = ask(flights, "gpu", work, 1.0, results)  # a bug: it holds past its 1 s
+    assert work.started.wait(5)
+    joiners = [ask(flights, "gpu", work, 1.1, results) for _ in range(3)]
+    wait_joined(flights, "gpu", 3)
+    finish(first, *joiners)
+    assert work.runs == 1 and work.lates == 1
+    assert sorted(answer for answer, _ in results) == ["late 1"] * 4
+    # Each at its own deadline and the grace, the one that started the run too.
+    assert all(1.0 <= waited < 2.0 for _, waited in results), results
+    # A caller that joins once that answer was made waits with no one: it gets one of its own.
+    assert flights.run("gpu", Deadline.after(0.2), work, work.late) == "late 2"
+    assert work.runs == 1
+    work.release.set()
+
+
+def test_an_overdue_run_is_joined_not_doubled() -> None:
+    """A run past its own deadline (a driver call hung for good) is joined by the next caller,
+    who answers at its own deadline: the hung call holds one thread, not one per scrape."""
+    flights: Flights[str, str] = Flights("read")
+    work = Work()
+    assert flights.run("gpu", Deadline.after(0.1), work, work.late) == "late 1"
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert flights.run("gpu", Deadline.after(0.3), work, work.late) == "late 2"
+    assert time.monotonic() - started < 0.3 + flight.JOIN_GRACE_S + 0.2
+    assert work.runs == 1 and len(work.threads) == 1
+    work.release.set()
+    work.threads[0].join(10)
+    # Once it has ended, the next caller starts afresh.
+    work.hold = False
+    assert flights.run("gpu", Deadline.after(5.0), work, work.late) == "run 2"
+
+
+_HUNG_AT_EXIT = textwrap.dedent("""
+    import threading, time
+    from mig_exporter.core.deadline import Deadline
+    from mig_exporter.core.flight import Flights
+    hung = threading.Event()
+    def work():
+        hung.wait()  # never set: a driver call that never returns
+        return "never"
+    started = time.monotonic()
+    print(Flights("read").run("gpu", Deadline.after(0.2), work, lambda: "late"))
+    print(round(time.monotonic() - started, 2))
+""")
+
+
+def test_a_hung_run_does_not_hold_up_the_interpreters_exit() -> None:
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _HUNG_AT_EXIT], capture_output=True, text=True, timeout=20)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    answer, waited = result.stdout.split()
+    assert answer == "late" and float(waited) < 1.0
+    assert elapsed < 10, f"the interpreter took {elapsed:.1f}s to exit"
