@@ -458,7 +458,7 @@ def test_read_with_a_config_file_and_a_proc_root(fake_nvidia_smi: FakeSmi, tmp_p
     assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21180") == 2296 * MIB
     assert value(parsed, "mig_exporter_engine_memory_used_bytes", engine="memhog", pid="21181") == 1272 * MIB
     assert value(parsed, "mig_exporter_engine_info", pid="21181", comm="memhog", index="1000") == 1
-    assert re.search(r"level=INFO .*watching engines: memhog, llama.cpp \(/proc: .*/proc\)", result.stderr)
+    assert re.search(r"level=INFO .*reading engines: memhog, llama.cpp \(/proc: .*/proc\)", result.stderr)
 
 
 def test_config_file_and_proc_root_from_the_environment(fake_nvidia_smi: FakeSmi, tmp_path: Path) -> None:

@@ -147,48 +147,48 @@ def _slurm_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return _with_options(options)(func)
 
 
-def _make_pod_watch(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
+def _make_pod_reader(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
     """Where pods are read from, or None when switched off (and in the demo,
     whose sample host is not a Kubernetes node)."""
     if not kubernetes or demo:
         return None
-    watch = PodReader(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None)
-    log.info("watching %s", watch.describe())
-    return watch
+    reader = PodReader(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None)
+    log.info("reading %s at each scrape", reader.describe())
+    return reader
 
 
 def _make_job_map(directory: str | None) -> SlurmJobMap | None:
     if not directory:
         return None
     job_map = SlurmJobMap(directory)
-    log.info("watching %s", job_map.describe())
+    log.info("reading %s at each scrape", job_map.describe())
     return job_map
 
 
-def _make_owner_watch(proc_root: str, passwd: str | None, demo: bool) -> OwnerReader | None:
+def _make_owner_reader(proc_root: str, passwd: str | None, demo: bool) -> OwnerReader | None:
     """Where Slurm jobs, systemd units and users are read from: on any host,
     Kubernetes or not (not in the demo, whose processes have no cgroups)."""
     if demo:
         return None
-    watch = OwnerReader(proc_root, passwd)
-    log.info("watching %s", watch.describe())
-    return watch
+    reader = OwnerReader(proc_root, passwd)
+    log.info("reading %s at each scrape", reader.describe())
+    return reader
 
 
 def _make_scraper(source: Source, engines: EngineReader, *, proc_root: str, host_passwd: str | None,
                   kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
                   demo: bool) -> Scraper:
-    """The scrape of ``source`` with the watches the options ask for (serve and read alike)."""
-    pods = _make_pod_watch(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
-    owners = _make_owner_watch(proc_root, host_passwd, demo)
+    """The scrape of ``source`` with the readers the options ask for (serve and read alike)."""
+    pods = _make_pod_reader(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
+    owners = _make_owner_reader(proc_root, host_passwd, demo)
     return Scraper(source, engines, pods=pods, owners=owners, job_map=_make_job_map(slurm_job_map_dir))
 
 
-def _make_engine_watch(settings: EngineSettings, proc_root: str, demo: bool) -> EngineReader:
+def _make_engine_reader(settings: EngineSettings, proc_root: str, demo: bool) -> EngineReader:
     """Which processes are engines, read from /proc or the demo's processes."""
-    watch = EngineReader(settings, DemoProcs() if demo else ProcfsSource(proc_root))
-    log.info("watching %s", watch.describe())
-    return watch
+    reader = EngineReader(settings, DemoProcs() if demo else ProcfsSource(proc_root))
+    log.info("reading %s at each scrape", reader.describe())
+    return reader
 
 
 def _log_options(default_level: str) -> list[Callable[..., Any]]:
@@ -346,7 +346,7 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
                  slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
                  max_connections: int, web_config_file: str | None) -> ExporterServer:
     """The server serve runs, listening and assembled from serve's options (``source`` as
-    ``_chosen_source`` names it): the source and the scrape with its watches, the probe targets,
+    ``_chosen_source`` names it): the source and the scrape with its readers, the probe targets,
     the one exporter that composes their metrics, the web config. A bad option or file is a
     ``click.ClickException``."""
     demo = source == "demo"
@@ -355,7 +355,7 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--web.listen-address") from None
     config = _load_config(config_file) if config_file else EMPTY
-    engines = _make_engine_watch(config.engines, proc_root, demo)
+    engines = _make_engine_reader(config.engines, proc_root, demo)
     prober = None
     if config_file is not None:
         prober = Prober(config, max_concurrent=max_concurrent, default_timeout_s=timeout, config_file=config_file,
@@ -454,7 +454,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
     setup_logging(log_level, log_format)
     demo = _is_demo(source, demo)
     config = _load_config(config_file) if config_file else EMPTY
-    engines = _make_engine_watch(config.engines, proc_root, demo)
+    engines = _make_engine_reader(config.engines, proc_root, demo)
     # With --output a source that cannot work still gives a read: read_success 0
     # replaces the file, so node_exporter never goes on serving an old success.
     chosen = _make_source(_chosen_source(source, demo), nvidia_smi, timeout, strict=output is None,
