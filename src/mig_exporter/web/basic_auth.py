@@ -97,7 +97,7 @@ class BasicAuth:
         self._lock = threading.Lock()  # the caches and the checks in flight; never held during bcrypt
         self._verified = _Lru(cache_size)
         self._failed = _Lru(failed_cache_size)
-        self._flights: dict[tuple[bytes, bytes], _Flight] = {}
+        self._flights: dict[tuple[bytes, bytes], _CheckInFlight] = {}
         self._gate = _FairGate(bcrypt_slots, peers_tracked)
         # One decoy per cost: a random salt and digest, so no hashing at load (a reload holds up no
         # connection); checkpw hashes at the decoy's cost and never matches.
@@ -143,7 +143,7 @@ class BasicAuth:
             flight = self._flights.get(key)
             leading = flight is None
             if flight is None:
-                flight = self._flights[key] = _Flight()
+                flight = self._flights[key] = _CheckInFlight()
         if not leading:  # the same pair is being checked: its outcome, without a second check
             flight.done.wait()
             return flight.ok
@@ -202,8 +202,13 @@ def _basic_credentials(header: str | None) -> tuple[bytes, bytes] | AuthResult:
 
 
 @dataclass(slots=True)
-class _Flight:
-    """A check in progress; requests for the same pair wait for its outcome."""
+class _CheckInFlight:
+    """A check in progress; requests for the same pair wait for its outcome.
+
+    Not ``core.flight.Flights``, on purpose: a check runs in the request's own worker of the
+    bounded "auth" pool (so a flood of distinct guesses is held to that pool, not given a thread
+    each), and it has no deadline: a check once started is finished and cached, and the pair's
+    waiters get its outcome, never a made-up one."""
 
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
