@@ -4,6 +4,7 @@ one scrape for the callers in flight at once, and each encoding of its answer ma
 from __future__ import annotations
 
 import gzip
+import logging
 import threading
 import time
 
@@ -13,8 +14,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from conftest import scenario
 from mig_exporter.core import flight
 from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.errors import ReadError
+from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.metrics.exporter import Answer, Exporter
 from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.demo import DemoProcs
+from test_flight import fail_thread_start_once
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
@@ -31,9 +37,11 @@ class Held:
     def __init__(self) -> None:
         self.release = threading.Event()
         self.reads = 0
+        self.threads: list[threading.Thread] = []
 
     def read(self, deadline=None):
         self.reads += 1
+        self.threads.append(threading.current_thread())
         self.release.wait(10)
         return scenario("h100-mig-processes")
 
@@ -42,6 +50,39 @@ class Held:
 
     def describe(self):
         return "held"
+
+
+class Failing(Held):
+    """A source whose read, once released, fails: a driver call that overran, then gave up."""
+
+    def read(self, deadline=None):
+        super().read(deadline)
+        raise ReadError("NVML call failed: GPU is lost")
+
+
+class CountedProcs(DemoProcs):
+    """The demo host's /proc, counting its reads."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self):
+        self.reads += 1
+        return super().read()
+
+
+def value(answer: Answer, line: bytes) -> float:
+    """The value of the sample ``line`` names (up to its value) in the answer's text."""
+    (found,) = [row for row in answer.encoded("", False)[0].splitlines() if row.startswith(line + b" ")]
+    return float(found.rsplit(b" ", 1)[1])
+
+
+def finished(source: Held) -> None:
+    """Release the source and wait until its reads have ended."""
+    source.release.set()
+    for thread in source.threads:
+        thread.join(10)
+        assert not thread.is_alive()
 
 
 class Counters:
@@ -85,6 +126,93 @@ def test_callers_kept_past_their_deadline_get_one_failed_read_counted_once(monke
     assert b'mig_exporter_read_success{source="nvidia-smi"} 0.0' in body
     assert b'mig_exporter_probes_total{target="gpu-a"} 3.0' in body, "the other collectors are in the late answer"
     assert scraper.errors_total == 1
+
+
+ERRORS = b'mig_exporter_read_errors_total{source="nvidia-smi"}'
+
+
+def test_a_read_that_fails_after_its_callers_answered_late_is_counted_and_logged_once(monkeypatch, caplog) -> None:
+    """The caller answered a failed read at its deadline, counted and logged; the read failing
+    later is no answer of its own: its reason is logged for the record, at info, and not counted."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
+    caplog.set_level(logging.INFO, logger="mig_exporter")
+    source = Failing()
+    scraper = Scraper(source)
+    answer = Exporter(scraper).answer(Deadline.after(0.2))
+    assert answer.outcome is not None and answer.outcome.error == "the scrape in flight did not finish within 0.2s"
+    assert value(answer, ERRORS) == 1
+    finished(source)
+    assert scraper.errors_total == 1
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "mig_exporter"]
+    assert logged == [
+        ("WARNING", "read from nvidia-smi failed: the scrape in flight did not finish within 0.2s"),
+        ("INFO", "read from nvidia-smi, answered late by every caller, failed: NVML call failed: GPU is lost"),
+    ]
+
+
+def test_each_failed_answer_counts_once_the_late_one_and_the_runs_own() -> None:
+    """Prometheus reads read_errors_total as the failed reads it was answered: a caller that
+    answered late and the one still waiting, which takes the read's own failure, are two."""
+    source = Failing()
+    scraper = Scraper(source)
+    exporter = Exporter(scraper)
+    answers: list[Answer] = []
+    starter = threading.Thread(target=lambda: answers.append(exporter.answer(Deadline.after(10))))
+    starter.start()
+    while source.reads == 0:
+        time.sleep(0.005)
+    late = exporter.answer(Deadline.after(0.2))  # joins, due sooner than the run: no grace
+    assert late.outcome is not None and late.outcome.error == "the scrape in flight did not finish within 0.2s"
+    finished(source)
+    starter.join(10)
+    (own,) = answers
+    assert own.outcome is not None and own.outcome.error == "NVML call failed: GPU is lost"
+    assert (value(late, ERRORS), value(own, ERRORS), scraper.errors_total) == (1, 2, 2)
+
+
+def test_a_late_answer_carries_the_engine_reading_the_scrape_began_with(monkeypatch) -> None:
+    """As a read that fails in time, a late answer says how many engine processes run and whether
+    the exporter sees the host's PIDs, from the /proc read of the scrape it waited for: one /proc
+    read for the scrape and its late answer."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
+    procs = CountedProcs()
+    source = Held()
+    late = Exporter(Scraper(source, EngineReader(DEFAULT_SETTINGS, procs))).answer(Deadline.after(0.2))
+    finished(source)
+    assert late.outcome is not None and late.outcome.error == "the scrape in flight did not finish within 0.2s"
+    assert procs.reads == 1
+    failing = Failing()
+    failing.release.set()
+    failed = Exporter(Scraper(failing, EngineReader(DEFAULT_SETTINGS, DemoProcs()))).answer(Deadline.after(5))
+    assert failed.outcome is not None and failed.outcome.error == "NVML call failed: GPU is lost"
+    engine_lines = [row for row in failed.encoded("", False)[0].splitlines()
+                    if row.startswith((b"mig_exporter_engine_processes{", b"mig_exporter_host_pid_namespace "))]
+    assert len(engine_lines) >= 2
+    assert all(row in late.encoded("", False)[0].splitlines() for row in engine_lines)
+
+
+def test_a_proc_reading_older_than_a_scrapes_budget_is_left_out_of_a_late_answer(monkeypatch) -> None:
+    """The scrape in flight took it as it began; kept past --timeout, it is no longer the host's."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
+    source = Held()
+    exporter = Exporter(Scraper(source, EngineReader(DEFAULT_SETTINGS, DemoProcs())), timeout_s=0.05)
+    late = exporter.answer(Deadline.after(0.2))
+    finished(source)
+    names = {family.name for family in late.families}
+    assert "mig_exporter_read_success" in names and "mig_exporter_engine_processes" not in names
+
+
+def test_a_scrape_that_cannot_start_answers_a_failed_read_and_the_next_reads(monkeypatch) -> None:
+    fail_thread_start_once(monkeypatch, "scrape")
+    source = Held()
+    source.release.set()
+    exporter = Exporter(Scraper(source))
+    failed = exporter.answer(Deadline.after(5))
+    assert failed.outcome is not None
+    assert failed.outcome.error == "could not start a thread for the scrape: can't start new thread"
+    assert value(failed, b'mig_exporter_read_success{source="nvidia-smi"}') == 0 and value(failed, ERRORS) == 1
+    answer = exporter.answer(Deadline.after(5))
+    assert answer.outcome is not None and answer.outcome.success and source.reads == 1
 
 
 @pytest.mark.parametrize("accept, content_type", [

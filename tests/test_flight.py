@@ -15,6 +15,7 @@ import pytest
 
 from mig_exporter.core import flight
 from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.errors import ReadError
 from mig_exporter.core.flight import FlightFailed, Flights
 
 pytestmark = pytest.mark.timeout(30)
@@ -268,3 +269,164 @@ def test_a_hung_run_does_not_hold_up_the_interpreters_exit() -> None:
     answer, waited = result.stdout.split()
     assert answer == "late" and float(waited) < 1.0
     assert elapsed < 10, f"the interpreter took {elapsed:.1f}s to exit"
+
+
+def test_a_caller_that_joins_an_overdue_run_waits_until_its_own_deadline_alone(monkeypatch) -> None:
+    """Behind a run past its deadline and the grace (a call hung for good), the grace would only
+    make every answer late: the caller answers at its own deadline."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 1.5)
+    flights: Flights[str, str] = Flights("read")
+    work = Work()
+    results: list = []
+    finish(ask(flights, "gpu", work, 0.05, results))  # its starter waited 0.05 s and the grace
+    assert results[0][0] == "late 1"
+    started = time.monotonic()
+    assert flights.run("gpu", Deadline.after(0.2), work, work.late) == "late 2"
+    waited = time.monotonic() - started
+    assert waited < 1.0, f"waited {waited:.2f}s: the grace was added to a run long overdue"
+    assert work.runs == 1
+    work.release.set()
+
+
+def test_work_that_no_deadline_reaches_is_waited_for_with_no_grace(monkeypatch) -> None:
+    """An NVML call hung in the driver does not end at its deadline: a grace would only make the
+    answer late, for the caller that started the run too."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 5.0)
+    flights: Flights[str, str] = Flights("nvml-read", ends_at_deadline=False)
+    work = Work()
+    started = time.monotonic()
+    assert flights.run("gpu", Deadline.after(0.2), work, work.late) == "late 1"
+    waited = time.monotonic() - started
+    assert waited < 2.5, f"waited {waited:.2f}s"
+    work.release.set()
+
+
+# --- a run's failure, one failed answer --------------------------------------------------------
+
+def test_a_run_whose_callers_all_answered_late_keeps_none(monkeypatch) -> None:
+    """The run's failure is no one's answer when every caller has answered late: its work is told
+    so, and counts and logs nothing (each late answer counted itself)."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
+    flights: Flights[str, str] = Flights("scrape")
+    kept: list[bool] = []
+    work = Work()
+
+    def failing() -> str:
+        work()
+        kept.append(flights.keep_callers("gpu"))
+        return "failed"
+
+    assert flights.run("gpu", Deadline.after(0.1), failing, work.late) == "late 1"
+    work.release.set()
+    work.threads[0].join(10)
+    assert kept == [False]
+
+
+class Keeping(Work):
+    """Work that, once ``keep`` is set, asks to keep its callers, then goes on as ``Work``."""
+
+    def __init__(self, flights: Flights, key: str) -> None:
+        super().__init__()
+        self.flights, self.key = flights, key
+        self.began = threading.Event()
+        self.keep = threading.Event()
+        self.kept: list[bool] = []
+
+    def __call__(self) -> str:
+        self.began.set()
+        self.keep.wait(10)
+        self.kept.append(self.flights.keep_callers(self.key))
+        return super().__call__()
+
+
+def test_a_run_keeps_the_callers_still_waiting_and_they_take_its_answer(monkeypatch) -> None:
+    """One caller waits still, another answered late: the run's failure is the waiting one's
+    answer, and once kept, a caller whose deadline passes waits for it rather than answer late
+    (the same failure counted twice)."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 5.0)  # how long a kept caller waits past its deadline
+    flights: Flights[str, str] = Flights("scrape")
+    work = Keeping(flights, "gpu")
+    results: list = []
+    starter = ask(flights, "gpu", work, 10.0, results)
+    assert work.began.wait(5)
+    finish(ask(flights, "gpu", work, 0.1, results))
+    assert results.pop()[0] == "late 1"
+    work.keep.set()  # the starter still waits: the run keeps it
+    assert work.started.wait(5) and work.kept == [True]
+    joiner = ask(flights, "gpu", work, 0.3, results)
+    wait_joined(flights, "gpu", 2)
+    time.sleep(0.5)  # past the joiner's deadline (should a slow machine not get there, its answer is the same)
+    work.release.set()
+    finish(starter, joiner)
+    assert sorted(answer for answer, _ in results) == ["run 1", "run 1"]
+    assert work.lates == 1
+
+
+# --- a run that cannot start -------------------------------------------------------------------
+
+def fail_thread_start_once(monkeypatch, name: str) -> list[str]:
+    """Make ``Thread.start`` fail once, as at a pids limit, for a thread named ``name``."""
+    original = threading.Thread.start
+    failed: list[str] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == name and not failed:
+            failed.append(name)
+            raise RuntimeError("can't start new thread")
+        original(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return failed
+
+
+def test_a_run_that_cannot_start_leaves_nothing_behind(monkeypatch) -> None:
+    failed = fail_thread_start_once(monkeypatch, "probe")
+    flights: Flights[str, str] = Flights("probe")
+    slots = threading.BoundedSemaphore(1)
+
+    def admit():
+        assert slots.acquire(blocking=False), "the slot the failed start took was never given back"
+        return slots.release
+
+    work = Work(hold=False)
+    with pytest.raises(flight.FlightNotStarted, match="could not start a thread for the probe: can't start new thread"
+                       ) as raised:
+        flights.run("gpu", Deadline.after(5.0), work, work.late, admit)
+    assert failed == ["probe"] and isinstance(raised.value.__cause__, RuntimeError)
+    assert work.runs == 0 and not flights._runs
+    # The key is not stuck and the slot is back: the next caller starts afresh, and takes it.
+    assert flights.run("gpu", Deadline.after(5.0), work, work.late, admit) == "run 1"
+    work.threads[0].join(10)
+    assert slots.acquire(blocking=False), "the run that ended gave its slot back"
+
+
+# --- what no caller takes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("error, level, traceback", [
+    (RuntimeError("mapping bug"), "ERROR", True),
+    (ReadError("NVML call failed: GPU is lost"), "INFO", False),
+])
+def test_what_a_run_raised_after_every_caller_answered_late_is_logged_once(monkeypatch, caplog, error, level,
+                                                                          traceback) -> None:
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
+    caplog.set_level("INFO", logger="mig_exporter")
+    flights: Flights[str, str] = Flights("scrape")
+    work = Work(error=error)
+    assert flights.run("gpu", Deadline.after(0.1), work, work.late) == "late 1"
+    work.release.set()
+    work.threads[0].join(10)
+    records = [r for r in caplog.records if r.name == "mig_exporter"]
+    assert [(r.levelname, r.getMessage()) for r in records] == [
+        (level, "a scrape run that every caller had answered late without failed"
+         + ("" if traceback else f": {error}"))]
+    assert (records[0].exc_info is not None) == traceback
+
+
+def test_what_a_caller_takes_is_not_logged_here(caplog) -> None:
+    caplog.set_level("INFO", logger="mig_exporter")
+    flights: Flights[str, str] = Flights("scrape")
+    work = Work(hold=False, error=RuntimeError("mapping bug"))
+    with pytest.raises(RuntimeError):
+        flights.run("gpu", Deadline.after(5.0), work, work.late)
+    work.threads[0].join(10)
+    assert [r for r in caplog.records if r.name == "mig_exporter"] == []

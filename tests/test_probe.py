@@ -20,12 +20,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind
-from mig_exporter.config.file import load_config
+from mig_exporter.config.file import ProbeTarget, load_config, parse_config
+from mig_exporter.core import flight
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.metrics import exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
 from mig_exporter.web.probe import Prober
 from mig_exporter.web.server import ExporterServer
+from test_flight import fail_thread_start_once
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -518,6 +521,68 @@ def test_failed_and_timed_out_probes_give_their_slot_back(serve: Serve, fake_nvi
             assert exp.probe(name)[0] == 200
     assert exp.probe("gpu-a")[0] == 200
     assert value(exp.metrics(), "mig_exporter_probes_rejected_total", reason="busy") == 0
+
+
+def test_a_probe_whose_run_cannot_start_gets_a_503_and_gives_its_slot_back(
+    serve: Serve, fake_nvidia_smi: FakeSmi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread for the run (a pids limit): the probe is refused as a busy one is, nothing is left
+    in flight and its slot is free again, so the next probe runs."""
+    exp = serve({"gpu-a": ([str(h100(fake_nvidia_smi))], None)}, max_concurrent=1)
+    fail_thread_start_once(monkeypatch, "probe")
+    status, body = exp.probe("gpu-a")
+    assert status == 503
+    assert body == "could not start a thread for the probe: can't start new thread; try again later\n"
+    status, body = exp.probe("gpu-a")
+    assert status == 200 and value(parse(body), "probe_success") == 1
+    metrics = exp.metrics()
+    assert value(metrics, "mig_exporter_probes_total", target="gpu-a") == 1
+    assert value(metrics, "mig_exporter_probes_rejected_total", reason="busy") == 0
+
+
+class _HeldSource:
+    """A read that holds until released: a run that overruns its deadline (a bug; a command is
+    killed at it)."""
+
+    name = "nvidia-smi"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def read(self, deadline=None):
+        self.release.wait(10)
+        return DemoSource().read()
+
+    def ready(self):
+        return True, "held"
+
+    def describe(self):
+        return "held"
+
+
+def test_a_probe_its_own_run_kept_past_its_deadline_says_so(
+    fake_nvidia_smi: FakeSmi, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe that started the run was not waiting for a run already in progress: its log line
+    says its run did not finish; a probe that joined it says it waited for one."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
+    held = _HeldSource()
+
+    class HeldProber(Prober):
+        def _new_scraper(self, target: ProbeTarget) -> Scraper:
+            return Scraper(held, name=f"probe target {target.name}")
+
+    prober = HeldProber(parse_config(f"probe_targets:\n  gpu-a: {{command: ['{h100(fake_nvidia_smi)}']}}\n", "mig.yml"))
+    target = prober.config.probe_targets["gpu-a"]
+    try:
+        for _ in range(2):  # the second joins the run the first started, long overdue
+            assert not prober.probe(target, Deadline.after(0.2)).outcome.success
+    finally:
+        held.release.set()
+    lines = [r.getMessage() for r in caplog.records if r.name == "mig_exporter.web.probe"]
+    assert lines == ["read from probe target gpu-a failed: its run did not finish within the deadline of 0.2s",
+                     "read from probe target gpu-a failed: deadline of 0.2s passed while waiting for the run "
+                     "already in progress"]
 
 
 def test_different_targets_run_in_parallel_up_to_the_limit(serve: Serve, fake_nvidia_smi: FakeSmi) -> None:

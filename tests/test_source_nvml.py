@@ -20,12 +20,15 @@ from click.testing import CliRunner
 from conftest import MIB, fixture_bytes, sample_value, scenario
 from fake_nvml import OLD_DRIVER_MISSING, SCENARIOS
 from mig_exporter.cli import cli
+from mig_exporter.core import flight
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.doctor import timed_read
+from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
-from mig_exporter.sources.demo import DemoSource
+from mig_exporter.sources.demo import DemoProcs, DemoSource
 from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.sources.nvml_gateway import NvmlUnavailable
 
@@ -149,27 +152,34 @@ def _hang(fake, symbol: str, release: threading.Event, argtypes) -> None:
     return hung
 
 
-def _scrape_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "scrape"]
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
 
 
-def test_a_hung_call_fails_the_read_at_its_deadline_and_later_reads_do_not_pile_up(fake_nvml_lib):
-    """NVML calls run in the scrape's flight: the caller answers at its deadline, and the next
-    scrape joins the hung one rather than starting another (metrics/exporter.py)."""
+def test_a_hung_call_fails_the_read_at_its_deadline_and_later_reads_do_not_pile_up(fake_nvml_lib, monkeypatch):
+    """NVML calls run in a flight of their own, which waits no grace: a read still hung at its
+    deadline fails then, so the scrape around it answers then too, with its own /proc reading;
+    the next read joins the hung call rather than starting another."""
+    monkeypatch.setattr(flight, "JOIN_GRACE_S", 5.0)  # a grace waited anywhere would show
     fake = fake_nvml_lib("a100-mig-pending")
     source = NvmlSource(timeout_s=10)
     source.read()  # initialised
-    exporter = Exporter(Scraper(source))
-    before = len(_scrape_threads())
+    exporter = Exporter(Scraper(source, EngineReader(DEFAULT_SETTINGS, DemoProcs())))
+    before = len(_threads("nvml-read"))
     release = threading.Event()
     keep = _hang(fake, "nvmlDeviceGetCount_v2", release, (ctypes.c_void_p,))
     try:
-        started = time.monotonic()
-        for _ in range(2):
-            outcome = exporter.answer(Deadline.after(0.3)).outcome
-            assert outcome is not None and re.search(r"did not finish within 0\.3s", outcome.error or "")
-        assert time.monotonic() - started < 3
-        assert len(_scrape_threads()) - before == 1, "the second read joined the hung one instead of starting another"
+        for _ in range(3):
+            started = time.monotonic()
+            answer = exporter.answer(Deadline.after(0.3))
+            waited = time.monotonic() - started
+            assert answer.outcome is not None and answer.outcome.error == "nvml read did not finish within 0.3s"
+            assert waited < 2.5, f"answered after {waited:.2f}s: a grace was waited"
+            # A failed read of its own: the engine families of its /proc read stay.
+            names = {family.name for family in answer.families}
+            assert {"mig_exporter_engine_processes", "mig_exporter_host_pid_namespace"} <= names
+        assert len(_threads("nvml-read")) - before == 1, "the later reads joined the hung one instead of starting more"
+        assert exporter.scraper.errors_total == 3
     finally:
         release.set()
     del keep

@@ -6,35 +6,53 @@ The rules, the same for every caller:
 
 - A caller joins the run in flight for its key, whatever that run's deadline, even one already
   past it: a run is never doubled, so a driver call hung for good holds one thread, not one per
-  scrape. With none in flight the caller starts one, due at the caller's own deadline.
+  scrape. With none in flight the caller starts one, due at the caller's own deadline. What
+  ``admit`` took for it (a probe slot) is given back when it ends; where no thread can be
+  started for it (a pids limit), at once, and the caller gets ``FlightNotStarted``: nothing is
+  left in flight, and the next caller starts afresh.
 - The work runs in a daemon thread and hands its result over in a ``concurrent.futures.Future``:
   a caller answers at its deadline while the run goes on to its own, and a run hung in the
   driver never holds up the interpreter's exit.
-- Each caller waits until its own deadline; for a run due by then, ``JOIN_GRACE_S`` longer (a
-  command killed at the deadline answers a few ms after it).
+- Each caller waits until its own deadline. Work that ends itself at its deadline (a command
+  killed then answers a few ms after it) is waited for ``JOIN_GRACE_S`` longer by a caller it
+  is due to by then, but only up to its own deadline and the grace: a caller that joins a run
+  already past that waits until its own deadline alone, or every answer behind a hung run
+  would come the grace late. Work no deadline reaches (``ends_at_deadline=False``: an NVML
+  call hung in the driver) gets no grace at all: waiting longer would only make the answer late.
 - A caller whose deadline passes gets ``late()``: one answer for the callers the run kept waiting
   together, made by the first of them (a failed read counted and logged once, not once per
   request); a caller that joins after it was made gets one of its own.
-- What the work raised goes to every caller: the one that started the run raises it, the others
-  a ``FlightFailed`` caused by it (one exception raised in many threads would pile each
-  thread's frames onto its traceback).
+- A run's own failure is one more failed answer only if a caller takes it. Its work asks
+  ``keep_callers(key)`` before counting and logging it: False when every caller has answered
+  late already (each of those answers counted itself), so the failure is counted nowhere else;
+  True holds the callers still waiting to the run's answer, which is moments away (a caller
+  whose deadline passes from then on waits up to ``JOIN_GRACE_S`` more for it, rather than
+  answer late with the same failure counted twice).
+- What the work raised goes to every caller still waiting: the one that started the run raises
+  it, the others a ``FlightFailed`` caused by it (one exception raised in many threads would pile
+  each thread's frames onto its traceback). Where every caller has answered late already, it is
+  logged here, once, since no caller will.
 - A run that has ended is never reused: the next caller starts afresh.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, wait
 from typing import Generic, TypeVar
 
 from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.errors import ReadError
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
+log = logging.getLogger("mig_exporter")
+
 # A run ends at its deadline plus the few ms a killed command takes to answer; a
-# caller waits this long past its own deadline for a run due by then.
+# caller waits this long past the run's deadline for a run due by its own.
 JOIN_GRACE_S = 0.25
 
 
@@ -42,13 +60,24 @@ class FlightFailed(Exception):
     """The run a caller joined raised; its error is the cause."""
 
 
+class FlightNotStarted(RuntimeError):
+    """No thread could be started for a new run (a pids or thread limit); the cause says why.
+    Nothing was left in flight, and what ``admit`` took was given back."""
+
+
 class _Run(Generic[T]):
     """One run of the work: its result, and what its callers share besides."""
 
-    def __init__(self, deadline: Deadline) -> None:
+    def __init__(self, deadline: Deadline, release: Callable[[], None] | None) -> None:
         self.deadline = deadline
+        self.release = release  # gives back what admit took for it
         self.future: Future[T] = Future()
+        # Guarded by lock (taken after Flights._lock where both are held), held for moments:
+        self.lock = threading.Lock()
         self.joined = 0  # callers that joined it, the one that started it not counted
+        self.waiting = 1  # callers that will take its answer: all of them, less those that answered late
+        self.kept = False  # keep_callers held them to its answer
+        # Guarded by late_lock, held while a late answer is made:
         self.late_lock = threading.Lock()
         self.lates = 0  # late answers made so far
         self.late: tuple[T] | None = None  # the latest of them
@@ -56,69 +85,135 @@ class _Run(Generic[T]):
 
 class Flights(Generic[K, T]):
     """Runs of ``work`` shared per key; thread-safe. ``name`` names the threads the work runs
-    in, and what a ``FlightFailed`` says failed."""
+    in, and what a ``FlightFailed`` says failed. ``ends_at_deadline``: whether the work ends
+    itself at its deadline, or a few ms after it (a command killed then), so a caller due by
+    then waits ``JOIN_GRACE_S`` more for it; False for work no deadline reaches."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, ends_at_deadline: bool = True) -> None:
         self.name = name
+        self.ends_at_deadline = ends_at_deadline
         self._lock = threading.Lock()
         self._runs: dict[K, _Run[T]] = {}
 
     def joined(self, key: K) -> int:
-        """How many callers joined the run in flight for ``key`` (0 when none)."""
+        """How many callers have joined the run in flight for ``key`` so far (0 when none is),
+        the one that started it not counted; those that have answered late since still are:
+        the count is never lowered."""
         with self._lock:
             run = self._runs.get(key)
-            return run.joined if run is not None else 0
+            if run is None:
+                return 0
+            with run.lock:
+                return run.joined
 
     def run(self, key: K, deadline: Deadline, work: Callable[[], T], late: Callable[[], T],
-            admit: Callable[[], None] | None = None) -> T:
+            admit: Callable[[], Callable[[], None]] | None = None) -> T:
         """What ``work`` returns, from the run in flight for ``key`` or from a new one; by
         ``deadline``, else what ``late`` returns. ``admit`` is called before a new run starts
         (never for a caller that joins one): what it raises goes to this caller alone, and
-        nothing starts."""
+        nothing starts; what it returns gives back what it took, and is called when the run
+        ends. Raises ``FlightNotStarted`` when no thread can be started for a new run."""
         with self._lock:
             run = self._runs.get(key)
             starts = run is None
             if run is None:
-                if admit is not None:
-                    admit()
-                run = self._runs[key] = _Run(deadline)
-                threading.Thread(target=self._fly, args=(key, run, work), name=self.name, daemon=True).start()
+                run = self._runs[key] = _Run(deadline, admit() if admit is not None else None)
+                try:
+                    threading.Thread(target=self._fly, args=(key, run, work), name=self.name, daemon=True).start()
+                except BaseException as e:  # the run never started: leave nothing behind
+                    del self._runs[key]
+                    if run.release is not None:
+                        run.release()
+                    if not isinstance(e, Exception):
+                        raise
+                    raise FlightNotStarted(f"could not start a thread for the {self.name}: {e}") from e
             else:
-                run.joined += 1
+                with run.lock:
+                    run.joined += 1
+                    run.waiting += 1
         with run.late_lock:
             seen = run.lates
-        grace = JOIN_GRACE_S if run.deadline <= deadline else 0.0
-        done, _ = wait((run.future,), timeout=deadline.left_s() + grace)
-        if not done:
-            return self._late(run, seen, late)
+        if not wait((run.future,), timeout=self._until(run, deadline).left_s())[0]:
+            answer = self._give_up(run, seen, late)
+            if answer is not None:
+                return answer[0]
         error = run.future.exception()
         if error is not None and not starts:
             raise FlightFailed(f"the shared {self.name} failed: {error}") from error
         return run.future.result()
 
-    def _fly(self, key: K, run: _Run[T], work: Callable[[], T]) -> None:
-        """The run's thread: the work, then the run leaves the table (the next caller starts
-        afresh) and its callers are woken."""
-        try:
-            value = work()
-        except BaseException as e:  # handed to every caller of the run
-            self._land(key, run)
-            run.future.set_exception(e)
-        else:
-            self._land(key, run)
-            run.future.set_result(value)
-
-    def _land(self, key: K, run: _Run[T]) -> None:
+    def keep_callers(self, key: K) -> bool:
+        """For the work of the run in flight for ``key``, before it counts and logs its
+        failure: whether any caller still waits to take it as its answer. False when every
+        caller has answered late already (each of those answers counted itself): the failure
+        is then no answer of its own, and is neither counted nor logged as one. True holds the
+        callers still waiting to the run's answer: a caller whose deadline passes from now on
+        waits up to ``JOIN_GRACE_S`` more for it rather than answer late (the run has only to
+        map its failure)."""
         with self._lock:
-            if self._runs.get(key) is run:
-                del self._runs[key]
+            run = self._runs.get(key)
+        if run is None:  # not called from a run's work: nothing to share, count as usual
+            return True
+        with run.lock:
+            run.kept = run.waiting > 0
+            return run.kept
 
-    @staticmethod
-    def _late(run: _Run[T], seen: int, late: Callable[[], T]) -> T:
-        """The late answer for a caller that saw ``seen`` of them made when it joined: the
-        latest, if made since; else a new one."""
+    def _until(self, run: _Run[T], deadline: Deadline) -> Deadline:
+        """How long a caller due at ``deadline`` waits for ``run``: the grace only for a run due
+        by then that ends itself, and only up to the run's deadline and the grace."""
+        if not self.ends_at_deadline or run.deadline > deadline:
+            return deadline
+        return max(deadline, Deadline(run.deadline.at + JOIN_GRACE_S))
+
+    def _give_up(self, run: _Run[T], seen: int, late: Callable[[], T]) -> tuple[T] | None:
+        """The late answer for a caller whose wait has run out and that saw ``seen`` of them
+        made when it joined: the latest, if made since; else a new one. ``None`` when the run's
+        own answer is there to take after all: it ended just now, or it keeps its callers and
+        ends within ``JOIN_GRACE_S``."""
+        with run.lock:
+            if run.future.done():
+                return None
+            kept = run.kept
+            if not kept:
+                run.waiting -= 1
+        if kept:
+            wait((run.future,), timeout=JOIN_GRACE_S)
+            with run.lock:
+                if run.future.done():
+                    return None
+                run.waiting -= 1  # kept, then hung mapping its failure (a bug): answer, counted again
         with run.late_lock:
             if run.late is None or run.lates == seen:
                 run.late = (late(),)
                 run.lates += 1
-            return run.late[0]
+            return run.late
+
+    def _fly(self, key: K, run: _Run[T], work: Callable[[], T]) -> None:
+        """The run's thread: the work; then what admit took is given back, the run leaves the
+        table (the next caller starts afresh) and its callers are woken."""
+        try:
+            result: tuple[T] | BaseException = (work(),)
+        except BaseException as e:  # handed to every caller of the run
+            result = e
+        try:
+            if run.release is not None:  # first: the next run may take it at once
+                run.release()
+        finally:
+            with self._lock:
+                if self._runs.get(key) is run:
+                    del self._runs[key]
+            with run.lock:
+                if isinstance(result, BaseException):
+                    run.future.set_exception(result)
+                else:
+                    run.future.set_result(result[0])
+                untaken = run.waiting == 0
+        if untaken and isinstance(result, BaseException):
+            self._log_untaken(result)
+
+    def _log_untaken(self, error: BaseException) -> None:
+        """What a run raised when every caller had answered late: no caller will log it."""
+        if isinstance(error, ReadError):  # an expected failure, which each caller answered as its own
+            log.info("a %s run that every caller had answered late without failed: %s", self.name, error)
+        else:  # a bug no one else will report
+            log.error("a %s run that every caller had answered late without failed", self.name, exc_info=error)

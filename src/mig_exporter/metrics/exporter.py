@@ -21,7 +21,7 @@ from typing import Protocol
 from prometheus_client.core import Metric
 
 from mig_exporter.core.deadline import Deadline
-from mig_exporter.core.flight import Flights
+from mig_exporter.core.flight import FlightNotStarted, Flights
 from mig_exporter.metrics.exposition import negotiate, render
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.sources.base import Source
@@ -75,9 +75,11 @@ class _Encoding:
 
 class Exporter:
     """The scrape collector and the other collectors, composed: ``answer(deadline)`` scrapes
-    or joins the scrape in flight; ``collect()`` is the same with ``timeout_s`` (a
-    prometheus_client registry can hold it: ``describe()`` is empty, so registering it never
-    reads)."""
+    or joins the scrape in flight. ``collect()`` is the same with ``timeout_s`` and
+    ``describe()`` is empty (registering never reads): client_python's collector protocol, so
+    another program can register the exporter in a prometheus_client registry and serve it with
+    its own HTTP server. Nothing in mig-exporter does; tests/test_collector.py and
+    tests/test_promtool.py do."""
 
     def __init__(self, scraper: Scraper, *collectors: Collector, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.scraper = scraper
@@ -92,13 +94,19 @@ class Exporter:
     def answer(self, deadline: Deadline) -> Answer:
         """This caller's share of a scrape due at ``deadline``: the one in flight, else a new one.
         Kept past its deadline by the scrape it joined, the caller gets a failed read, counted and
-        logged once for the callers kept waiting together."""
+        logged once for the callers kept waiting together, with the engine reading of the /proc
+        read that scrape began with; the scrape's own failure is then counted and logged only
+        if a caller still waits to take it (``core/flight.py``)."""
         started = time.monotonic()
-        return self._scrapes.run(_SCRAPE, deadline, lambda: self._answer(*self.scraper.scrape(deadline)),
-                                 late=lambda: self._late(deadline, started))
+        try:
+            return self._scrapes.run(_SCRAPE, deadline, lambda: self._scrape(deadline),
+                                     late=lambda: self._late(deadline, started))
+        except FlightNotStarted as e:  # no thread for the scrape: a failed read, as any other
+            return self._failed(str(e), started)
 
     def joined(self) -> int:
-        """How many callers wait on the scrape in flight besides the one that started it."""
+        """How many callers have joined the scrape in flight so far, the one that started it not
+        counted (``Flights.joined``)."""
         return self._scrapes.joined(_SCRAPE)
 
     def describe(self) -> list[Metric]:
@@ -107,11 +115,21 @@ class Exporter:
     def collect(self) -> Iterator[Metric]:
         yield from self.answer(Deadline.after(self.timeout_s)).families
 
+    def _scrape(self, deadline: Deadline) -> Answer:
+        """One scrape, in the flight's thread; its failure is counted only if a caller takes it."""
+        return self._answer(*self.scraper.scrape(deadline, answered=lambda: self._scrapes.keep_callers(_SCRAPE)))
+
     def _answer(self, outcome: ReadOutcome, families: list[Metric]) -> Answer:
         for collector in self.collectors:
             families.extend(collector.collect())
         return Answer(families, outcome)
 
     def _late(self, deadline: Deadline, started: float) -> Answer:
-        reason = f"the scrape in flight did not finish within {deadline.at - started:.1f}s"
-        return self._answer(*self.scraper.failed_scrape(reason, started))
+        return self._failed(f"the scrape in flight did not finish within {deadline.at - started:.1f}s", started)
+
+    def _failed(self, reason: str, started: float) -> Answer:
+        """A failed read, with the newest /proc reading if it is no older than ``timeout_s`` (one
+        scrape's budget: the scrape in flight took it as it began, before the GPU read)."""
+        outcome, families = self.scraper.failed_scrape(reason, started,
+                                                       procs_since=time.monotonic() - self.timeout_s)
+        return self._answer(outcome, families)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
@@ -74,7 +74,8 @@ class ReadOutcome:
 class Scraper:
     """Reads a source on demand and counts what went wrong.
 
-    Thread-safe: concurrent scrapes each read; only the counters are shared.
+    Thread-safe: concurrent scrapes each read; only the counters, and the newest /proc
+    reading (what a failed read made for a scrape still in flight shows), are shared.
     """
 
     def __init__(self, source: Source, engines: EngineReader | None = None, name: str | None = None,
@@ -90,24 +91,32 @@ class Scraper:
         self._errors_total = 0
         self._known_problems: dict[str, frozenset[str]] = {}
         self._logged_bugs: set[str] = set()
+        self._newest_procs: tuple[float, tuple[ProcTable | None, str | None]] | None = None
 
     @property
     def errors_total(self) -> int:
         with self._lock:
             return self._errors_total
 
-    def read(self, deadline: Deadline | None = None) -> ReadOutcome:
-        """One read, due at ``deadline`` (``None``: the source's own timeout, and no limit on the rest)."""
+    def read(self, deadline: Deadline | None = None, answered: Callable[[], bool] | None = None) -> ReadOutcome:
+        """One read, due at ``deadline`` (``None``: the source's own timeout, and no limit on the rest).
+
+        ``answered`` is asked before a failure is counted and logged: whether a caller takes
+        this read's answer (``None``: always). A shared read asks its flight (``core/flight.py``):
+        False when every caller has answered late already, each answer counting itself."""
         started = time.monotonic()
         procs = self._read_procs()
+        if procs is not None:  # before the GPU read, which may hang: for a failed read made meanwhile
+            with self._lock:
+                self._newest_procs = (time.monotonic(), procs)
         try:
             # The /proc read comes out of the scrape's budget: the answer is due at its deadline.
             snapshot = self.source.read(None if deadline is None else max(deadline, Deadline.after(_MIN_READ_S)))
         except ReadError as e:
-            return self._failed(started, str(e), self._engines(procs, None))
+            return self._failed(started, str(e), self._engines(procs, None), answered)
         except Exception as e:  # a bug must not take the scrape down; say where
             self._log_bug(f"read from {self.name} failed unexpectedly", e)
-            return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None))
+            return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None), answered)
         engines = self._engines(procs, snapshot)
         identities = self._identities(snapshot, deadline)
         owners = self._owners(snapshot, deadline, identities)
@@ -190,14 +199,24 @@ class Scraper:
             problem = f"engine attribution failed: unexpected {type(e).__name__}: {e}"
             return EngineReading((), None, None, False, (problem,))
 
-    def _failed(self, started: float, reason: str, engines: EngineReading | None = None) -> ReadOutcome:
-        with self._lock:
-            self._errors_total += 1
-        log.warning("read from %s failed: %s", self.name, reason)
+    def _failed(self, started: float, reason: str, engines: EngineReading | None = None,
+                answered: Callable[[], bool] | None = None) -> ReadOutcome:
+        if self._count_failure(answered):
+            log.warning("read from %s failed: %s", self.name, reason)
+        else:  # each caller answered late, counted and logged that; this is why the read failed
+            log.info("read from %s, answered late by every caller, failed: %s", self.name, reason)
         outcome = ReadOutcome(None, time.monotonic() - started, reason, engines)
         if engines is not None:
             self._log_problems(engines.problems, "engines")
         return outcome
+
+    def _count_failure(self, answered: Callable[[], bool] | None) -> bool:
+        """Count a failed read in read_errors_total, if it is anyone's answer (``answered``)."""
+        if answered is not None and not answered():
+            return False
+        with self._lock:
+            self._errors_total += 1
+        return True
 
     def _log_bug(self, what: str, error: Exception) -> None:
         """The traceback once per distinct fault; afterwards the failed-read
@@ -226,26 +245,42 @@ class Scraper:
             log.info("read from %s: cleared: %s", self.name, problem)
 
     def families(self, deadline: Deadline | None = None) -> list[Metric]:
-        """Read once and map the outcome to metric families."""
+        """Read once and map the outcome to metric families: ``scrape()`` without the outcome.
+        Nothing in the exporter calls it (it needs the outcome too); kept for the tests of each
+        watch (pods, owners, Slurm job map, NVML, the docs' metric list), which read a scrape's
+        families alone, so that they need not unpack what they do not look at."""
         return self.scrape(deadline)[1]
 
-    def scrape(self, deadline: Deadline | None = None) -> tuple[ReadOutcome, list[Metric]]:
-        """Read once: the outcome (the landing page draws it) and its metric families."""
-        outcome = self.read(deadline)
+    def scrape(self, deadline: Deadline | None = None,
+               answered: Callable[[], bool] | None = None) -> tuple[ReadOutcome, list[Metric]]:
+        """Read once: the outcome (the landing page draws it) and its metric families
+        (``answered`` as for ``read``)."""
+        outcome = self.read(deadline, answered)
         try:
             return outcome, list(self.families_for(outcome))
         except Exception as e:  # a mapping bug still answers, as a failed read
             self._log_bug(f"mapping the read from {self.name} failed", e)
-            with self._lock:
-                self._errors_total += 1
+            if outcome.success:  # a failed read was counted as one already
+                self._count_failure(answered)
             failed = ReadOutcome(None, outcome.duration_s, f"unexpected {type(e).__name__}: {e}")
             return failed, list(self.families_for(failed))
 
-    def failed_scrape(self, reason: str, started: float) -> tuple[ReadOutcome, list[Metric]]:
-        """A read begun at ``started`` (``time.monotonic()``) that failed for
-        ``reason``, counted and logged as one, and its families."""
-        outcome = self._failed(started, reason)
+    def failed_scrape(self, reason: str, started: float,
+                      procs_since: float | None = None) -> tuple[ReadOutcome, list[Metric]]:
+        """A read begun at ``started`` (``time.monotonic()``) that failed for ``reason``,
+        counted and logged as one, and its families. With ``procs_since`` (``time.monotonic()``)
+        and engines watched, it carries the newest /proc reading if taken since then (a scrape
+        still in flight took it as it began): the engine families of a failed read, without
+        reading /proc again."""
+        outcome = self._failed(started, reason, self._engines(self._procs_since(procs_since), None))
         return outcome, list(self.families_for(outcome))
+
+    def _procs_since(self, since: float | None) -> tuple[ProcTable | None, str | None] | None:
+        with self._lock:
+            newest = self._newest_procs
+        if since is None or newest is None or newest[0] < since:
+            return None
+        return newest[1]
 
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:

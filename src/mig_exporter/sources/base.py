@@ -16,8 +16,9 @@ class Source(Protocol):
 
     def read(self, deadline: Deadline | None = None) -> Snapshot:
         """One read, due at ``deadline`` or at the source's own timeout, whichever comes first;
-        raises ``ReadError``. A read no deadline reaches (an NVML call hung in the driver) is
-        cut short for its caller by the flight it runs in (``core/flight.py``)."""
+        raises ``ReadError``, at the deadline too: a command is killed then, and NVML's calls,
+        which no deadline reaches, run in a flight of their own (``core/flight.py``) that the
+        read leaves at its deadline."""
         ...
 
     def ready(self) -> tuple[bool, str]: ...

@@ -18,6 +18,7 @@ placement rules, so a dashboard cannot tell which path fed it except by the
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import pynvml
@@ -57,11 +58,14 @@ class NvmlSource:
     def __init__(self, nvml: Nvml | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.nvml = nvml or Nvml()
         self.timeout_s = timeout_s
-        # An NVML call can hang in the driver: readiness checks (/-/ready, --source auto's
-        # choice) run in a flight's daemon thread, so a caller answers at its deadline,
-        # concurrent callers share one check, and threads never pile up. Reads do the same
-        # one level up, in the scrape's flight (metrics/exporter.py).
-        self._checks: Flights[str, tuple[bool, str]] = Flights("nvml-ready")
+        # An NVML call can hang in the driver, where no deadline reaches: reads and readiness
+        # checks (/-/ready, --source auto's choice) run in a flight's daemon thread, so a caller
+        # answers at its deadline, concurrent callers share one pass, and threads never pile up.
+        # The read ends at its deadline as a killed nvidia-smi does, so the scrape around it
+        # answers then, with its own /proc reading: waiting past it (the scrape's join grace)
+        # would only make the answer late, hence no grace here.
+        self._reads: Flights[str, Snapshot] = Flights("nvml-read", ends_at_deadline=False)
+        self._checks: Flights[str, tuple[bool, str]] = Flights("nvml-ready", ends_at_deadline=False)
 
     def ready(self) -> tuple[bool, str]:
         def late() -> tuple[bool, str]:
@@ -80,9 +84,19 @@ class NvmlSource:
         return f"NVML (libnvidia-ml, timeout {self.timeout_s:g}s)"
 
     def read(self, deadline: Deadline | None = None) -> Snapshot:
-        """One read, in the calling thread. NVML answers in microseconds or hangs in the
-        driver, where no deadline reaches: the scrape's flight (``metrics/exporter.py``) keeps
-        the caller's, and doctor's reads run in one too."""
+        """One read by ``deadline`` or the source's own timeout, whichever comes first. NVML
+        answers in microseconds or hangs in the driver: the calls run in a flight's thread, and
+        a read still hung at the deadline fails then (``ReadError``), the call left to finish
+        in its thread; the next read joins it rather than starting another."""
+        deadline = Deadline.after(self.timeout_s) if deadline is None else deadline.within(self.timeout_s)
+        started = time.monotonic()
+
+        def late() -> Snapshot:
+            raise ReadError(f"nvml read did not finish within {deadline.at - started:.1f}s")
+        return self._reads.run("read", deadline, self._read_now, late)
+
+    def _read_now(self) -> Snapshot:
+        """One read, in the calling thread."""
         nv = self.nvml
         nv.ensure()
         driver = _text(nv.optional(pynvml.nvmlSystemGetDriverVersion))

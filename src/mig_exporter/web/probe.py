@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from mig_exporter.config.checks import ConfigError, one_line
 from mig_exporter.config.file import TARGET_NAME, Config, ProbeTarget, load_config
 from mig_exporter.core.deadline import Deadline
-from mig_exporter.core.flight import FlightFailed, Flights
+from mig_exporter.core.flight import FlightFailed, FlightNotStarted, Flights
 from mig_exporter.core.logs import shown
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
@@ -55,7 +55,8 @@ class BadProbeRequest(Exception):
 
 
 class ProbeBusy(Exception):
-    """All probe slots are taken (HTTP 503)."""
+    """The probe cannot run now (HTTP 503): all probe slots are taken, or no thread could be
+    started for its run (a pids limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,16 +155,29 @@ class Prober:
 
     def probe(self, target: ProbeTarget, deadline: Deadline) -> ProbeResult:
         """Read ``target`` by ``deadline``, or join its run in progress.
-        Raises ``ProbeBusy`` at once when every slot is taken."""
+        Raises ``ProbeBusy`` at once when every slot is taken, or no thread can be started."""
         started = time.monotonic()
+        starts = False  # whether this probe started the run: admit is asked for a new run alone
+
+        def admit() -> Callable[[], None]:
+            nonlocal starts
+            release = self._take_slot()
+            starts = True
+            return release
 
         def late() -> ReadOutcome:
-            return self._failed(target, started, f"deadline of {deadline.at - started:.3g}s passed while waiting "
-                                                 "for the run already in progress")
+            budget = f"{deadline.at - started:.3g}s"
+            return self._failed(target, started, f"its run did not finish within the deadline of {budget}" if starts
+                                else f"deadline of {budget} passed while waiting for the run already in progress")
+
+        def read() -> ReadOutcome:
+            return self._read(target, deadline, lambda: self._runs.keep_callers(target))
         try:
-            outcome = self._runs.run(target, deadline, lambda: self._read(target, deadline), late, self._take_slot)
+            outcome = self._runs.run(target, deadline, read, late, admit)
         except FlightFailed:
             outcome = self._failed(target, started, "the run this probe waited for ended without a result")
+        except FlightNotStarted as e:
+            raise ProbeBusy(str(e)) from e
         result = ProbeResult(target, outcome, time.monotonic() - started)
         with self._lock:
             if target.name in self._probes:  # not a target a reload has removed
@@ -172,21 +186,20 @@ class Prober:
                     self._failures[target.name] += 1
         return result
 
-    def _take_slot(self) -> None:
-        """Before a new run: a slot, or ``ProbeBusy``. A probe that joins a run takes none."""
+    def _take_slot(self) -> Callable[[], None]:
+        """Before a new run: a slot, or ``ProbeBusy``; what gives it back (the flight calls it when
+        the run ends, or at once if the run cannot start). A probe that joins a run takes none."""
         if not self._slots.acquire(blocking=False):
             with self._lock:
                 self._rejected["busy"] += 1
             raise ProbeBusy(f"{self.max_concurrent} probes are running already (--probe.max-concurrent)")
+        return self._slots.release
 
-    def _read(self, target: ProbeTarget, deadline: Deadline) -> ReadOutcome:
-        """One run, in the flight's thread; its slot is given back when it ends."""
-        try:
-            with self._lock:
-                scraper = self._scraper_for(target)
-            return scraper.read(deadline)
-        finally:
-            self._slots.release()
+    def _read(self, target: ProbeTarget, deadline: Deadline, answered: Callable[[], bool]) -> ReadOutcome:
+        """One run, in the flight's thread: its failure is logged only if a probe takes it."""
+        with self._lock:
+            scraper = self._scraper_for(target)
+        return scraper.read(deadline, answered)
 
     @staticmethod
     def _failed(target: ProbeTarget, started: float, reason: str) -> ReadOutcome:
