@@ -3,8 +3,8 @@ the way blackbox_exporter probes a target.
 
 Only a name from the config's ``probe_targets`` can run; the query string is
 checked before anything starts, and whatever is not exactly one configured
-name is refused with a one-line reason. Each answer comes from a registry
-built for the request::
+name is refused with a one-line reason. Each answer is the probe's families
+alone (``ProbeResult.answer()``)::
 
     probe_success 1.0
     probe_duration_seconds 0.21
@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mig_exporter.config.checks import ConfigError, one_line
@@ -37,6 +36,7 @@ from mig_exporter.config.file import TARGET_NAME, Config, ProbeTarget, load_conf
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.flight import FlightFailed, FlightNotStarted, Flights
 from mig_exporter.core.logs import shown
+from mig_exporter.metrics.exporter import Answer
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S, NvidiaSmiSource
@@ -66,7 +66,7 @@ class ProbeResult:
     duration_s: float
 
     def collect(self) -> Iterator[Metric]:
-        """The families of the answer; a collector for a per-request registry."""
+        """The families of the answer."""
         success = GaugeMetricFamily(
             "probe_success", "1 when the probe's read succeeded, 0 when it failed (see the log)."
         )
@@ -86,14 +86,9 @@ class ProbeResult:
             yield problems
             yield from snapshot_families(snapshot)
 
-    def describe(self) -> list[Metric]:
-        return []
-
-    def registry(self) -> CollectorRegistry:
-        """A registry holding this answer alone."""
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self)
-        return registry
+    def answer(self) -> Answer:
+        """What the server sends: these families alone, encoded as the request asks."""
+        return Answer(list(self.collect()))
 
 
 class Prober:

@@ -315,11 +315,11 @@ class _Handler(BaseHTTPRequestHandler):
         header = self.headers.get(SCRAPE_TIMEOUT_HEADER)
         deadline = read_deadline(prober.timeout_for(target), header, self.server.timeout_offset_s)
         try:
-            result = prober.probe(target, deadline)
+            answer = prober.probe(target, deadline).answer()
         except ProbeBusy as e:
             self._fail(503, f"{e}; try again later", send_body)
             return
-        self._send_answer(Answer(list(result.registry().collect())), send_body)
+        self._send_answer(answer, send_body)
 
     def _reload(self) -> None:
         prober = self.server.prober
