@@ -193,7 +193,7 @@ def test_doctor_reads_a_hung_call_as_a_failed_path_at_its_deadline(fake_nvml_lib
     keep = _hang(fake, "nvmlDeviceGetCount_v2", release, (ctypes.c_void_p,))
     try:
         started = time.monotonic()
-        reading = timed_read("nvml", source.read, Deadline.after(0.3))
+        reading = timed_read("nvml", lambda: source.read(Deadline.after(0.3)))
         assert time.monotonic() - started < 2
         assert reading.snapshot is None and reading.error == "nvml read did not finish within 0.3s"
     finally:

@@ -505,10 +505,10 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
         nvml = NvmlSource(timeout_s=timeout)
         smi = NvidiaSmiSource(nvidia_smi, timeout)
         with _signals_kill_commands():
-            # One after the other, each with the whole --timeout, in a thread it can be left in.
+            # One after the other, each with the whole --timeout (each source's own).
             report = diagnose(
-                timed_read("nvml", nvml.read, Deadline.after(timeout)),
-                timed_read("nvidia-smi", smi.read, Deadline.after(timeout)),
+                timed_read("nvml", nvml.read),
+                timed_read("nvidia-smi", smi.read),
                 slow_threshold_s=slow_threshold,
             )
     if output_format == "json":

@@ -22,9 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
-from mig_exporter.core.flight import Flights
 from mig_exporter.model.snapshot import MIB, Device, Snapshot
 
 # Memory in use on a device with no process listed, beyond this, means the
@@ -89,24 +87,17 @@ class Report:
         return EXIT_PROBLEM if self.errors else EXIT_OK
 
 
-def timed_read(source: str, read: Callable[[], Snapshot], deadline: Deadline | None = None) -> PathReading:
-    """One path's read; with a ``deadline``, in a flight's daemon thread (``_read_by``)."""
+def timed_read(source: str, read: Callable[[], Snapshot]) -> PathReading:
+    """One path's read, timed. Each source keeps its own deadline: nvidia-smi is killed at
+    it, and an NVML read hung in the driver fails at it (its flight's thread is left to it)."""
     started = time.monotonic()
     try:
-        snapshot = read() if deadline is None else _read_by(deadline, source, read, started)
+        snapshot = read()
     except ReadError as e:
         return PathReading(source, None, str(e), time.monotonic() - started)
     except Exception as e:  # doctor reports a broken path; it does not crash on one
         return PathReading(source, None, f"unexpected {type(e).__name__}: {e}", time.monotonic() - started)
     return PathReading(source, snapshot, None, time.monotonic() - started)
-
-
-def _read_by(deadline: Deadline, source: str, read: Callable[[], Snapshot], started: float) -> Snapshot:
-    """``read``'s snapshot by ``deadline``: a read hung in the driver (an NVML call, which no
-    deadline reaches) fails then, as a scrape's would."""
-    def late() -> Snapshot:
-        raise ReadError(f"{source} read did not finish within {deadline.at - started:.1f}s")
-    return Flights[str, Snapshot]("doctor").run(source, deadline, read, late)
 
 
 def diagnose(
