@@ -201,13 +201,12 @@ def engine_families(reading: EngineReading) -> Iterator[Metric]:
         mig_exporter_engine_info{comm="llama-server",engine="llama.cpp",index="",pid="52040"} 1.0
     """
     if reading.host_pid_namespace is not None:
-        namespace = GaugeMetricFamily(
+        yield GaugeMetricFamily(
             "mig_exporter_host_pid_namespace",
             "1 when the exporter and its /proc root are in the host's PID namespace, whose PIDs the driver lists; "
             "0 otherwise, and then engine metrics are left out.",
+            value=int(reading.host_pid_namespace),
         )
-        namespace.add_metric([], 1 if reading.host_pid_namespace else 0)
-        yield namespace
     if reading.processes is None:
         return
     count = GaugeMetricFamily(
@@ -251,13 +250,12 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
         mig_exporter_pod_memory_used_bytes{container="server",namespace="llm",pod="llama-0"} 1.207959552e+10
     """
     if reading.pod_resources_success is not None:
-        ok = GaugeMetricFamily(
+        yield GaugeMetricFamily(
             "mig_exporter_pod_resources_read_success",
             "1 when the kubelet's pod-resources List answered in this read, 0 when it failed (see the log); "
             "left out where there is no socket (not on Kubernetes).",
+            value=int(reading.pod_resources_success),
         )
-        ok.add_metric([], 1 if reading.pod_resources_success else 0)
-        yield ok
     def container(p: Process) -> tuple[str, str, str] | None:
         pod = reading.processes.get(p.pid)
         return None if pod is None or not pod.pod else (pod.namespace, pod.pod, pod.container)
@@ -296,13 +294,12 @@ def allocation_families(pods: PodReading | None, job_map: SlurmJobMapReading | N
         mig_exporter_device_allocation_info{container="",index="1001",namespace="",pod="",resource="slurm",slurm_job="4242"} 1.0
     """  # noqa: E501 - sample exposition lines: they cannot be wrapped
     if job_map is not None:
-        ok = GaugeMetricFamily(
+        yield GaugeMetricFamily(
             "mig_exporter_slurm_job_map_read_success",
             "1 when the Slurm job-map directory was read (bad files in it are read problems), 0 when the "
             "directory could not be read; left out without --slurm.job-map-dir.",
+            value=int(job_map.read_success),
         )
-        ok.add_metric([], 1 if job_map.read_success else 0)
-        yield ok
     kubelet = pods.allocations if pods is not None else None
     if kubelet is None and job_map is None:
         return

@@ -67,23 +67,17 @@ class ProbeResult:
 
     def collect(self) -> Iterator[Metric]:
         """The families of the answer."""
-        success = GaugeMetricFamily(
-            "probe_success", "1 when the probe's read succeeded, 0 when it failed (see the log)."
-        )
-        success.add_metric([], 1 if self.outcome.success else 0)
-        duration = GaugeMetricFamily("probe_duration_seconds", "How long the probe took, in seconds.")
-        duration.add_metric([], self.duration_s)
-        yield success
-        yield duration
+        yield GaugeMetricFamily("probe_success", "1 when the probe's read succeeded, 0 when it failed (see the log).",
+                                value=int(self.outcome.success))
+        yield GaugeMetricFamily("probe_duration_seconds", "How long the probe took, in seconds.", value=self.duration_s)
         snapshot = self.outcome.snapshot
         if snapshot is not None:
-            problems = GaugeMetricFamily(
+            yield GaugeMetricFamily(
                 "probe_read_problems",
                 "Problems in the probe's read that did not fail it (an unreadable card or value, a failed "
                 "nvidia-smi -L); each is logged.",
+                value=len(snapshot.problems),
             )
-            problems.add_metric([], len(snapshot.problems))
-            yield problems
             yield from snapshot_families(snapshot)
 
     def answer(self) -> Answer:
@@ -286,17 +280,16 @@ class Prober:
             refused.add_metric([reason], rejected[reason])
         yield from (total, failed, refused)
         if self.config_file is not None:
-            ok = GaugeMetricFamily(
+            yield GaugeMetricFamily(
                 "mig_exporter_config_last_reload_successful",
                 "1 when the config file was last loaded without error, 0 when the last reload failed.",
+                value=int(reload_ok),
             )
-            ok.add_metric([], 1 if reload_ok else 0)
-            when = GaugeMetricFamily(
+            yield GaugeMetricFamily(
                 "mig_exporter_config_last_reload_success_timestamp_seconds",
                 "When the config file was last loaded successfully, in seconds since the epoch.",
+                value=reload_time,
             )
-            when.add_metric([], reload_time)
-            yield from (ok, when)
 
 
 def _target_for_query(query: str, targets: Mapping[str, ProbeTarget]) -> ProbeTarget:
