@@ -146,7 +146,7 @@ class Scraper:
 
     def _identities(self, snapshot: Snapshot, deadline: Deadline | None) -> dict[int, CgroupIdentity] | None:
         """The GPU processes' cgroups, read once for owners and pods; ``None``
-        leaves each watch to read its own (no owners watched), or to find
+        leaves each reader to read its own (no owners read), or to find
         that /proc is not the host's."""
         if self.owners is None:
             return None
@@ -247,7 +247,7 @@ class Scraper:
     def families(self, deadline: Deadline | None = None) -> list[Metric]:
         """Read once and map the outcome to metric families: ``scrape()`` without the outcome.
         Nothing in the exporter calls it (it needs the outcome too); kept for the tests of each
-        watch (pods, owners, Slurm job map, NVML, the docs' metric list), which read a scrape's
+        reader (pods, owners, Slurm job map, NVML, the docs' metric list), which read a scrape's
         families alone, so that they need not unpack what they do not look at."""
         return self.scrape(deadline)[1]
 
