@@ -14,12 +14,21 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mig_exporter.core import workers
 from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.web.server import ExporterServer
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process, each test's runs take threads that end with them, as before the exporter
+    kept its workers: a test can join the thread a run took, and one test's idle worker is never
+    another's. Reuse itself is tested in tests/test_workers.py; a served process keeps its own."""
+    monkeypatch.setattr(workers, "WORKERS", workers.Workers(idle_s=0))
 
 # Any skip fails the run: a group is left out by deselecting it, never by skipping.
 pytest_plugins = ["no_silent_skips"]

@@ -13,12 +13,19 @@ import time
 
 import pytest
 
-from mig_exporter.core import flight
+from mig_exporter.core import flight, workers
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.flight import FlightFailed, Flights
+from mig_exporter.core.workers import Workers
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def one_shot() -> Workers:
+    """Workers that end with their run, so a test can join the thread its run took (the
+    exporter's own keep theirs for the next run: tests/test_workers.py)."""
+    return Workers(idle_s=0)
 
 
 class Work:
@@ -32,11 +39,13 @@ class Work:
         self.release = threading.Event()
         self.started = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.names: list[str] = []  # each run's thread's name as it ran (an idle worker is renamed)
 
     def __call__(self) -> str:
         self.runs += 1
         run = self.runs
         self.threads.append(threading.current_thread())
+        self.names.append(threading.current_thread().name)
         self.started.set()
         if self.hold:
             self.release.wait(10)
@@ -81,7 +90,7 @@ def finish(*threads: threading.Thread) -> None:
 # --- sharing -----------------------------------------------------------------------------------
 
 def test_callers_of_one_key_share_one_run() -> None:
-    flights: Flights[str, str] = Flights("read")
+    flights: Flights[str, str] = Flights("read", workers=one_shot())
     work = Work()
     results: list = []
     first = ask(flights, "gpu", work, 5.0, results)
@@ -96,7 +105,7 @@ def test_callers_of_one_key_share_one_run() -> None:
 
 
 def test_each_key_has_runs_of_its_own() -> None:
-    flights: Flights[str, str] = Flights("probe")
+    flights: Flights[str, str] = Flights("probe", workers=one_shot())
     slow, fast = Work(), Work(hold=False)
     results: list = []
     held = ask(flights, "slow", slow, 5.0, results)
@@ -109,24 +118,24 @@ def test_each_key_has_runs_of_its_own() -> None:
 
 
 def test_a_run_that_has_ended_is_not_reused() -> None:
-    flights: Flights[str, str] = Flights("read")
+    flights: Flights[str, str] = Flights("read", workers=one_shot())
     work = Work(hold=False)
     assert flights.run("gpu", Deadline.after(5.0), work, work.late) == "run 1"
     assert flights.run("gpu", Deadline.after(5.0), work, work.late) == "run 2"
 
 
 def test_the_work_runs_in_a_daemon_thread_named_by_the_flight() -> None:
-    flights: Flights[str, str] = Flights("scrape")
+    flights: Flights[str, str] = Flights("scrape", workers=one_shot())
     work = Work(hold=False)
     flights.run("gpu", Deadline.after(5.0), work, work.late)
     (thread,) = work.threads
-    assert thread is not threading.current_thread() and thread.daemon and thread.name == "scrape"
+    assert thread is not threading.current_thread() and thread.daemon and work.names == ["scrape"]
 
 
 # --- errors ------------------------------------------------------------------------------------
 
 def test_every_caller_of_a_run_that_raised_gets_the_error() -> None:
-    flights: Flights[str, str] = Flights("scrape")
+    flights: Flights[str, str] = Flights("scrape", workers=one_shot())
     bug = RuntimeError("mapping bug")
     work = Work(error=bug)
     results: list = []
@@ -148,7 +157,7 @@ def test_every_caller_of_a_run_that_raised_gets_the_error() -> None:
 
 
 def test_a_refused_admission_starts_nothing_and_a_joiner_is_not_asked() -> None:
-    flights: Flights[str, str] = Flights("probe")
+    flights: Flights[str, str] = Flights("probe", workers=one_shot())
     work = Work()
     asked: list[str] = []
 
@@ -177,7 +186,7 @@ def test_a_refused_admission_starts_nothing_and_a_joiner_is_not_asked() -> None:
 def test_a_caller_with_a_sooner_deadline_joins_the_run_and_answers_at_its_own() -> None:
     """Behind a run due in 8 s (a read hung for all of it), a caller with 0.5 s joins it, rather
     than starting another, and answers after its own 0.5 s with the late answer; the run goes on."""
-    flights: Flights[str, str] = Flights("read")
+    flights: Flights[str, str] = Flights("read", workers=one_shot())
     work = Work()
     results: list = []
     slow = ask(flights, "gpu", work, 8.0, results)
@@ -196,7 +205,7 @@ def test_a_caller_with_a_sooner_deadline_joins_the_run_and_answers_at_its_own() 
 
 def test_a_run_due_by_the_callers_deadline_gets_the_grace_to_answer() -> None:
     """A command killed at the deadline answers a few ms after it: the caller waits that long."""
-    flights: Flights[str, str] = Flights("read")
+    flights: Flights[str, str] = Flights("read", workers=one_shot())
 
     def a_little_late() -> str:
         time.sleep(0.4)
@@ -211,7 +220,7 @@ def test_callers_kept_past_their_deadline_together_share_one_late_answer(monkeyp
     """A run that overran its own deadline (a bug) keeps callers waiting: they answer at their
     deadline, with one late answer between them (a failed read counted and logged once)."""
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
-    flights: Flights[str, str] = Flights("scrape")
+    flights: Flights[str, str] = Flights("scrape", workers=one_shot())
     work = Work()
     results: list = []
     first = ask(flights, "gpu", work, 1.0, results)  # a bug: it holds past its 1 s
@@ -232,7 +241,7 @@ def test_callers_kept_past_their_deadline_together_share_one_late_answer(monkeyp
 def test_an_overdue_run_is_joined_not_doubled() -> None:
     """A run past its own deadline (a driver call hung for good) is joined by the next caller,
     who answers at its own deadline: the hung call holds one thread, not one per scrape."""
-    flights: Flights[str, str] = Flights("read")
+    flights: Flights[str, str] = Flights("read", workers=one_shot())
     work = Work()
     assert flights.run("gpu", Deadline.after(0.1), work, work.late) == "late 1"
     time.sleep(0.2)
@@ -275,7 +284,7 @@ def test_a_caller_that_joins_an_overdue_run_waits_until_its_own_deadline_alone(m
     """Behind a run past its deadline and the grace (a call hung for good), the grace would only
     make every answer late: the caller answers at its own deadline."""
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 1.5)
-    flights: Flights[str, str] = Flights("read")
+    flights: Flights[str, str] = Flights("read", workers=one_shot())
     work = Work()
     results: list = []
     finish(ask(flights, "gpu", work, 0.05, results))  # its starter waited 0.05 s and the grace
@@ -292,7 +301,7 @@ def test_work_that_no_deadline_reaches_is_waited_for_with_no_grace(monkeypatch) 
     """An NVML call hung in the driver does not end at its deadline: a grace would only make the
     answer late, for the caller that started the run too."""
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 5.0)
-    flights: Flights[str, str] = Flights("nvml-read", ends_at_deadline=False)
+    flights: Flights[str, str] = Flights("nvml-read", workers=one_shot(), ends_at_deadline=False)
     work = Work()
     started = time.monotonic()
     assert flights.run("gpu", Deadline.after(0.2), work, work.late) == "late 1"
@@ -307,7 +316,7 @@ def test_a_run_whose_callers_all_answered_late_keeps_none(monkeypatch) -> None:
     """The run's failure is no one's answer when every caller has answered late: its work is told
     so, and counts and logs nothing (each late answer counted itself)."""
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
-    flights: Flights[str, str] = Flights("scrape")
+    flights: Flights[str, str] = Flights("scrape", workers=one_shot())
     kept: list[bool] = []
     work = Work()
 
@@ -344,7 +353,7 @@ def test_a_run_keeps_the_callers_still_waiting_and_they_take_its_answer(monkeypa
     answer, and once kept, a caller whose deadline passes waits for it rather than answer late
     (the same failure counted twice)."""
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 5.0)  # how long a kept caller waits past its deadline
-    flights: Flights[str, str] = Flights("scrape")
+    flights: Flights[str, str] = Flights("scrape", workers=one_shot())
     work = Keeping(flights, "gpu")
     results: list = []
     starter = ask(flights, "gpu", work, 10.0, results)
@@ -365,7 +374,9 @@ def test_a_run_keeps_the_callers_still_waiting_and_they_take_its_answer(monkeypa
 # --- a run that cannot start -------------------------------------------------------------------
 
 def fail_thread_start_once(monkeypatch, name: str) -> list[str]:
-    """Make ``Thread.start`` fail once, as at a pids limit, for a thread named ``name``."""
+    """Make ``Thread.start`` fail once, as at a pids limit, for a thread named ``name``; the
+    exporter's workers are new ones, with no idle thread a run could take instead."""
+    monkeypatch.setattr(workers, "WORKERS", Workers(idle_s=0))
     original = threading.Thread.start
     failed: list[str] = []
 
@@ -381,7 +392,7 @@ def fail_thread_start_once(monkeypatch, name: str) -> list[str]:
 
 def test_a_run_that_cannot_start_leaves_nothing_behind(monkeypatch) -> None:
     failed = fail_thread_start_once(monkeypatch, "probe")
-    flights: Flights[str, str] = Flights("probe")
+    flights: Flights[str, str] = Flights("probe", workers=one_shot())
     slots = threading.BoundedSemaphore(1)
 
     def admit():
@@ -410,7 +421,7 @@ def test_what_a_run_raised_after_every_caller_answered_late_is_logged_once(monke
                                                                           traceback) -> None:
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
     caplog.set_level("INFO", logger="mig_exporter")
-    flights: Flights[str, str] = Flights("scrape")
+    flights: Flights[str, str] = Flights("scrape", workers=one_shot())
     work = Work(error=error)
     assert flights.run("gpu", Deadline.after(0.1), work, work.late) == "late 1"
     work.release.set()
@@ -424,7 +435,7 @@ def test_what_a_run_raised_after_every_caller_answered_late_is_logged_once(monke
 
 def test_what_a_caller_takes_is_not_logged_here(caplog) -> None:
     caplog.set_level("INFO", logger="mig_exporter")
-    flights: Flights[str, str] = Flights("scrape")
+    flights: Flights[str, str] = Flights("scrape", workers=one_shot())
     work = Work(hold=False, error=RuntimeError("mapping bug"))
     with pytest.raises(RuntimeError):
         flights.run("gpu", Deadline.after(5.0), work, work.late)

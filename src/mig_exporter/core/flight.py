@@ -10,7 +10,8 @@ The rules, the same for every caller:
   ``admit`` took for it (a probe slot) is given back when it ends; where no thread can be
   started for it (a pids limit), at once, and the caller gets ``FlightNotStarted``: nothing is
   left in flight, and the next caller starts afresh.
-- The work runs in a daemon thread and hands its result over in a ``concurrent.futures.Future``:
+- The work runs in a daemon thread (``core/workers.py``: one kept from an earlier run when
+  idle) and hands its result over in a ``concurrent.futures.Future``:
   a caller answers at its deadline while the run goes on to its own, and a run hung in the
   driver never holds up the interpreter's exit.
 - Each caller waits until its own deadline. Work that ends itself at its deadline (a command
@@ -43,8 +44,10 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import Future, wait
 from typing import Generic, TypeVar
 
+from mig_exporter.core import workers as exporter_workers
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
+from mig_exporter.core.workers import Workers
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -87,11 +90,13 @@ class Flights(Generic[K, T]):
     """Runs of ``work`` shared per key; thread-safe. ``name`` names the threads the work runs
     in, and what a ``FlightFailed`` says failed. ``ends_at_deadline``: whether the work ends
     itself at its deadline, or a few ms after it (a command killed then), so a caller due by
-    then waits ``JOIN_GRACE_S`` more for it; False for work no deadline reaches."""
+    then waits ``JOIN_GRACE_S`` more for it; False for work no deadline reaches. ``workers``:
+    the threads runs take (the exporter's own by default)."""
 
-    def __init__(self, name: str, *, ends_at_deadline: bool = True) -> None:
+    def __init__(self, name: str, *, ends_at_deadline: bool = True, workers: Workers | None = None) -> None:
         self.name = name
         self.ends_at_deadline = ends_at_deadline
+        self._workers = workers  # None: the exporter's own, looked up at each run
         self._lock = threading.Lock()
         self._runs: dict[K, _Run[T]] = {}
 
@@ -119,7 +124,7 @@ class Flights(Generic[K, T]):
             if run is None:
                 run = self._runs[key] = _Run(deadline, admit() if admit is not None else None)
                 try:
-                    threading.Thread(target=self._fly, args=(key, run, work), name=self.name, daemon=True).start()
+                    (self._workers or exporter_workers.WORKERS).start(lambda: self._fly(key, run, work), self.name)
                 except BaseException as e:  # the run never started: leave nothing behind
                     del self._runs[key]
                     if run.release is not None:
