@@ -288,6 +288,32 @@ def fake_nvml_lib():
 
 
 @pytest.fixture(scope="session")
+def fake_libnvml_dir() -> Path:
+    """The directory of the C fake libnvidia-ml.so.1 (tests/fake_libnvml/), built once per source
+    hash into a private temporary directory; put it on ``LD_LIBRARY_PATH``."""
+    from fake_nvml_c import build
+
+    return build()
+
+
+@pytest.fixture
+def fake_libnvml_env(fake_libnvml_dir, tmp_path):
+    """``fake_libnvml_env(name_or_scenario, **modes)``: the environment for a process that loads
+    the C fake libnvidia-ml serving that scenario (modes: ``hang``, ``grow``; tests/fake_nvml_c.py)."""
+    from fake_nvml import SCENARIOS
+    from fake_nvml_c import environment, write_scenario
+
+    counter = iter(range(1000))
+
+    def make(scenario, **modes):
+        scenario = SCENARIOS[scenario]() if isinstance(scenario, str) else scenario
+        path = write_scenario(tmp_path / f"nvml-scenario-{next(counter)}.txt", scenario, **modes)
+        return environment(fake_libnvml_dir, path)
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def podresources_pb(tmp_path_factory):
     """The pod-resources messages, compiled from our proto by grpcio-tools."""
     from fake_kubelet import compile_proto

@@ -39,6 +39,8 @@ from mig_exporter.sources.nvml_gateway import Nvml, NvmlCallError, NvmlUnavailab
 
 DEFAULT_TIMEOUT_S = 10.0
 _EMPTY_SLOT = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
+# Reads of a process list that grows between pynvml's sizing call and its read each time.
+_LIST_ATTEMPTS = 3
 _PROFILE_IN_NAME = re.compile(r"\bMIG\s+(\S+)\s*$")
 
 _PROCESS_LISTS = (
@@ -224,7 +226,7 @@ class NvmlSource:
             if function is None:
                 continue
             try:
-                entries = list(nv.call(function, handle))
+                entries = self._listed(function, handle)
             except NvmlCallError as e:
                 if e.unsupported:
                     continue
@@ -240,6 +242,18 @@ class NvmlSource:
             f"{len(kept)} unknown (NVML process struct version mismatch)"
         )
         return kept
+
+    def _listed(self, function: Any, handle: Any) -> list[Any]:
+        """One process list. pynvml sizes it, allocates twice that plus five and reads: a list
+        that grew past that in between answers INSUFFICIENT_SIZE, and is asked again (sized
+        anew), a bounded number of times, rather than fail the card for this read."""
+        for _ in range(_LIST_ATTEMPTS - 1):
+            try:
+                return list(self.nvml.call(function, handle))
+            except NvmlCallError as e:
+                if e.code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                    raise
+        return list(self.nvml.call(function, handle))
 
     def _process_name(self, pid: int) -> str:
         try:

@@ -1,0 +1,730 @@
+/* A fake libnvidia-ml.so.1: the NVML functions mig-exporter and nvitop-exporter call, with
+ * nvml.h's signatures and struct layouts, answering from a scenario file read at nvmlInit
+ * (path in FAKE_NVML_SCENARIO), written by tests/fake_nvml_c.py from the same FakeNvmlScenario
+ * as the Python fake (tests/fake_nvml.py). Its answers follow that fake's, function by
+ * function; see README.md beside it for the file format and how to add a function. */
+
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int nvmlReturn_t;
+
+#define NVML_SUCCESS 0
+#define NVML_ERROR_UNINITIALIZED 1
+#define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_NO_PERMISSION 4
+#define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_DRIVER_NOT_LOADED 9
+#define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_FUNCTION_NOT_FOUND 13
+#define NVML_ERROR_GPU_IS_LOST 15
+#define NVML_ERROR_RESET_REQUIRED 16
+#define NVML_ERROR_LIB_RM_VERSION_MISMATCH 18
+#define NVML_ERROR_NO_DATA 20
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
+#define NVML_ERROR_UNKNOWN 999
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ---- nvml.h's structs (checked against pynvml's ctypes classes by tests/test_fake_libnvml.py) ---- */
+
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+#define nvmlMemory_v2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2 << 24)))
+typedef struct { unsigned int pid; unsigned long long usedGpuMemory; } nvmlProcessInfo_v1_t;
+/* nvmlProcessInfo_v2_t, which the _v2 and _v3 process lists fill (nvml.h's nvmlProcessInfo_t). */
+typedef struct {
+    unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId;
+} nvmlProcessInfo_t;
+typedef struct {
+    char busIdLegacy[16];
+    unsigned int domain, bus, device, pciDeviceId, pciSubSystemId;
+    char busId[32];
+} nvmlPciInfo_t;
+typedef struct { unsigned int gpu, memory; } nvmlUtilization_t;
+typedef struct { unsigned int version; int sensorType; int temperature; } nvmlTemperature_v1_t;
+#define nvmlTemperature_v1 ((unsigned int)(sizeof(nvmlTemperature_v1_t) | (1 << 24)))
+typedef union {
+    double dVal; unsigned int uiVal; unsigned long ulVal; unsigned long long ullVal; long long sllVal;
+    int siVal; unsigned short usVal;
+} nvmlValue_t;
+typedef struct {
+    unsigned int fieldId, scopeId; long long timestamp, latencyUsec; int valueType; nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+typedef struct {
+    unsigned int pid; unsigned long long timeStamp; unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+
+#define NVML_TEMPERATURE_GPU 0
+#define NO_INSTANCE_ID 0xFFFFFFFFu
+#define UNKNOWN_MEMORY 0xFFFFFFFFFFFFFFFFull
+#define R535_GARBAGE_BYTES 0x0000FFFFFFFFFFFFull
+
+/* ---- the scenario ---- */
+
+enum { COMPUTE, GRAPHICS, MPS, KINDS };
+#define MAX_SLOTS 8
+
+struct proc { unsigned int pid; unsigned long long used; };
+struct plist { struct proc *v; unsigned int n, cap; };
+struct fail { char name[80]; int code; };
+
+struct fake_dev {
+    int card;      /* index of the card */
+    int slot;      /* MIG slot, -1 for the card itself */
+    char name[128], uuid[96], bus[32], profile[64];
+    unsigned int pci_device_id, pci_subsystem_id;
+    int has_memory; unsigned long long total, reserved, used, free;
+    int has_mig_mode, mig_current, mig_pending;
+    int has_temperature; unsigned int temperature;
+    int has_power; unsigned int power_mw;
+    int has_util; unsigned int util_gpu, util_memory;
+    unsigned int max_mig;
+    unsigned int gi, ci;
+    int mig_dev[MAX_SLOTS]; /* index into devs, -1 for an empty slot */
+    struct plist lists[KINDS];
+    struct fail *fails; int nfails;
+    unsigned int grow[KINDS]; /* entries that appear once this list was sized once */
+    int sized[KINDS];
+};
+typedef struct fake_dev *nvmlDevice_t;
+
+struct pname { unsigned int pid; char *name; };
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int loaded, init_count, init_error, r535;
+static char driver_version[80];
+static int cuda_version;
+static struct fake_dev *devs;
+static int ndevs, ncards, *card_dev;
+static struct pname *pnames;
+static int npnames;
+static struct fail *sys_fails;
+static int nsys_fails;
+static char hang_function[80];
+static long hang_after; /* calls answered before the hang */
+
+
+/* %XX escapes, as tests/fake_nvml_c.py writes strings (spaces and non-ASCII bytes included). */
+static void unescape(char *s) {
+    char *out = s;
+    for (; *s; s++) {
+        if (s[0] == '%' && s[1] && s[2]) {
+            char hex[3] = {s[1], s[2], 0};
+            *out++ = (char)strtol(hex, NULL, 16);
+            s += 2;
+        } else {
+            *out++ = *s;
+        }
+    }
+    *out = 0;
+}
+
+static void copy(char *to, size_t size, const char *from) {
+    snprintf(to, size, "%s", from ? from : "");
+}
+
+static void add_fail(struct fail **fails, int *n, const char *name, int code) {
+    *fails = realloc(*fails, sizeof(**fails) * (size_t)(*n + 1));
+    copy((*fails)[*n].name, sizeof((*fails)[*n].name), name);
+    (*fails)[*n].code = code;
+    (*n)++;
+}
+
+static int kind_of(const char *letter) {
+    return *letter == 'G' ? GRAPHICS : *letter == 'M' ? MPS : COMPUTE;
+}
+
+static int parse_error(const char *path, int line, const char *what) {
+    fprintf(stderr, "fake libnvidia-ml: %s:%d: %s\n", path, line, what);
+    return -1;
+}
+
+static int load(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return parse_error(path, 0, "cannot open the scenario");
+    char buf[4096];
+    int line = 0, cur = -1;
+    while (fgets(buf, sizeof buf, f)) {
+        line++;
+        char *save = NULL, *tok[8] = {0};
+        int n = 0;
+        for (char *t = strtok_r(buf, " \t\r\n", &save); t && n < 8; t = strtok_r(NULL, " \t\r\n", &save))
+            tok[n++] = t;
+        if (n == 0 || tok[0][0] == '#') continue;
+        for (int i = 1; i < n; i++) unescape(tok[i]);
+        const char *k = tok[0];
+        struct fake_dev *d = cur >= 0 ? &devs[cur] : NULL;
+        if (!strcmp(k, "driver") && n == 2) copy(driver_version, sizeof driver_version, tok[1]);
+        else if (!strcmp(k, "cuda") && n == 2) cuda_version = atoi(tok[1]);
+        else if (!strcmp(k, "init_error") && n == 2) init_error = atoi(tok[1]);
+        else if (!strcmp(k, "r535_struct_mismatch") && n == 1) r535 = 1;
+        else if (!strcmp(k, "system_error") && n == 3) add_fail(&sys_fails, &nsys_fails, tok[1], atoi(tok[2]));
+        else if (!strcmp(k, "hang") && n == 3) { copy(hang_function, sizeof hang_function, tok[1]); hang_after = atol(tok[2]); }
+        else if (!strcmp(k, "process_name") && n == 3) {
+            pnames = realloc(pnames, sizeof(*pnames) * (size_t)(npnames + 1));
+            pnames[npnames].pid = (unsigned int)strtoul(tok[1], NULL, 10);
+            pnames[npnames].name = strdup(tok[2]);
+            npnames++;
+        } else if ((!strcmp(k, "card") && n == 1) || (!strcmp(k, "mig") && n == 6)) {
+            int slot = n == 6 ? atoi(tok[1]) : -1;
+            if (slot >= 0 && (ncards == 0 || slot >= MAX_SLOTS)) return fclose(f), parse_error(path, line, "bad mig");
+            devs = realloc(devs, sizeof(*devs) * (size_t)(ndevs + 1));
+            d = &devs[ndevs];
+            memset(d, 0, sizeof *d);
+            for (int i = 0; i < MAX_SLOTS; i++) d->mig_dev[i] = -1;
+            d->slot = slot;
+            if (slot < 0) {
+                card_dev = realloc(card_dev, sizeof(int) * (size_t)(ncards + 1));
+                card_dev[ncards] = ndevs;
+                d->card = ncards++;
+            } else {
+                struct fake_dev *card = &devs[card_dev[ncards - 1]];
+                d->card = ncards - 1;
+                card->mig_dev[slot] = ndevs;
+                d->gi = (unsigned int)atoi(tok[2]);
+                d->ci = (unsigned int)atoi(tok[3]);
+                copy(d->profile, sizeof d->profile, tok[4]);
+                copy(d->uuid, sizeof d->uuid, tok[5]);
+            }
+            cur = ndevs++;
+        } else if (!d) {
+            return fclose(f), parse_error(path, line, "a device line before any card");
+        } else if (!strcmp(k, "name") && n == 2) copy(d->name, sizeof d->name, tok[1]);
+        else if (!strcmp(k, "uuid") && n == 2) copy(d->uuid, sizeof d->uuid, tok[1]);
+        else if (!strcmp(k, "pci") && n == 4) {
+            copy(d->bus, sizeof d->bus, tok[1]);
+            d->pci_device_id = (unsigned int)strtoul(tok[2], NULL, 0);
+            d->pci_subsystem_id = (unsigned int)strtoul(tok[3], NULL, 0);
+        } else if (!strcmp(k, "memory") && n == 5) {
+            d->has_memory = 1;
+            d->total = strtoull(tok[1], NULL, 10); d->reserved = strtoull(tok[2], NULL, 10);
+            d->used = strtoull(tok[3], NULL, 10); d->free = strtoull(tok[4], NULL, 10);
+        } else if (!strcmp(k, "mig_mode") && n == 3) {
+            d->has_mig_mode = 1; d->mig_current = atoi(tok[1]); d->mig_pending = atoi(tok[2]);
+        } else if (!strcmp(k, "temperature") && n == 2) { d->has_temperature = 1; d->temperature = (unsigned int)atoi(tok[1]); }
+        else if (!strcmp(k, "power") && n == 2) { d->has_power = 1; d->power_mw = (unsigned int)strtoul(tok[1], NULL, 10); }
+        else if (!strcmp(k, "utilization") && n == 3) {
+            d->has_util = 1; d->util_gpu = (unsigned int)atoi(tok[1]); d->util_memory = (unsigned int)atoi(tok[2]);
+        } else if (!strcmp(k, "max_mig") && n == 2) d->max_mig = (unsigned int)atoi(tok[1]);
+        else if (!strcmp(k, "error") && n == 3) add_fail(&d->fails, &d->nfails, tok[1], atoi(tok[2]));
+        else if (!strcmp(k, "grow") && n == 3) d->grow[kind_of(tok[1])] = (unsigned int)atoi(tok[2]);
+        else if (!strcmp(k, "process") && n == 4) {
+            struct plist *l = &d->lists[kind_of(tok[1])];
+            if (l->n == l->cap) { l->cap = l->cap ? 2 * l->cap : 16; l->v = realloc(l->v, sizeof(*l->v) * l->cap); }
+            l->v[l->n].pid = (unsigned int)strtoul(tok[2], NULL, 10);
+            l->v[l->n].used = !strcmp(tok[3], "-") ? UNKNOWN_MEMORY : strtoull(tok[3], NULL, 10);
+            l->n++;
+        } else {
+            return fclose(f), parse_error(path, line, "unknown line");
+        }
+    }
+    fclose(f);
+    return 0;
+}
+
+/* ---- plumbing ---- */
+
+static void maybe_hang(const char *function) {
+    if (!hang_function[0] || strcmp(function, hang_function)) return;
+    if (__atomic_fetch_sub(&hang_after, 1, __ATOMIC_SEQ_CST) > 0) return;
+    for (;;) sleep(3600); /* a call that never returns, as a wedged driver's */
+}
+
+static int fail_code(const struct fail *fails, int n, const char *function) {
+    int star = 0;
+    for (int i = 0; i < n; i++) {
+        if (!strcmp(fails[i].name, function)) return fails[i].code;
+        if (!strcmp(fails[i].name, "*")) star = fails[i].code;
+    }
+    return star;
+}
+
+static int system_call(const char *function) {
+    maybe_hang(function);
+    if (__atomic_load_n(&init_count, __ATOMIC_SEQ_CST) <= 0) return NVML_ERROR_UNINITIALIZED;
+    return fail_code(sys_fails, nsys_fails, function);
+}
+
+static struct fake_dev *resolve(nvmlDevice_t h) {
+    if (!devs || h < devs || h >= devs + ndevs) return NULL;
+    if (((const char *)h - (const char *)devs) % (ptrdiff_t)sizeof(*devs)) return NULL;
+    return h;
+}
+
+static struct fake_dev *card_of(const struct fake_dev *d) { return &devs[card_dev[d->card]]; }
+
+/* The handle's device, after init and the scenario's injected errors (the card's, then the MIG device's). */
+static int device_call(const char *function, nvmlDevice_t h, struct fake_dev **out) {
+    maybe_hang(function);
+    if (__atomic_load_n(&init_count, __ATOMIC_SEQ_CST) <= 0) return NVML_ERROR_UNINITIALIZED;
+    struct fake_dev *d = resolve(h);
+    if (!d) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_dev *card = card_of(d);
+    int code = fail_code(card->fails, card->nfails, function);
+    if (!code && d != card) code = fail_code(d->fails, d->nfails, function);
+    if (code) return code;
+    *out = d;
+    return NVML_SUCCESS;
+}
+
+#define DEVICE(function, h) \
+    struct fake_dev *d = NULL; \
+    do { int rc_ = device_call(function, h, &d); if (rc_) return rc_; } while (0)
+
+static int mig_enabled(const struct fake_dev *card) { return card->has_mig_mode && card->mig_current; }
+
+static nvmlReturn_t write_string(char *buf, unsigned int length, const char *text) {
+    if (!buf) return NVML_ERROR_INVALID_ARGUMENT;
+    size_t n = strlen(text) + 1;
+    if (n > length) return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(buf, text, n);
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t write_uint(unsigned int *out, unsigned int value) {
+    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
+    *out = value;
+    return NVML_SUCCESS;
+}
+
+/* ---- system ---- */
+
+EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    if (!loaded) {
+        const char *path = getenv("FAKE_NVML_SCENARIO");
+        if (!path || !*path) {
+            fprintf(stderr, "fake libnvidia-ml: FAKE_NVML_SCENARIO is not set\n");
+            pthread_mutex_unlock(&lock);
+            return NVML_ERROR_DRIVER_NOT_LOADED;
+        }
+        if (load(path)) {
+            pthread_mutex_unlock(&lock);
+            return NVML_ERROR_UNKNOWN;
+        }
+        loaded = 1;
+    }
+    int rc = init_error;
+    if (!rc) __atomic_add_fetch(&init_count, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+EXPORT nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+
+EXPORT nvmlReturn_t nvmlShutdown(void) {
+    pthread_mutex_lock(&lock);
+    int rc = init_count <= 0 ? NVML_ERROR_UNINITIALIZED : NVML_SUCCESS;
+    if (!rc) __atomic_sub_fetch(&init_count, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+EXPORT const char *nvmlErrorString(nvmlReturn_t code) {
+    switch (code) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_RESET_REQUIRED: return "GPU requires restart";
+    case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "RM has detected an NVML/RM version mismatch.";
+    case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    default: return "Unknown Error";
+    }
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    int rc = system_call("nvmlSystemGetDriverVersion");
+    return rc ? rc : write_string(version, length, driver_version);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) {
+    int rc = system_call("nvmlSystemGetCudaDriverVersion");
+    if (rc) return rc;
+    if (!version) return NVML_ERROR_INVALID_ARGUMENT;
+    *version = cuda_version;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version) {
+    int rc = system_call("nvmlSystemGetCudaDriverVersion_v2");
+    if (rc) return rc;
+    if (!version) return NVML_ERROR_INVALID_ARGUMENT;
+    *version = cuda_version;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetProcessName(unsigned int pid, char *name, unsigned int length) {
+    int rc = system_call("nvmlSystemGetProcessName");
+    if (rc) return rc;
+    for (int i = 0; i < npnames; i++)
+        if (pnames[i].pid == pid) return write_string(name, length, pnames[i].name);
+    return NVML_ERROR_NOT_FOUND;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    int rc = system_call("nvmlDeviceGetCount_v2");
+    return rc ? rc : write_uint(count, (unsigned int)ncards);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    int rc = system_call("nvmlDeviceGetHandleByIndex_v2");
+    if (rc) return rc;
+    if (!device || index >= (unsigned int)ncards) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_dev *card = &devs[card_dev[index]];
+    /* fails only when named: a lost card still gives out its handle */
+    for (int i = 0; i < card->nfails; i++)
+        if (!strcmp(card->fails[i].name, "nvmlDeviceGetHandleByIndex_v2")) return card->fails[i].code;
+    *device = card;
+    return NVML_SUCCESS;
+}
+
+/* ---- identity ---- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+    DEVICE("nvmlDeviceGetIndex", device);
+    if (d->slot >= 0) return NVML_ERROR_NOT_SUPPORTED; /* as the Python fake: no NVML index of its own */
+    return write_uint(index, (unsigned int)d->card);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    DEVICE("nvmlDeviceGetName", device);
+    if (d->slot < 0) return write_string(name, length, d->name);
+    char full[256];
+    snprintf(full, sizeof full, "%s MIG %s", card_of(d)->name, d->profile);
+    return write_string(name, length, full);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    DEVICE("nvmlDeviceGetUUID", device);
+    return write_string(uuid, length, d->uuid);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    DEVICE("nvmlDeviceGetPciInfo_v3", device);
+    if (!pci) return NVML_ERROR_INVALID_ARGUMENT;
+    const struct fake_dev *card = card_of(d); /* a MIG handle answers its parent's identity */
+    unsigned int domain = 0, bus = 0, dev = 0, fn = 0;
+    sscanf(card->bus, "%x:%x:%x.%x", &domain, &bus, &dev, &fn);
+    memset(pci, 0, sizeof *pci);
+    pci->domain = domain; pci->bus = bus; pci->device = dev;
+    pci->pciDeviceId = card->pci_device_id;
+    pci->pciSubSystemId = card->pci_subsystem_id;
+    copy(pci->busId, sizeof pci->busId, card->bus);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.%X", domain, bus, dev, fn);
+    return NVML_SUCCESS;
+}
+
+/* ---- MIG ---- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending) {
+    DEVICE("nvmlDeviceGetMigMode", device);
+    if (d->slot >= 0 || !d->has_mig_mode) return NVML_ERROR_NOT_SUPPORTED;
+    if (!current || !pending) return NVML_ERROR_INVALID_ARGUMENT;
+    *current = (unsigned int)d->mig_current;
+    *pending = (unsigned int)d->mig_pending;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
+    DEVICE("nvmlDeviceGetMaxMigDeviceCount", device);
+    if (d->slot >= 0) return NVML_ERROR_INVALID_ARGUMENT;
+    return write_uint(count, mig_enabled(d) ? d->max_mig : 0); /* "zero if MIG is not supported or enabled" */
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *mig) {
+    DEVICE("nvmlDeviceGetMigDeviceHandleByIndex", device);
+    if (d->slot >= 0 || !mig) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!mig_enabled(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (index >= d->max_mig || index >= MAX_SLOTS) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->mig_dev[index] < 0) return NVML_ERROR_NOT_FOUND;
+    *mig = &devs[d->mig_dev[index]];
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMig) {
+    DEVICE("nvmlDeviceIsMigDeviceHandle", device);
+    return write_uint(isMig, d->slot >= 0);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t device, nvmlDevice_t *card) {
+    DEVICE("nvmlDeviceGetDeviceHandleFromMigDeviceHandle", device);
+    if (d->slot < 0 || !card) return NVML_ERROR_INVALID_ARGUMENT;
+    *card = card_of(d);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    DEVICE("nvmlDeviceGetGpuInstanceId", device);
+    return d->slot < 0 ? NVML_ERROR_NOT_SUPPORTED : write_uint(id, d->gi);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id) {
+    DEVICE("nvmlDeviceGetComputeInstanceId", device);
+    return d->slot < 0 ? NVML_ERROR_NOT_SUPPORTED : write_uint(id, d->ci);
+}
+
+/* ---- readings ---- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *temp) {
+    DEVICE("nvmlDeviceGetTemperature", device);
+    if (sensor != NVML_TEMPERATURE_GPU) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->slot >= 0 || !d->has_temperature) return NVML_ERROR_NOT_SUPPORTED;
+    return write_uint(temp, d->temperature);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    DEVICE("nvmlDeviceGetPowerUsage", device);
+    if (d->slot >= 0 || !d->has_power) return NVML_ERROR_NOT_SUPPORTED;
+    return write_uint(power, d->power_mw);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *util) {
+    DEVICE("nvmlDeviceGetUtilizationRates", device);
+    if (d->slot >= 0 || mig_enabled(d) || !d->has_util) return NVML_ERROR_NOT_SUPPORTED;
+    if (!util) return NVML_ERROR_INVALID_ARGUMENT;
+    util->gpu = d->util_gpu;
+    util->memory = d->util_memory;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    DEVICE("nvmlDeviceGetMemoryInfo", device);
+    if (!d->has_memory) return NVML_ERROR_NOT_SUPPORTED;
+    if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
+    /* v1 has no "reserved": its used is reserved + allocated */
+    memory->total = d->total; memory->free = d->free; memory->used = d->reserved + d->used;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    DEVICE("nvmlDeviceGetMemoryInfo_v2", device);
+    if (!d->has_memory) return NVML_ERROR_NOT_SUPPORTED;
+    if (!memory) return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != nvmlMemory_v2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    memory->total = d->total; memory->reserved = d->reserved; memory->used = d->used; memory->free = d->free;
+    return NVML_SUCCESS;
+}
+
+/* ---- other readings: nvitop-exporter's; every card answers the same H100-like values and a MIG
+ * handle NOT_SUPPORTED, as in the Python fake ---- */
+
+static int card_only(const struct fake_dev *d) { return d->slot >= 0 ? NVML_ERROR_NOT_SUPPORTED : NVML_SUCCESS; }
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_v1_t *temperature) {
+    DEVICE("nvmlDeviceGetTemperatureV", device);
+    if (!temperature) return NVML_ERROR_INVALID_ARGUMENT;
+    if (temperature->version != nvmlTemperature_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (temperature->sensorType != NVML_TEMPERATURE_GPU) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->slot >= 0 || !d->has_temperature) return NVML_ERROR_NOT_SUPPORTED;
+    temperature->temperature = (int)d->temperature;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
+    DEVICE("nvmlDeviceGetClockInfo", device);
+    static const unsigned int mhz[] = {1980, 1980, 2619, 1755}; /* graphics, SM, memory, video */
+    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (type < 0 || type > 3) return NVML_ERROR_INVALID_ARGUMENT;
+    return write_uint(clock, mhz[type]);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device, unsigned int *limit) {
+    DEVICE("nvmlDeviceGetPowerManagementLimit", device);
+    return card_only(d) ? NVML_ERROR_NOT_SUPPORTED : write_uint(limit, 700000);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t device, unsigned int *speed) {
+    DEVICE("nvmlDeviceGetFanSpeed", device);
+    (void)speed;
+    return NVML_ERROR_NOT_SUPPORTED; /* passively cooled data-centre boards */
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *util, unsigned int *period) {
+    DEVICE("nvmlDeviceGetEncoderUtilization", device);
+    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!period) return NVML_ERROR_INVALID_ARGUMENT;
+    *period = 167000;
+    return write_uint(util, 0);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *util, unsigned int *period) {
+    DEVICE("nvmlDeviceGetDecoderUtilization", device);
+    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!period) return NVML_ERROR_INVALID_ARGUMENT;
+    *period = 167000;
+    return write_uint(util, 0);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, int counter, unsigned int *value) {
+    DEVICE("nvmlDeviceGetPcieThroughput", device);
+    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (counter == 0) return write_uint(value, 412); /* TX */
+    if (counter == 1) return write_uint(value, 538); /* RX */
+    return NVML_ERROR_INVALID_ARGUMENT;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count, nvmlFieldValue_t *values) {
+    DEVICE("nvmlDeviceGetFieldValues", device);
+    if (!values || count <= 0) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < count; i++) values[i].nvmlReturn = NVML_ERROR_NOT_SUPPORTED; /* each field's own answer */
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *samples,
+                                                    unsigned int *count, unsigned long long lastSeen) {
+    DEVICE("nvmlDeviceGetProcessUtilization", device);
+    (void)samples; (void)lastSeen;
+    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_ERROR_NOT_FOUND; /* no sample since lastSeen: no process ran a kernel */
+}
+
+/* ---- processes ---- */
+
+/* Synthetic pids of the entries a growing list gains: plausible, and in no scenario. */
+#define GROWN_PID_BASE 3000000u
+
+struct entry { unsigned int pid; unsigned long long used; unsigned int gi, ci; };
+
+static unsigned int list_length(const struct fake_dev *d, int kind) {
+    return d->lists[kind].n + (d->sized[kind] ? d->grow[kind] : 0);
+}
+
+static void list_entry(const struct fake_dev *d, int kind, unsigned int i, unsigned int gi, unsigned int ci,
+                       struct entry *e) {
+    if (i < d->lists[kind].n) {
+        e->pid = d->lists[kind].v[i].pid;
+        e->used = d->lists[kind].v[i].used;
+    } else {
+        e->pid = GROWN_PID_BASE + (unsigned int)d->card * 1000u + (unsigned int)(d->slot + 1) * 100u + i;
+        e->used = 1024ull * 1024ull;
+    }
+    e->gi = gi;
+    e->ci = ci;
+}
+
+/* What the handle lists: a card its own entries and then its MIG devices' by slot; a MIG device its own. */
+static unsigned int entries(const struct fake_dev *d, int kind, struct entry *out, int v3) {
+    unsigned int n = 0;
+    const struct fake_dev *migs[MAX_SLOTS + 1];
+    int nmigs = 0;
+    if (d->slot < 0) {
+        for (unsigned int i = 0; i < list_length(d, kind); i++, n++)
+            if (out) list_entry(d, kind, i, NO_INSTANCE_ID, NO_INSTANCE_ID, &out[n]);
+        for (int s = 0; s < MAX_SLOTS; s++)
+            if (d->mig_dev[s] >= 0) migs[nmigs++] = &devs[d->mig_dev[s]];
+    } else {
+        migs[nmigs++] = d;
+    }
+    for (int m = 0; m < nmigs; m++)
+        for (unsigned int i = 0; i < list_length(migs[m], kind); i++, n++)
+            if (out) list_entry(migs[m], kind, i, migs[m]->gi, migs[m]->ci, &out[n]);
+    if (v3 && r535) { /* each process becomes four entries: its pid, then 0, 4294967295, 4294967295 */
+        if (out) {
+            for (int i = (int)n - 1; i >= 0; i--) {
+                struct entry e = out[i];
+                unsigned int garbage[3] = {0, 0xFFFFFFFFu, 0xFFFFFFFFu};
+                out[4 * i] = e;
+                out[4 * i].used = R535_GARBAGE_BYTES;
+                for (int g = 0; g < 3; g++)
+                    out[4 * i + 1 + g] = (struct entry){garbage[g], R535_GARBAGE_BYTES, 0, 0};
+            }
+        }
+        n *= 4;
+    }
+    return n;
+}
+
+static nvmlReturn_t process_list(const char *function, int kind, int version, nvmlDevice_t device,
+                                 unsigned int *count, void *infos) {
+    DEVICE(function, device);
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&lock); /* a growing list changes under concurrent callers */
+    unsigned int n = entries(d, kind, NULL, version == 3);
+    if (!infos || *count < n) {
+        *count = n;
+        if (!infos) d->sized[kind] = 1; /* a list set to grow does so after its first sizing call */
+        pthread_mutex_unlock(&lock);
+        return n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    struct entry *all = malloc(sizeof(*all) * (n ? n : 1));
+    entries(d, kind, all, version == 3);
+    pthread_mutex_unlock(&lock);
+    *count = n;
+    for (unsigned int i = 0; i < n; i++) {
+        if (version == 1) {
+            nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)infos + i;
+            p->pid = all[i].pid; p->usedGpuMemory = all[i].used;
+        } else {
+            nvmlProcessInfo_t *p = (nvmlProcessInfo_t *)infos + i;
+            p->pid = all[i].pid; p->usedGpuMemory = all[i].used;
+            p->gpuInstanceId = all[i].gi; p->computeInstanceId = all[i].ci;
+        }
+    }
+    free(all);
+    return NVML_SUCCESS;
+}
+
+#define PROCESS_LIST(Kind, KIND)                                                                         \
+    EXPORT nvmlReturn_t nvmlDeviceGet##Kind##RunningProcesses(nvmlDevice_t d, unsigned int *c, void *p) {    \
+        return process_list("nvmlDeviceGet" #Kind "RunningProcesses", KIND, 1, d, c, p);                  \
+    }                                                                                                    \
+    EXPORT nvmlReturn_t nvmlDeviceGet##Kind##RunningProcesses_v2(nvmlDevice_t d, unsigned int *c, void *p) { \
+        return process_list("nvmlDeviceGet" #Kind "RunningProcesses_v2", KIND, 2, d, c, p);               \
+    }                                                                                                    \
+    EXPORT nvmlReturn_t nvmlDeviceGet##Kind##RunningProcesses_v3(nvmlDevice_t d, unsigned int *c, void *p) { \
+        return process_list("nvmlDeviceGet" #Kind "RunningProcesses_v3", KIND, 3, d, c, p);               \
+    }
+
+PROCESS_LIST(Compute, COMPUTE)
+PROCESS_LIST(Graphics, GRAPHICS)
+PROCESS_LIST(MPSCompute, MPS)
+
+/* ---- for tests/test_fake_libnvml.py: this file's layouts, to compare with pynvml's ---- */
+
+#define LAYOUT(T, f) if (!strcmp(what, #T "." #f)) return (long)offsetof(T, f);
+#define SIZE(T) if (!strcmp(what, #T)) return (long)sizeof(T);
+
+EXPORT long fakeNvmlLayout(const char *what) {
+    SIZE(nvmlMemory_t) LAYOUT(nvmlMemory_t, total) LAYOUT(nvmlMemory_t, free) LAYOUT(nvmlMemory_t, used)
+    SIZE(nvmlMemory_v2_t) LAYOUT(nvmlMemory_v2_t, version) LAYOUT(nvmlMemory_v2_t, total)
+    LAYOUT(nvmlMemory_v2_t, reserved) LAYOUT(nvmlMemory_v2_t, free) LAYOUT(nvmlMemory_v2_t, used)
+    SIZE(nvmlProcessInfo_v1_t) LAYOUT(nvmlProcessInfo_v1_t, pid) LAYOUT(nvmlProcessInfo_v1_t, usedGpuMemory)
+    SIZE(nvmlProcessInfo_t) LAYOUT(nvmlProcessInfo_t, pid) LAYOUT(nvmlProcessInfo_t, usedGpuMemory)
+    LAYOUT(nvmlProcessInfo_t, gpuInstanceId) LAYOUT(nvmlProcessInfo_t, computeInstanceId)
+    SIZE(nvmlPciInfo_t) LAYOUT(nvmlPciInfo_t, busIdLegacy) LAYOUT(nvmlPciInfo_t, domain) LAYOUT(nvmlPciInfo_t, bus)
+    LAYOUT(nvmlPciInfo_t, device) LAYOUT(nvmlPciInfo_t, pciDeviceId) LAYOUT(nvmlPciInfo_t, pciSubSystemId)
+    LAYOUT(nvmlPciInfo_t, busId)
+    SIZE(nvmlUtilization_t) LAYOUT(nvmlUtilization_t, gpu) LAYOUT(nvmlUtilization_t, memory)
+    SIZE(nvmlTemperature_v1_t) LAYOUT(nvmlTemperature_v1_t, version) LAYOUT(nvmlTemperature_v1_t, sensorType)
+    LAYOUT(nvmlTemperature_v1_t, temperature)
+    SIZE(nvmlFieldValue_t) LAYOUT(nvmlFieldValue_t, fieldId) LAYOUT(nvmlFieldValue_t, scopeId)
+    LAYOUT(nvmlFieldValue_t, timestamp) LAYOUT(nvmlFieldValue_t, latencyUsec) LAYOUT(nvmlFieldValue_t, valueType)
+    LAYOUT(nvmlFieldValue_t, nvmlReturn) LAYOUT(nvmlFieldValue_t, value)
+    SIZE(nvmlProcessUtilizationSample_t) LAYOUT(nvmlProcessUtilizationSample_t, pid)
+    LAYOUT(nvmlProcessUtilizationSample_t, timeStamp) LAYOUT(nvmlProcessUtilizationSample_t, smUtil)
+    LAYOUT(nvmlProcessUtilizationSample_t, memUtil) LAYOUT(nvmlProcessUtilizationSample_t, encUtil)
+    LAYOUT(nvmlProcessUtilizationSample_t, decUtil)
+    if (!strcmp(what, "nvmlMemory_v2")) return (long)nvmlMemory_v2;
+    if (!strcmp(what, "nvmlTemperature_v1")) return (long)nvmlTemperature_v1;
+    return -1;
+}

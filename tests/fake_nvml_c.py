@@ -1,0 +1,151 @@
+"""The fake libnvidia-ml.so.1 in C (tests/fake_libnvml/): built here, and its scenario files.
+
+``build()`` compiles tests/fake_libnvml/fake_libnvml.c with the system's gcc into a private
+temporary directory, once per source hash (never into the repository), and returns the
+directory to put on ``LD_LIBRARY_PATH``: a process started with it loads ours where it asks for
+``libnvidia-ml.so.1``, as pynvml does. ``write_scenario()`` writes what the library serves from
+a ``FakeNvmlScenario`` of tests/fake_nvml.py, the Python fake's own scenarios, so the two fakes
+answer from one description; ``environment()`` is the environment a process needs for both.
+
+Two error modes exist only here, where a real shared library is needed to show them:
+``hang=("nvmlDeviceGetPowerUsage", 3)`` (that call answers 3 times, then never returns) and
+``grow={(0, 2): 50}`` (the compute list of card 0's MIG slot 2, ``None`` for the card itself,
+gains 50 entries once it was sized once: a list that grew between pynvml's sizing call and its
+read). Needs no pytest: the benchmarks import it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from fake_nvml import FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess
+
+SOURCE_DIR = Path(__file__).resolve().parent / "fake_libnvml"
+SONAME = "libnvidia-ml.so.1"
+SCENARIO_VARIABLE = "FAKE_NVML_SCENARIO"
+CFLAGS = ("-O2", "-std=c11", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-pthread",
+          "-fvisibility=hidden", f"-Wl,-soname,{SONAME}")
+_LISTS = (("C", "compute_processes"), ("G", "graphics_processes"), ("M", "mps_processes"))
+
+
+class BuildError(RuntimeError):
+    """gcc is missing or refused the source."""
+
+
+def source_hash() -> str:
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in sorted(SOURCE_DIR.glob("*.c")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build() -> Path:
+    """The directory holding our libnvidia-ml.so.1, compiled if this source was not yet."""
+    cache = Path(tempfile.gettempdir()) / f"mig-exporter-fake-libnvml-{os.getuid()}"
+    cache.mkdir(mode=0o700, exist_ok=True)
+    if cache.stat().st_uid != os.getuid() or cache.stat().st_mode & 0o077:
+        raise BuildError(f"{cache} is not private to this user; remove it")
+    target = cache / source_hash()
+    if (target / SONAME).exists():
+        return target
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise BuildError("gcc not found: the C fake libnvidia-ml needs the system's gcc")
+    work = Path(tempfile.mkdtemp(dir=cache, prefix="build-"))
+    try:
+        result = subprocess.run([gcc, *CFLAGS, "-o", str(work / SONAME), *map(str, sorted(SOURCE_DIR.glob("*.c")))],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise BuildError(f"gcc failed:\n{result.stderr}")
+        try:
+            work.rename(target)  # atomic: a concurrent build of the same source loses quietly
+        except OSError:
+            if not (target / SONAME).exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _text(value: str) -> str:
+    """A string as one token: bytes outside printable ASCII, and ``%``, as ``%XX``. Lone
+    surrogates stand for the raw bytes of a name that is not UTF-8, as in the Python fake."""
+    data = value.encode("utf-8", errors="surrogateescape")
+    return "".join(chr(b) if 0x21 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in data) or "%00"
+
+
+def _memory(memory: FakeMemory | None) -> list[str]:
+    if memory is None:
+        return []
+    return [f"memory {memory.total_bytes} {memory.reserved_bytes} {memory.used_bytes} {memory.free_bytes}"]
+
+
+def _device(errors: Mapping[str, int], lists: FakeCard | FakeMig) -> list[str]:
+    lines = [f"error {_text(name)} {code}" for name, code in errors.items()]
+    for letter, attribute in _LISTS:
+        process: FakeProcess
+        for process in getattr(lists, attribute):
+            used = "-" if process.used_bytes is None else str(process.used_bytes)
+            lines.append(f"process {letter} {process.pid} {used}")
+    return lines
+
+
+def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = None,
+                  grow: Mapping[tuple[int, int | None], int] | None = None) -> str:
+    """The file the C library reads at nvmlInit (format: tests/fake_libnvml/README.md)."""
+    if scenario.missing_functions:
+        # A shared object's symbols are fixed at build time; the Python fake covers this.
+        raise ValueError("the C fake libnvidia-ml cannot leave functions out (missing_functions)")
+    lines = ["# fake libnvidia-ml scenario, written by tests/fake_nvml_c.py",
+             f"driver {_text(scenario.driver_version)}", f"cuda {scenario.cuda_version}"]
+    if scenario.init_error is not None:
+        lines.append(f"init_error {scenario.init_error}")
+    if scenario.r535_struct_mismatch:
+        lines.append("r535_struct_mismatch")
+    lines += [f"system_error {_text(name)} {code}" for name, code in scenario.system_errors.items()]
+    if hang is not None:
+        lines.append(f"hang {_text(hang[0])} {hang[1]}")
+    lines += [f"process_name {pid} {_text(name)}" for pid, name in scenario.process_names.items()]
+    grow = dict(grow or {})
+    for index, card in enumerate(scenario.cards):
+        lines += ["card", f"name {_text(card.name)}", f"uuid {_text(card.uuid)}",
+                  f"pci {_text(card.pci_bus_id)} {card.pci_device_id:#x} {card.pci_subsystem_id:#x}",
+                  *_memory(card.memory), f"max_mig {card.max_mig_devices}"]
+        if card.mig_mode is not None:
+            lines.append(f"mig_mode {int(card.mig_mode[0])} {int(card.mig_mode[1])}")
+        if card.temperature_c is not None:
+            lines.append(f"temperature {card.temperature_c}")
+        if card.power_mw is not None:
+            lines.append(f"power {card.power_mw}")
+        if card.gpu_util_percent is not None:
+            lines.append(f"utilization {card.gpu_util_percent} {card.memory_util_percent}")
+        lines += _device(card.errors, card)
+        if (index, None) in grow:
+            lines.append(f"grow C {grow.pop((index, None))}")
+        for mig in card.mig_devices:
+            lines += [f"mig {mig.index} {mig.gpu_instance_id} {mig.compute_instance_id} {_text(mig.profile)} "
+                      f"{_text(mig.uuid)}", *_memory(mig.memory), *_device(mig.errors, mig)]
+            if (index, mig.index) in grow:
+                lines.append(f"grow C {grow.pop((index, mig.index))}")
+    if grow:
+        raise ValueError(f"grow names devices the scenario lacks: {sorted(grow, key=str)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_scenario(path: Path, scenario: FakeNvmlScenario, **modes: object) -> Path:
+    path.write_text(scenario_text(scenario, **modes))  # type: ignore[arg-type]
+    return path
+
+
+def environment(library_dir: Path, scenario_file: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (os.environ) with our library first on the loader's path and the scenario named."""
+    env = dict(os.environ if base is None else base)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(library_dir), env.get("LD_LIBRARY_PATH")) if p)
+    env[SCENARIO_VARIABLE] = str(scenario_file)
+    return env
