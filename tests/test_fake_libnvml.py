@@ -297,3 +297,46 @@ def test_a_lost_card_keeps_its_handle_and_fails_only_itself(fake_libnvml_env):
     assert _sample(result.stdout, 'mig_exporter_card_read_success{card="0"}') == "0.0"
     assert _sample(result.stdout, 'mig_exporter_card_read_success{card="1"}') == "1.0"
     assert 'pid="50318"' in result.stdout and 'pid="48213"' not in result.stdout
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_a_device_call_hung_for_good_fails_every_later_read_at_its_deadline_while_ready_stays_200(
+        fake_libnvml_env, serve):
+    """What docs/reliability.md describes: after nvmlDeviceGetPowerUsage never returns, each
+    scrape answers at its deadline with the read failed and no device series, one thread stays
+    hung, and /-/ready, whose check calls nvmlDeviceGetCount only, still answers 200."""
+    served = serve(fake_libnvml_env("demo", hang=("nvmlDeviceGetPowerUsage", 2)), "--timeout", "1")
+    status, first, _ = served.get("/metrics")  # the two cards' power: the calls the hang allows
+    assert status == 200 and _sample(first, 'mig_exporter_read_success{source="nvml"}') == "1.0"
+    threads = []
+    for n in range(1, 5):
+        status, body, took = served.get("/metrics")
+        assert status == 200
+        assert 0.9 < took < 3.0, took
+        assert _sample(body, 'mig_exporter_read_success{source="nvml"}') == "0.0"
+        assert _sample(body, 'mig_exporter_read_errors_total{source="nvml"}') == f"{n}.0"
+        assert "mig_exporter_device_memory_used_bytes{" not in body
+        ready, text, ready_took = served.get("/-/ready")
+        assert ready == 200 and "2 device(s)" in text and ready_took < 0.5
+        threads.append(_threads(served.proc.pid))
+    assert threads[0] == threads[-1]  # later reads join the hung one: no thread per scrape
+    assert "nvml read did not finish within 1.0s" in served.stop()
+
+
+def test_a_hung_device_count_fails_reads_and_readiness_alike(fake_libnvml_env, serve):
+    """Hung in nvmlDeviceGetCount, the call /-/ready's check makes too: both answer at their
+    deadlines, reads failed and /-/ready 503, /-/healthy at once."""
+    # One call at startup's readiness check, one in the first read; the third never returns.
+    served = serve(fake_libnvml_env("demo", hang=("nvmlDeviceGetCount_v2", 2)), "--timeout", "1")
+    assert _sample(served.get("/metrics")[1], 'mig_exporter_read_success{source="nvml"}') == "1.0"
+    for _ in range(2):
+        status, body, took = served.get("/metrics")
+        assert status == 200 and 0.9 < took < 3.0
+        assert _sample(body, 'mig_exporter_read_success{source="nvml"}') == "0.0"
+        ready, text, ready_took = served.get("/-/ready")
+        assert ready == 503 and "did not finish within 1.0s" in text and 0.9 < ready_took < 3.0
+        healthy, _, healthy_took = served.get("/-/healthy")
+        assert healthy == 200 and healthy_took < 0.5
