@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import http.client
+import importlib.util
 import json
 import os
 import re
@@ -340,3 +341,22 @@ def test_a_hung_device_count_fails_reads_and_readiness_alike(fake_libnvml_env, s
         assert ready == 503 and "did not finish within 1.0s" in text and 0.9 < ready_took < 3.0
         healthy, _, healthy_took = served.get("/-/healthy")
         assert healthy == 200 and healthy_took < 0.5
+
+
+def test_the_library_benchmark_runs_in_quick_mode_and_measures_every_figure(fake_libnvml_dir):
+    """benchmarks/nvml_lib.py: no timing asserted, only that every figure is measured."""
+    from benchmarks import nvml_lib
+
+    figures: dict[str, float] = {}
+    table = nvml_lib.measure(True, figures)
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "scenario" not in line]
+    assert [r[0].strip() for r in rows] == ["big-mig", "big-whole", "single"]
+    nvitop = importlib.util.find_spec("nvitop_exporter") is not None
+    for row in rows:
+        cells = [c.strip() for c in row[1:]]
+        assert all(re.fullmatch(r"\d+\.\d\d", c) for c in (cells if nvitop else cells[:3])), row
+    assert figures["big-mig.scrape_p50_ms"] > 0 and figures["single.read_cpu_ms"] > 0
+    assert ("big-mig.ratio_cpu" in figures) == nvitop
+    if nvitop:
+        assert figures["big-mig.devices"] == 8 + 56
+    assert "QUICK MODE" in table and "targets (big-mig)" in table
