@@ -240,13 +240,15 @@ def measure(quick: bool, figures: dict[str, float] | None = None) -> str:
             def cell(key: str, values: dict[str, float] = values) -> str:
                 return f"{values[key]:.2f}" if key in values else "n/a"
 
-            rows.append(f"| {shape.name} | {cell('scrape_p50_ms')} | {cell('cpu_per_scrape_ms')} | {cell('read_cpu_ms')} | "
+            rows.append(f"| {shape.name} | {cell('scrape_p50_ms')} | {cell('cpu_per_scrape_ms')} | "
+                        f"{cell('read_cpu_ms')} | "
                         f"{cell('update_cpu_ms')} | {cell('update_wall_ms')} | {cell('ratio_cpu')} |")
     load = os.getloadavg()
     lines = [
         f"NVML through the C fake libnvidia-ml.so.1 (ms; ours: `serve --source nvml` over HTTP, {reps[BIG_MIG.name]}"
         f"/{reps[SINGLE.name]} scrapes; nvitop-exporter's update_device loop in its own process; ratio = our CPU "
-        f"per scrape / nvitop's CPU per update; our NVML read: `NvmlSource` alone, in its own process; load {load[0]:.2f})"
+        f"per scrape / nvitop's CPU per update; our NVML read: `NvmlSource` alone, in its own process; "
+        f"load {load[0]:.2f})"
         + ("; QUICK MODE: a smoke run, not a measurement" if quick else ""),
         "",
         "| scenario | our scrape p50 | our CPU/scrape | our NVML read CPU | nvitop CPU/update | nvitop update wall "

@@ -278,6 +278,35 @@ def test_the_image_can_speak_to_the_kubelet(buildah, container):
     assert _run(buildah, container, "id", "-u").stdout.strip() == "65534"
 
 
+def test_read_source_nvml_answers_from_a_libnvidia_ml_mounted_into_the_image(buildah, container, tmp_path):
+    """The C fake libnvidia-ml.so.1 (tests/fake_libnvml/) bind-mounted into the run and found
+    through LD_LIBRARY_PATH, as the NVIDIA container toolkit mounts the driver's: the image's
+    pynvml loads it, and the read equals the nvidia-smi fixture's."""
+    from fake_nvml import SCENARIOS
+    from fake_nvml_c import SONAME, build, write_scenario
+
+    mounted = tmp_path / "nvml"
+    mounted.mkdir(mode=0o755)
+    shutil.copy(build() / SONAME, mounted / SONAME)  # the build cache is private to root; the image runs as nobody
+    write_scenario(mounted / "scenario.txt", SCENARIOS["h100-mig-processes"]())
+    for path in (mounted, *mounted.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    tmp_path.chmod(0o755)
+    result = buildah("run", "--isolation", "chroot", "-v", f"{mounted}:/opt/fake-nvml:ro", container, "--",
+                     "env", "LD_LIBRARY_PATH=/opt/fake-nvml", "FAKE_NVML_SCENARIO=/opt/fake-nvml/scenario.txt",
+                     "mig-exporter", "read", "--source", "nvml", timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert 'mig_exporter_read_success{source="nvml"} 1.0' in out
+    assert ('mig_exporter_device_memory_used_bytes{card="0",index="1002",mig_profile="1g.10gb"} 7.856979968e+09'
+            in out)
+    assert 'pid="21198"' in out and 'process_name="./gpu_burn"' in out
+    # Without the library the same image says why, and fails the read.
+    bare = _run(buildah, container, "mig-exporter", "read", "--source", "nvml")
+    assert bare.returncode == 1
+    assert "NVML_ERROR_LIBRARY_NOT_FOUND" in bare.stderr
+
+
 def test_the_private_storage_is_removed_with_everything_in_it(tmp_path):
     """What the module's teardown does to its storage: an image and a working container
     in, nothing left after (the module's own teardown checks the same of its storage)."""

@@ -219,7 +219,6 @@ class NvmlSource:
         mismatch) is read again with the older variant; if every variant is
         garbled, the impossible pids are dropped and the memory of the rest is
         unknown: the same garbling made it garbage too."""
-        nv = self.nvml
         garbled: list[Any] | None = None
         for name in functions:
             function = getattr(pynvml, name, None)
