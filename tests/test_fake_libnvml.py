@@ -360,3 +360,45 @@ def test_the_library_benchmark_runs_in_quick_mode_and_measures_every_figure(fake
     if nvitop:
         assert figures["big-mig.devices"] == 8 + 56
     assert "QUICK MODE" in table and "targets (big-mig)" in table
+
+
+_PROTOCOL_CHILD = """
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+out = {"init": lib.nvmlInitWithFlags(0)}
+card, mig = ctypes.c_void_p(), ctypes.c_void_p()
+out["handle"] = lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(card))
+out["mig"] = lib.nvmlDeviceGetMigDeviceHandleByIndex(card, 0, ctypes.byref(mig))
+out["bogus"] = lib.nvmlDeviceGetUUID(ctypes.c_void_p(card.value + 1), ctypes.create_string_buffer(96), 96)
+lists = lib.nvmlDeviceGetComputeRunningProcesses_v3
+count = ctypes.c_uint(0)
+out["sizing"] = [lists(mig, ctypes.byref(count), None), count.value]
+short = ctypes.c_uint(1)
+buf = (ctypes.c_char * (24 * 200))()
+out["short"] = [lists(mig, ctypes.byref(short), buf), short.value]
+exact = ctypes.c_uint(count.value)
+out["grown"] = [lists(mig, ctypes.byref(exact), buf), exact.value]
+room = ctypes.c_uint(200)
+out["read"] = [lists(mig, ctypes.byref(room), buf), room.value]
+out["pids"] = [int.from_bytes(buf[24 * i:24 * i + 4], "little") for i in range(room.value)][:3]
+print(json.dumps(out))
+"""
+
+
+def test_the_size_query_protocol_as_nvml_h_describes_it(fake_libnvml_env, fake_libnvml_dir):
+    """In C terms, without pynvml: a NULL array sizes the list (INSUFFICIENT_SIZE and the count),
+    a short array answers INSUFFICIENT_SIZE with the count needed, a long one is filled; a list set
+    to grow is longer after its sizing call; a pointer not given out is INVALID_ARGUMENT."""
+    env = fake_libnvml_env("h100-mig-processes", grow={(0, 0): 50})
+    out = subprocess.run([sys.executable, "-c", _PROTOCOL_CHILD, str(fake_libnvml_dir / SONAME)], env=env,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    answers = json.loads(out)
+    insufficient = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+    assert answers == {
+        "init": 0, "handle": 0, "mig": 0, "bogus": pynvml.NVML_ERROR_INVALID_ARGUMENT,
+        "sizing": [insufficient, 2],  # MIG device 0's two processes
+        "short": [insufficient, 52],  # grown since: 50 more
+        "grown": [insufficient, 52],
+        "read": [0, 52],
+        "pids": [21180, 21181, 3000102],  # 3000000 + 1000·card + 100·(slot+1) + place in the list
+    }
