@@ -402,3 +402,21 @@ def test_the_size_query_protocol_as_nvml_h_describes_it(fake_libnvml_env, fake_l
         "read": [0, 52],
         "pids": [21180, 21181, 3000102],  # 3000000 + 1000·card + 100·(slot+1) + place in the list
     }
+
+
+def test_a_process_name_that_is_not_utf8_crosses_the_library_and_is_kept(fake_libnvml_env):
+    base = SCENARIOS["h100-mig-processes"]()
+    odd = dataclasses.replace(base, process_names={**base.process_names, 21198: "gpu_burn-caf\udce9"})
+    result = _read(fake_libnvml_env(odd), "--source", "nvml")
+    assert result.returncode == 0, result.stderr
+    assert 'process_name="gpu_burn-caf\ufffd"' in result.stdout
+    assert _sample(result.stdout, 'mig_exporter_card_read_success{card="0"}') == "1.0"
+
+
+def test_r535_garbled_v3_lists_are_read_again_with_v2_through_the_library(fake_libnvml_env, fake_nvidia_smi):
+    smi = fake_nvidia_smi(fixture_bytes("h100-mig-processes.xml"), fixture_bytes("h100-mig-processes.L.txt"))
+    garbled = dataclasses.replace(SCENARIOS["h100-mig-processes"](), r535_struct_mismatch=True)
+    via_nvml = _read(fake_libnvml_env(garbled), "--source", "nvml")
+    via_smi = _read(dict(os.environ), "--source", "nvidia-smi", "--nvidia-smi", str(smi))
+    assert via_nvml.returncode == 0, via_nvml.stderr
+    assert _without_volatile(via_nvml.stdout) == _without_volatile(via_smi.stdout)
