@@ -163,7 +163,9 @@ def _open_metrics(families: Sequence[Metric]) -> bytes:
 
 def _render(families: Sequence[Metric], openmetrics_format: bool) -> bytes:
     out: list[str] = []
-    lines: dict[tuple[str, frozenset[str]], _Line] = {}  # per sample name and label names
+    lines = _LINES
+    if len(lines) > _LINES_KEPT:
+        lines.clear()
     numbers = _NUMBERS
     if len(numbers) > _NUMBERS_KEPT:
         numbers.clear()
@@ -239,9 +241,15 @@ class _Line:
         self.template = f"{sample_name}{{{labels}}} %s\n"
 
 
-def _line(lines: dict[tuple[str, frozenset[str]], _Line], sample_name: str, labels: dict[str, str],
+# Lines per sample name, label names and the names the format moves to families of their own, kept
+# from scrape to scrape: the exporter writes a few dozen.
+_LINES: dict[tuple[str, frozenset[str], tuple[str, ...]], _Line] = {}
+_LINES_KEPT = 1024
+
+
+def _line(lines: dict[tuple[str, frozenset[str], tuple[str, ...]], _Line], sample_name: str, labels: dict[str, str],
           moved: tuple[str, ...]) -> _Line:
-    key = (sample_name, frozenset(labels))
+    key = (sample_name, frozenset(labels), moved)
     line = lines.get(key)
     if line is None:
         line = lines[key] = _Line(sample_name, list(labels), moved)
