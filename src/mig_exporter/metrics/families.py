@@ -280,13 +280,18 @@ def _memory_by(snapshot: Snapshot, keys: dict[int, K]) -> dict[K, int]:
     left out: its sum would be too low."""
     if not keys:  # no pod, job or unit known: nothing to sum (and no loop over every process)
         return {}
-    sums: dict[K, int | None] = {}
+    sums: dict[K, int] = {}
+    unknown = []
     for p in snapshot.processes:
         key = keys.get(p.pid)
-        if key is None or (key in sums and sums[key] is None):
-            continue
-        sums[key] = None if p.used_bytes is None else (sums.get(key) or 0) + p.used_bytes
-    return {key: value for key, value in sums.items() if value is not None}
+        if key is not None:
+            if p.used_bytes is None:
+                unknown.append(key)
+            else:
+                sums[key] = sums.get(key, 0) + p.used_bytes
+    for key in unknown:
+        sums.pop(key, None)
+    return sums
 
 
 def allocation_families(pods: PodReading | None, job_map: SlurmJobMapReading | None) -> Iterator[Metric]:
