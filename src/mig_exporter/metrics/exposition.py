@@ -297,6 +297,8 @@ def _columns_text(metric: GaugeColumns, numbers: _Numbers) -> str:
     if (name, names) not in _PLAIN_COLUMNS:
         if not _PLAIN_NAME.match(name) or not all(_PLAIN_NAME.match(k) for k in names):
             raise _Unsupported
+        if len(_PLAIN_COLUMNS) > _LINES_KEPT:
+            _PLAIN_COLUMNS.clear()
         _PLAIN_COLUMNS.add((name, names))
     pieces = []
     args: list[Sequence[str]] = []
