@@ -34,7 +34,7 @@ from mig_exporter.model.snapshot import Memory, Process, Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 
 sys.path.insert(0, str(REPO))
-from benchmarks import scenarios  # noqa: E402 - needs the repository root on sys.path
+from benchmarks import scenarios
 
 ACCEPT_HEADERS = [
     "",
@@ -264,8 +264,8 @@ def _benchmark_snapshots():
 @pytest.mark.parametrize("name,snapshot", list(_benchmark_snapshots()), ids=lambda x: x if isinstance(x, str) else "")
 def test_each_benchmark_scenario_renders_as_prometheus_client_renders_it(name, snapshot):
     _assert_rendered_as_prometheus_client_renders(ReadOutcome(snapshot, 0.01), name)
-    pods = PodReading({p.pid: ProcessPod(p.pid, "containerd://1", "llm", "llama-0", "server") for p in snapshot.processes},
-                      None, True)
+    pods = PodReading({p.pid: ProcessPod(p.pid, "containerd://1", "llm", "llama-0", "server")
+                       for p in snapshot.processes}, None, True)
     _assert_rendered_as_prometheus_client_renders(ReadOutcome(snapshot, 0.01, pods=pods), f"{name}, one pod")
     _assert_rendered_as_prometheus_client_renders(_odd(snapshot), f"{name}, escaped and unknown values")
 
