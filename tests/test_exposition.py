@@ -8,19 +8,33 @@ bodies and Content-Types must be equal byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from prometheus_client import generate_latest as text_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
-from conftest import FIXTURES, SAMPLES, families_of, fixture_bytes, require_real_corpus
+from conftest import FIXTURES, REPO, SAMPLES, families_of, fixture_bytes, require_real_corpus
 from mig_exporter.metrics import exposition
-from mig_exporter.metrics.exposition import render
+from mig_exporter.metrics.exposition import GaugeColumns, render
 from mig_exporter.metrics.families import read_families
+from mig_exporter.metrics.scrape import ReadOutcome, Scraper
+from mig_exporter.model.readings import OwnerReading, PodReading, ProcessOwner, ProcessPod
+from mig_exporter.model.snapshot import Memory, Process, Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
+
+sys.path.insert(0, str(REPO))
+from benchmarks import scenarios
 
 ACCEPT_HEADERS = [
     "",
@@ -185,3 +199,146 @@ def test_an_accept_header_prometheus_client_cannot_read_gets_the_text_format():
     full.add_metric(["0"], 3)
     body, content_type = render([full], "application/openmetrics-text;version=a.b.c")
     assert content_type.startswith("text/plain") and b'instances{card="0"} 3.0\n' in body
+
+
+# -- the families held as columns (GaugeColumns) --------------------------------------------------------------
+
+PROMETHEUS_ACCEPT = ACCEPT_HEADERS[1]
+
+
+class _Named:
+    name = "nvidia-smi"
+
+
+class _Collector:
+    """The scrape's families for ``outcome`` as another program's registry collects them: built
+    afresh at each collect, their samples read (those without any left out, as render does)."""
+
+    def __init__(self, outcome: ReadOutcome) -> None:
+        self.outcome = outcome
+
+    def collect(self):
+        return [f for f in Scraper(_Named()).families_for(self.outcome) if f.samples]
+
+
+def _assert_rendered_as_prometheus_client_renders(outcome: ReadOutcome, what: str) -> None:
+    """Our render of fresh families, both formats, equals prometheus_client's generate_latest of a
+    registry holding the collector: the columns written straight, and the samples built from them."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(outcome))
+    for accept, reference in (("", text_latest), (PROMETHEUS_ACCEPT, openmetrics_latest)):
+        families = list(Scraper(_Named()).families_for(outcome))
+        columns = [f for f in families if isinstance(f, GaugeColumns)]
+        assert {f.name for f in columns} >= {"mig_exporter_process_info", "mig_exporter_device_info"}, what
+        body, _ = render(families, accept)
+        assert all(f.unread for f in columns), f"{what}: render read the samples"
+        assert body == reference(registry), f"{what} ({accept or 'text'})"
+
+
+def _odd(snapshot: Snapshot) -> ReadOutcome:
+    """``snapshot`` with what needs care: pods, owners and process names whose label values need
+    escaping (a quote, a backslash, a newline), unknown values (None: left out) in the processes'
+    memory, the devices' memory and the owners' fields, and a percent sign in a template's way."""
+    processes = tuple(
+        Process(pid=p.pid, type=p.type, name=(p.name, 'py"thon', "C:\\x", "two\nlines", "100%s")[i % 5],
+                used_bytes=None if i % 7 == 3 else p.used_bytes, device_index=p.device_index)
+        for i, p in enumerate(snapshot.processes)
+    )
+    devices = tuple(dataclasses.replace(d, memory=Memory(d.memory.total_bytes, None, d.memory.free_bytes, None))
+                    if i % 2 else d for i, d in enumerate(snapshot.devices))
+    pods = {p.pid: ProcessPod(p.pid, f"containerd://{p.pid:064x}", ("llm", 'q"a', "n\\s")[i % 3], f"pod-{i % 4}",
+                              "server\n2" if i % 2 else "server")
+            for i, p in enumerate(processes) if i % 3}
+    owners = {p.pid: ProcessOwner(p.pid, str(4000 + i % 3) if i % 2 else None, "0" if i % 4 == 1 else None,
+                                  None if i % 2 else 'unit"x.service', ("alice", "b\\ob", None)[i % 3])
+              for i, p in enumerate(processes) if i % 5}
+    return ReadOutcome(dataclasses.replace(snapshot, processes=processes, devices=devices), 0.25,
+                       pods=PodReading(pods, None, True), owners=OwnerReading(owners))
+
+
+def _benchmark_snapshots():
+    for shape in scenarios.MAIN_SHAPES:
+        yield shape.name, snapshot_from_smi(scenarios.query_xml(shape), scenarios.listing(shape))
+
+
+@pytest.mark.parametrize("name,snapshot", list(_benchmark_snapshots()), ids=lambda x: x if isinstance(x, str) else "")
+def test_each_benchmark_scenario_renders_as_prometheus_client_renders_it(name, snapshot):
+    _assert_rendered_as_prometheus_client_renders(ReadOutcome(snapshot, 0.01), name)
+    pods = PodReading({p.pid: ProcessPod(p.pid, "containerd://1", "llm", "llama-0", "server")
+                       for p in snapshot.processes}, None, True)
+    _assert_rendered_as_prometheus_client_renders(ReadOutcome(snapshot, 0.01, pods=pods), f"{name}, one pod")
+    _assert_rendered_as_prometheus_client_renders(_odd(snapshot), f"{name}, escaped and unknown values")
+
+
+def test_the_fixtures_and_real_corpus_render_as_prometheus_client_renders_them():
+    files = sorted(require_real_corpus().glob("*.xml"))
+    assert files
+    for path in files:
+        snapshot = snapshot_from_smi(path.read_bytes(), None)
+        _assert_rendered_as_prometheus_client_renders(ReadOutcome(snapshot, 0.01), path.name)
+        if snapshot.processes:
+            _assert_rendered_as_prometheus_client_renders(_odd(snapshot), f"{path.name}, escaped and unknown values")
+    for name, snapshot in _scenarios():
+        _assert_rendered_as_prometheus_client_renders(ReadOutcome(snapshot, 0.01), name)
+        _assert_rendered_as_prometheus_client_renders(_odd(snapshot), f"{name}, escaped and unknown values")
+
+
+def test_a_column_family_reads_as_the_family_add_metric_makes():
+    # A column of one value goes into the line's template: its % must stay a %.
+    columns = GaugeColumns("mig_exporter_test_value", "h", labels=["b", "a", "c"],
+                           columns=[["1", "2", "3"], "100%s", ['q"', "r\\", "s\n"]], values=[3, 4.5, 0], count=3)
+    reference = GaugeMetricFamily("mig_exporter_test_value", "h", labels=["b", "a", "c"])
+    for row, value in ((["1", "100%s", 'q"'], 3), (["2", "100%s", "r\\"], 4.5), (["3", "100%s", "s\n"], 0)):
+        reference.add_metric(row, value)
+    for accept in ACCEPT_HEADERS[:6]:  # (the dots and values escaping schemes go to prometheus_client's)
+        assert render([columns], accept) == _reference([reference], accept)
+    assert columns.unread  # written from the columns
+    assert columns == reference  # name, help, type, unit and samples (Metric.__eq__)
+    assert [list(s.labels) for s in columns.samples] == [["b", "a", "c"]] * 3  # add_metric's label order
+    assert not columns.unread
+
+
+def test_a_column_family_whose_samples_were_read_renders_from_them():
+    # What a reader did to the samples (one more here) is what is written.
+    family = GaugeColumns("mig_exporter_test_value", "h", labels=["a"], columns=[["x", "y"]], values=1, count=2)
+    family.samples.append(Sample("mig_exporter_test_value", {"a": "z"}, 2))
+    body = render([family], "")[0].decode()
+    assert body.endswith('mig_exporter_test_value{a="x"} 1.0\nmig_exporter_test_value{a="y"} 1.0\n'
+                         'mig_exporter_test_value{a="z"} 2.0\n')
+
+
+@pytest.mark.parametrize("values", [
+    [0, -0.0, 0.0, 1, True, 1.0],
+    [math.nan, math.nan],
+    [-0.0, -0.0],
+    [0, 0],
+    [math.inf, -math.inf, 1e-300, 1.5e21, 2**53, 2**53 + 1, -5, 12229541888],
+    [7, 7, 7],
+])
+def test_column_values_render_as_prometheus_client_renders_them(values):
+    for labels, columns in (([], []), (["i"], [[str(i) for i in range(len(values))]]), (["k"], ["one"])):
+        family = GaugeColumns("mig_exporter_test_value", "h", labels=labels, columns=columns, values=values,
+                              count=len(values))
+        reference = GaugeMetricFamily("mig_exporter_test_value", "h", labels=labels)
+        for i, value in enumerate(values):
+            reference.add_metric([str(i)] if labels == ["i"] else ["one"] * len(labels), value)
+        for accept in ACCEPT_HEADERS[:6]:
+            assert render([family], accept) == _reference([reference], accept), (labels, accept)
+
+
+def test_a_column_family_without_rows_is_not_printed_and_wrong_lengths_are_refused():
+    empty = GaugeColumns("mig_exporter_test_value", "h", labels=["a"], columns=[[]], values=[], count=0)
+    assert render([empty], "") == (b"", choose_encoder("")[1])
+    with pytest.raises(ValueError, match="a column of 1 rows, not 2"):
+        GaugeColumns("mig_exporter_test_value", "h", labels=["a"], columns=[["x"]], values=1, count=2)
+    with pytest.raises(ValueError, match="1 labels, 2 columns"):
+        GaugeColumns("mig_exporter_test_value", "h", labels=["a"], columns=["x", "y"], values=1, count=2)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=st.integers(0, 2**53 - 1) | st.sampled_from([0, 999_999, 1_000_000, 10**15, 2**53 - 1, 2**31 * 10]))
+def test_an_int_value_is_written_as_float_to_go_string_writes_it(value):
+    # Byte counts skip float's repr where the installed prometheus_client agrees (0.20 and later).
+    assert exposition._INT_TEXT_AGREES
+    assert exposition._int_text(value) == floatToGoString(value)
+    assert exposition._Numbers()[value] == floatToGoString(value)

@@ -60,8 +60,11 @@ class Answer:
             if encoding.value is None:
                 body, content_type = render(self.families, accept)
                 if compress:
-                    # Level 1, as nginx's default: a third of level 6's time for a
-                    # body ~15% larger, on a scrape that must cost next to nothing.
+                    # Level 1 (nginx's default, Go's BestSpeed): on big-mig's 364 KiB,
+                    # 0.9 ms for 25 KiB, where 6 (client_golang's default) takes 2.3 ms
+                    # for 22 KiB and 9 (client_python's) 6 ms for 19 KiB; 2 and 3 cost
+                    # the same as 1 within 2% and save 2%, and 0 saves 0.7 ms but sends
+                    # 15 times the bytes to every Prometheus.
                     body = gzip.compress(body, compresslevel=1)
                 encoding.value = (body, content_type)
             return encoding.value

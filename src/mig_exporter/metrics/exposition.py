@@ -8,6 +8,10 @@ sample name); on a node with hundreds of processes that was most of a
 scrape's cost (docs/performance.md). Here a line template is built once per
 sample name and label names, and a sample is one ``%`` format of its label
 values, escaped only when they hold a backslash, quote or newline.
+The hot families (a line per device, two per process) are ``GaugeColumns``: the
+collector keeps their label values as columns, written here straight into the
+template, with no ``Sample`` or label dict per line; their ``samples`` are
+built only when something else reads them (another registry, a test).
 The format and Content-Type are still chosen by prometheus_client's
 ``choose_encoder``; anything outside the plain case (another metric type, a
 unit, timestamps, exemplars, a name that needs escaping, the ``dots`` or
@@ -17,13 +21,15 @@ unit, timestamps, exemplars, a name that needs escaping, the ``dots`` or
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from itertools import repeat
 from operator import itemgetter
 
 from prometheus_client import exposition
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 # Names every escaping scheme but "dots" leaves as they are, in both formats.
@@ -35,6 +41,54 @@ _PLAIN_ESCAPINGS = frozenset(
     getattr(openmetrics, name) for name in ("UNDERSCORES", "ALLOWUTF8") if hasattr(openmetrics, name)
 )
 _TEXT_SUFFIXES = ("_created", "_gsum", "_gcount")  # samples prometheus_client moves to families of their own
+
+
+Column = Sequence[str] | str  # a label's value in each row, or one value for every row
+
+
+class GaugeColumns(Metric):
+    """A gauge family held as columns: for each label its value in each row (or one value for
+    every row), and the rows' values (or one for all). ``render`` writes its lines straight from
+    the columns, with no ``Sample`` or label dict per line, a column that holds one value written
+    into the line's template once. ``samples`` are real prometheus_client samples, the same
+    ``GaugeMetricFamily.add_metric`` makes, in row order, built from the columns the first time
+    they are read (by another registry, ``generate_latest``, a test)."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], columns: Sequence[Column],
+                 values: Sequence[float] | float, count: int) -> None:
+        Metric.__init__(self, name, documentation, "gauge")
+        if len(columns) != len(labels):
+            raise ValueError(f"{name}: {len(labels)} labels, {len(columns)} columns")
+        for column in (*columns, values):
+            if not isinstance(column, (str, int, float)) and len(column) != count:
+                raise ValueError(f"{name}: a column of {len(column)} rows, not {count}")
+        self.label_names = tuple(labels)
+        self.columns = tuple(columns)
+        self.values = values
+        self.count = count
+        self._samples: list[Sample] | None = None  # after Metric's own ``samples = []``
+
+    @property  # Metric's is a plain attribute; these are built when first read
+    def samples(self) -> list[Sample]:
+        if self._samples is None:
+            count = self.count
+            columns = [repeat(c, count) if isinstance(c, str) else c for c in self.columns]
+            rows: Iterable[tuple[str, ...]] = zip(*columns, strict=True) if columns else repeat((), count)
+            values = self.values
+            each = repeat(values, count) if isinstance(values, (int, float)) else values
+            name, names = self.name, self.label_names
+            self._samples = [Sample(name, dict(zip(names, row, strict=True)), value)
+                             for row, value in zip(rows, each, strict=True)]
+        return self._samples
+
+    @samples.setter
+    def samples(self, samples: list[Sample]) -> None:
+        self._samples = samples
+
+    @property
+    def unread(self) -> bool:
+        """Whether ``samples`` were never read nor set: the columns are then all there is."""
+        return self._samples is None
 
 
 class _Unsupported(Exception):
@@ -66,7 +120,7 @@ def render(families: Sequence[Metric], accept: str | None) -> tuple[bytes, str]:
     A family with no samples is left out: its HELP and TYPE alone tell a reader
     nothing (no pod on a node, no engine running), and prometheus_client would
     print them."""
-    families = [f for f in families if f.samples]
+    families = [f for f in families if (f.count if isinstance(f, GaugeColumns) and f.unread else f.samples)]
     encoder, content_type = negotiate(accept)
     fast = _fast_encoder(encoder)
     if fast is not None:
@@ -109,8 +163,12 @@ def _open_metrics(families: Sequence[Metric]) -> bytes:
 
 def _render(families: Sequence[Metric], openmetrics_format: bool) -> bytes:
     out: list[str] = []
-    lines: dict[tuple[str, frozenset[str]], _Line] = {}  # per sample name and label names
-    values_text: dict[float, str] = {}  # each value's text, once per scrape
+    lines = _LINES
+    if len(lines) > _LINES_KEPT:
+        lines.clear()
+    numbers = _NUMBERS
+    if len(numbers) > _NUMBERS_KEPT:
+        numbers.clear()
     for metric in families:
         name, kind = metric.name, metric.type
         if kind == "counter":
@@ -125,6 +183,9 @@ def _render(families: Sequence[Metric], openmetrics_format: bool) -> bytes:
         if openmetrics_format:
             help_text = help_text.replace('"', r'\"')
         out.append(f"# HELP {family_name} {help_text}\n# TYPE {family_name} {kind}\n")
+        if isinstance(metric, GaugeColumns) and metric.unread:
+            out.append(_columns_text(metric, numbers))
+            continue
         moved = () if openmetrics_format else tuple(name + suffix for suffix in _TEXT_SUFFIXES)
 
         line: _Line | None = None
@@ -132,13 +193,9 @@ def _render(families: Sequence[Metric], openmetrics_format: bool) -> bytes:
             sample_name, labels, value = sample[0], sample[1], sample[2]
             if sample[3] is not None or sample[4] is not None or (len(sample) > 5 and sample[5] is not None):
                 raise _Unsupported  # a timestamp, an exemplar, a native histogram
-            number = values_text.get(value) if value else None  # 0 and -0.0 are one key, two texts
-            if number is None:
-                if value is None:
-                    raise _Unsupported
-                number = floatToGoString(value)
-                if value:
-                    values_text[value] = number
+            if value is None:
+                raise _Unsupported
+            number = numbers[value]
             # The same label names as the sample before: the same line, values
             # picked by name (a missing name raises KeyError; with the count
             # equal too, the names are the same set).
@@ -184,13 +241,97 @@ class _Line:
         self.template = f"{sample_name}{{{labels}}} %s\n"
 
 
-def _line(lines: dict[tuple[str, frozenset[str]], _Line], sample_name: str, labels: dict[str, str],
+# Lines per sample name, label names and the names the format moves to families of their own, kept
+# from scrape to scrape: the exporter writes a few dozen.
+_LINES: dict[tuple[str, frozenset[str], tuple[str, ...]], _Line] = {}
+_LINES_KEPT = 1024
+
+
+def _line(lines: dict[tuple[str, frozenset[str], tuple[str, ...]], _Line], sample_name: str, labels: dict[str, str],
           moved: tuple[str, ...]) -> _Line:
-    key = (sample_name, frozenset(labels))
+    key = (sample_name, frozenset(labels), moved)
     line = lines.get(key)
     if line is None:
         line = lines[key] = _Line(sample_name, list(labels), moved)
     return line
+
+
+_EXACT = 2**53  # ints below are floats exactly
+
+
+def _int_text(value: int) -> str:
+    """``floatToGoString`` of an int 0 <= value < 2**53 (byte counts), without float's repr:
+    ``N.0`` below a million, else Go's exponent form (``2.147483648e+09``)."""
+    digits = str(value)
+    if value < 1_000_000:
+        return digits + ".0"
+    return f"{digits[0]}.{digits[1:]}".rstrip("0.") + f"e+{len(digits) - 1:02d}"
+
+
+# prometheus_client before 0.20 wrote exponents of 10 and more as e+010: there, all go through it.
+_INT_TEXT_AGREES = all(_int_text(v) == floatToGoString(v)
+                       for v in (0, 7, 999_999, 1_000_000, 2**31, 10**10, _EXACT - 1))
+
+
+class _Numbers(dict[float, str]):
+    """Each value's text (``floatToGoString``), made once."""
+
+    def __missing__(self, value: float) -> str:
+        if type(value) is int and 0 <= value < _EXACT and _INT_TEXT_AGREES:
+            text = _int_text(value)
+        else:
+            text = floatToGoString(value)
+        if value:  # 0 and -0.0 are one key, two texts
+            self[value] = text
+        return text
+
+
+_PLAIN_COLUMNS: set[tuple[str, tuple[str, ...]]] = set()  # family and label names found plain
+
+
+def _columns_text(metric: GaugeColumns, numbers: _Numbers) -> str:
+    """The lines of a ``GaugeColumns`` family, labels in sorted order as prometheus_client writes
+    them: each line one ``%`` format of its varying columns, in a C loop (``map``); a column
+    holding one value, and one value for all rows, are written into the template."""
+    name, names, count = metric.name, metric.label_names, metric.count
+    if (name, names) not in _PLAIN_COLUMNS:
+        if not _PLAIN_NAME.match(name) or not all(_PLAIN_NAME.match(k) for k in names):
+            raise _Unsupported
+        if len(_PLAIN_COLUMNS) > _LINES_KEPT:
+            _PLAIN_COLUMNS.clear()
+        _PLAIN_COLUMNS.add((name, names))
+    pieces = []
+    args: list[Sequence[str]] = []
+    for label, column in sorted(zip(names, metric.columns, strict=True), key=itemgetter(0)):
+        if not isinstance(column, str) and column.count(column[0]) == count:
+            column = column[0]
+        if isinstance(column, str):
+            pieces.append(f'{label}="{_escape_value(column).replace("%", "%%")}"')
+            continue
+        joined = "".join(column)
+        if "\\" in joined or '"' in joined or "\n" in joined:
+            column = [_escape_value(value) for value in column]
+        pieces.append(f'{label}="%s"')
+        args.append(column)
+    template = f"{name}{{{','.join(pieces)}}} " if pieces else f"{name} "
+    values = metric.values
+    if isinstance(values, (int, float)) or (values[0] and values.count(values[0]) == count):
+        # One value for every row (an _info family): 0 and -0.0 compare equal, but are two texts.
+        template += numbers[values if isinstance(values, (int, float)) else values[0]] + "\n"
+    else:
+        template += "%s\n"
+        args.append(list(map(numbers.__getitem__, values)))
+    if not args:
+        return (template % ()) * count
+    if len(args) == 1:
+        return "".join(map(template.__mod__, args[0]))
+    return "".join(map(template.__mod__, zip(*args, strict=True)))
+
+
+# Value texts kept from scrape to scrape: a process's memory and a device's seldom change between
+# two. Cleared when it holds more than a few scrapes' worth (a dict op at a time: thread-safe).
+_NUMBERS = _Numbers()
+_NUMBERS_KEPT = 8192
 
 
 def _escape_value(value: str) -> str:

@@ -11,34 +11,34 @@ unknown value is left out, never written as 0. Sample output (demo)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections import Counter
+from collections.abc import Iterator
+from itertools import compress
+from operator import attrgetter
+from typing import TypeVar, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from mig_exporter.metrics.exposition import Column, GaugeColumns
 from mig_exporter.model.readings import (
     EngineReading,
     OwnerReading,
     PodReading,
-    ProcessOwner,
-    ProcessPod,
     SlurmJobMapReading,
 )
-from mig_exporter.model.snapshot import Device, Process, Snapshot
+from mig_exporter.model.snapshot import Device, Snapshot
 
 DEVICE_LABELS = ["index", "card", "mig_profile"]
 PROCESS_LABELS = [*DEVICE_LABELS, "pid"]
 POD_LABELS = ["namespace", "pod", "container"]
-NO_POD = ProcessPod(0, "", "", "", "")
 SLURM_RESOURCE = "slurm"  # the resource label of a device a Slurm job-map file allocates
 # Never "job": Prometheus sets that label on every series it scrapes.
 OWNER_LABELS = ["slurm_job", "slurm_step", "systemd_unit", "user"]
-NO_OWNER = ProcessOwner(0, None, None, None, None)
 K = TypeVar("K")  # what memory is summed by: a pod's container, a Slurm job, a systemd unit
 
 
-def _device_labels(d: Device) -> list[str]:
-    return [str(d.index), str(d.card), d.profile or ""]
+def _device_labels(d: Device) -> tuple[str, str, str]:
+    return str(d.index), str(d.card), d.profile or ""
 
 
 def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None,
@@ -52,89 +52,94 @@ def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None,
 
 
 def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
-    info = GaugeMetricFamily(
+    devices = snapshot.devices
+    n = len(devices)
+    labels = [_device_labels(d) for d in devices]
+    index, card, profile = [d[0] for d in labels], [d[1] for d in labels], [d[2] for d in labels]
+    yield GaugeColumns(
         "mig_exporter_device_info",
         "A device a workload runs on: a whole card, or one MIG instance of a card in MIG mode. "
         "Compute instances of one gpu_instance share its memory. device is the name people read: "
         "card/migN for a MIG instance (1/mig2 is index 1102), the card's index for a whole card.",
         labels=["index", "card", "mig_profile", "uuid", "gpu_instance", "compute_instance", "class", "name", "device"],
+        columns=[index, card, profile, [d.uuid or "" for d in devices],
+                 [_int_label(d.gpu_instance_id) for d in devices], [_int_label(d.compute_instance_id) for d in devices],
+                 [d.device_class or "" for d in devices], [d.name or "" for d in devices],
+                 [d.display_name for d in devices]],
+        values=1,
+        count=n,
     )
-    memory = {
-        field: GaugeMetricFamily(
+    for field, text in (
+        ("total", "in total"),
+        ("used", "in use"),
+        ("free", "free"),
+        ("reserved", "reserved by the driver and firmware"),
+    ):
+        values = [getattr(d.memory, f"{field}_bytes") for d in devices]
+        yield _known(
             f"mig_exporter_device_memory_{field}_bytes",
             f"Device framebuffer memory {text}, in bytes (nvidia-smi fb_memory_usage/{field}).",
-            labels=DEVICE_LABELS,
+            DEVICE_LABELS, [index, card, profile], values,
         )
-        for field, text in (
-            ("total", "in total"),
-            ("used", "in use"),
-            ("free", "free"),
-            ("reserved", "reserved by the driver and firmware"),
-        )
-    }
-    count = GaugeMetricFamily(
+    by_device = Counter(map(attrgetter("device_index"), snapshot.processes))
+    yield GaugeColumns(
         "mig_exporter_device_processes",
         "Processes holding memory on the device, as the driver lists them.",
-        labels=DEVICE_LABELS,
+        labels=DEVICE_LABELS, columns=[index, card, profile], values=[by_device[d.index] for d in devices], count=n,
     )
-    by_device: dict[int, int] = {d.index: 0 for d in snapshot.devices}
-    for p in snapshot.processes:
-        by_device[p.device_index] = by_device.get(p.device_index, 0) + 1
-    for d in snapshot.devices:
-        labels = _device_labels(d)
-        info.add_metric(
-            [
-                *labels,
-                d.uuid or "",
-                _int_label(d.gpu_instance_id),
-                _int_label(d.compute_instance_id),
-                d.device_class or "",
-                d.name or "",
-                d.display_name,
-            ],
-            1,
-        )
-        values = {
-            "total": d.memory.total_bytes,
-            "used": d.memory.used_bytes,
-            "free": d.memory.free_bytes,
-            "reserved": d.memory.reserved_bytes,
-        }
-        for field, value in values.items():
-            if value is not None:
-                memory[field].add_metric(labels, value)
-        count.add_metric(labels, by_device[d.index])
-    yield info
-    yield from memory.values()
-    yield count
+
+
+def _known(name: str, documentation: str, labels: list[str], columns: list[list[str]],
+           values: list[int | None]) -> GaugeColumns:
+    """A family of the rows whose value is known: an unknown one is left out, never written as 0."""
+    if None in values:
+        keep = [value is not None for value in values]
+        columns = [list(compress(column, keep)) for column in columns]
+        known = [value for value in values if value is not None]
+    else:
+        known = cast("list[int]", values)
+    return GaugeColumns(name, documentation, labels=labels, columns=columns, values=known, count=len(known))
 
 
 def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: OwnerReading | None) -> Iterator[Metric]:
-    used = GaugeMetricFamily(
+    processes = snapshot.processes
+    n = len(processes)
+    device_labels = {d.index: _device_labels(d) for d in snapshot.devices}
+    on = [device_labels[p.device_index] for p in processes]
+    index, card, profile = ([d[0] for d in on], [d[1] for d in on], [d[2] for d in on])
+    pid = [str(p.pid) for p in processes]
+    yield _known(
         "mig_exporter_process_memory_used_bytes",
         "Device memory held by the process on the device, in bytes (left out where the driver does not say).",
-        labels=PROCESS_LABELS,
+        PROCESS_LABELS, [index, card, profile, pid], [p.used_bytes for p in processes],
     )
-    info = GaugeMetricFamily(
+    # Without pods or owners (/probe, a node without them) each of their labels is one "" for all.
+    in_pods = pods.processes if pods is not None else {}
+    pod_columns: list[Column] = ["", "", "", ""]
+    if in_pods:
+        pod_of = [in_pods.get(p.pid) for p in processes]
+        pod_columns = [[pod.namespace if pod else "" for pod in pod_of], [pod.pod if pod else "" for pod in pod_of],
+                       [pod.container if pod else "" for pod in pod_of],
+                       [pod.container_id if pod else "" for pod in pod_of]]
+    owned = owners.processes if owners is not None else {}
+    owner_columns: list[Column] = ["", "", "", ""]
+    if owned:
+        owner_of = [owned.get(p.pid) for p in processes]
+        owner_columns = [[(o.slurm_job or "") if o else "" for o in owner_of],
+                         [(o.slurm_step or "") if o else "" for o in owner_of],
+                         [(o.systemd_unit or "") if o else "" for o in owner_of],
+                         [(o.user or "") if o else "" for o in owner_of]]
+    yield GaugeColumns(
         "mig_exporter_process_info",
         "A process on a device, with its name and type (C compute, G graphics, C+G both, M+C MPS), and its "
         "Kubernetes namespace, pod, container and container id, its Slurm job and step, its systemd unit and its "
         "user (each empty where unknown or not in one).",
         labels=[*PROCESS_LABELS, "process_name", "process_type", *POD_LABELS, "container_id", *OWNER_LABELS],
+        columns=[index, card, profile, pid, [p.name for p in processes], [p.type for p in processes],
+                 *pod_columns, *owner_columns],
+        values=1,
+        count=n,
     )
-    device_labels = {d.index: _device_labels(d) for d in snapshot.devices}
-    in_pods = pods.processes if pods is not None else {}
-    owned = owners.processes if owners is not None else {}
-    for p in snapshot.processes:
-        labels = [*device_labels[p.device_index], str(p.pid)]
-        pod = in_pods.get(p.pid, NO_POD)
-        owner = owned.get(p.pid, NO_OWNER)
-        info.add_metric([*labels, p.name, p.type, pod.namespace, pod.pod, pod.container, pod.container_id,
-                         owner.slurm_job or "", owner.slurm_step or "", owner.systemd_unit or "", owner.user or ""], 1)
-        if p.used_bytes is not None:
-            used.add_metric(labels, p.used_bytes)
-    yield used
-    yield info
 
 
 def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
@@ -256,11 +261,8 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
             "left out where there is no socket (not on Kubernetes).",
             value=int(reading.pod_resources_success),
         )
-    def container(p: Process) -> tuple[str, str, str] | None:
-        pod = reading.processes.get(p.pid)
-        return None if pod is None or not pod.pod else (pod.namespace, pod.pod, pod.container)
-
-    sums = _memory_by(snapshot, container)
+    sums = _memory_by(snapshot, {pid: (pod.namespace, pod.pod, pod.container)
+                                 for pid, pod in reading.processes.items() if pod.pod})
     used = GaugeMetricFamily(
         "mig_exporter_pod_memory_used_bytes",
         "Device memory the processes of a pod's container hold, summed over all devices, in bytes "
@@ -272,17 +274,24 @@ def pod_families(reading: PodReading, snapshot: Snapshot) -> Iterator[Metric]:
     yield used
 
 
-def _memory_by(snapshot: Snapshot, key_of: Callable[[Process], K | None]) -> dict[K, int]:
-    """Process memory summed per key (``None``: not counted). A key one of
-    whose processes the driver gives no figure for is left out: its sum would
-    be too low."""
-    sums: dict[K, int | None] = {}
+def _memory_by(snapshot: Snapshot, keys: dict[int, K]) -> dict[K, int]:
+    """Process memory summed per key, by pid (a pid not in ``keys`` is not
+    counted). A key one of whose processes the driver gives no figure for is
+    left out: its sum would be too low."""
+    if not keys:  # no pod, job or unit known: nothing to sum (and no loop over every process)
+        return {}
+    sums: dict[K, int] = {}
+    unknown = []
     for p in snapshot.processes:
-        key = key_of(p)
-        if key is None or (key in sums and sums[key] is None):
-            continue
-        sums[key] = None if p.used_bytes is None else (sums.get(key) or 0) + p.used_bytes
-    return {key: value for key, value in sums.items() if value is not None}
+        key = keys.get(p.pid)
+        if key is not None:
+            if p.used_bytes is None:
+                unknown.append(key)
+            else:
+                sums[key] = sums.get(key, 0) + p.used_bytes
+    for key in unknown:
+        sums.pop(key, None)
+    return sums
 
 
 def allocation_families(pods: PodReading | None, job_map: SlurmJobMapReading | None) -> Iterator[Metric]:
@@ -324,8 +333,8 @@ def owner_families(reading: OwnerReading, snapshot: Snapshot) -> Iterator[Metric
         mig_exporter_systemd_unit_memory_used_bytes{systemd_unit="ollama.service"} 1.207959552e+10
     """
     owners = reading.processes
-    jobs = _memory_by(snapshot, lambda p: owners[p.pid].slurm_job if p.pid in owners else None)
-    units = _memory_by(snapshot, lambda p: owners[p.pid].systemd_unit if p.pid in owners else None)
+    jobs = _memory_by(snapshot, {pid: o.slurm_job for pid, o in owners.items() if o.slurm_job is not None})
+    units = _memory_by(snapshot, {pid: o.systemd_unit for pid, o in owners.items() if o.systemd_unit is not None})
     for name, label, what, sums in (
         ("mig_exporter_slurm_job_memory_used_bytes", "slurm_job", "a Slurm job's processes (all its steps)", jobs),
         ("mig_exporter_systemd_unit_memory_used_bytes", "systemd_unit", "a systemd unit's processes", units),
