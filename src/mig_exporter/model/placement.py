@@ -19,6 +19,7 @@ path fed it:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from mig_exporter.model.device_class import card_class, mig_device_class
 from mig_exporter.model.snapshot import (
@@ -195,7 +196,7 @@ def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Proces
     for p in readings:
         seen = by_pid.get(p.pid)
         if seen is None:
-            by_pid[p.pid] = Process(p.pid, p.type, p.name, p.used_bytes, device_index)
+            by_pid[p.pid] = Process(p[0], p[1], p[2], p[3], device_index)
             continue
         known = [u for u in (seen.used_bytes, p.used_bytes) if u is not None]
         used = max(known) if known else None
@@ -203,7 +204,10 @@ def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Proces
         by_pid[p.pid] = Process(p.pid, "+".join(types), seen.name or p.name, used, device_index)
     # By pid: the drivers' list orders differ between paths (NVML lists compute
     # before graphics), the snapshot must not.
-    return sorted(by_pid.values(), key=lambda p: p.pid)
+    return sorted(by_pid.values(), key=_by_pid)
+
+
+_by_pid = attrgetter("pid")
 
 
 def _type_order(letter: str) -> tuple[int, str]:
