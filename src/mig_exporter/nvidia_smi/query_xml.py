@@ -10,6 +10,15 @@ The parser is hardened: no DTD is loaded (nvidia-smi names
 top of that, an ASCII/UTF-8 document that declares entities is refused before
 parsing (nvidia-smi never does, even with ``--dtd``), and so is a document in
 another encoding (UTF-16), which nvidia-smi never writes either.
+
+``<processes>`` is most of a busy report, and building its elements most of
+the parse. Where the report is plain (no comments, CDATA, processing
+instructions, internal DTD subset; UTF-8) and each ``<processes>`` holds
+``<process_info>`` rows exactly as nvidia-smi writes them, each such section is
+read by one regular expression and lxml parses the rest with a placeholder in
+its place. The rows' grammar admits only well-formed XML whose text lxml would
+give unchanged (no markup, reference or CR in a value), so the report reads the
+same; anything else is parsed whole, as before (tests/test_parse_expectations.py).
 """
 
 from __future__ import annotations
@@ -46,6 +55,36 @@ _PROCESS_NAME = re.compile(rb"(<process_name>)(.*?)(</process_name>)", re.S)
 # Characters XML 1.0 forbids, which a process name may still carry.
 _XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
+# The fast reading of <processes> (see the module's docstring).
+_SECTION_OPEN, _SECTION_CLOSE = b"<processes>", b"</processes>"
+# Marks where a section was taken out; a report that already holds it is parsed whole.
+_MARK = "mig-exporter-section"
+_MARK_BYTES = _MARK.encode()
+_DECLARATION = re.compile(rb"(?:\xef\xbb\xbf)?<\?xml[^<>?]*\?>")
+_DECLARED_ENCODING = re.compile(rb"encoding[ \t\r\n]*=[ \t\r\n]*([\"'])([^\"'<>]*)\1")
+_PLAIN_DOCTYPE = re.compile(rb"<!DOCTYPE[^\[\]<>]*>")
+_BLANK = "[ \t\r\n]*"
+# A value: no markup, no reference, no CR (which lxml would turn into LF), no character
+# XML forbids (which would make lxml refuse the report).
+_VALUE = "([^<&\r\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]*)"
+
+
+def _element(tag: str) -> str:
+    return f"<{tag}>{_VALUE}</{tag}>{_BLANK}"
+
+
+# One <process_info> as nvidia-smi writes it, with or without the instance ids
+# (drivers before R450 have none), each value captured; or any other character,
+# captured last, which makes the section not plain.
+_ROW = re.compile(
+    f"{_BLANK}(?:<process_info>{_BLANK}"
+    f"(?:{_element('gpu_instance_id')}{_element('compute_instance_id')})?"
+    f"{_element('pid')}{_element('type')}{_element('process_name')}{_element('used_memory')}"
+    "</process_info>|(.))",
+    re.S,
+)
+_Row = tuple[str, str, str, str, str, str, str]
+
 
 @dataclass(frozen=True, slots=True)
 class QueryReport:
@@ -81,14 +120,20 @@ def parse_query_xml(data: bytes) -> QueryReport:
         raise ParseError("nvidia-smi -q -x output is not UTF-8 (NUL bytes)")
     if _ENTITY_DECLARATION.search(data):
         raise ParseError("nvidia-smi -q -x output declares XML entities; refused (nvidia-smi never does)")
+    data = bytes(data)
+    fast = _parse_fast(data)
+    if fast is not None:
+        root, sections = fast
+        return _report(root, sections, [])
+    sections = []
     problems: list[str] = []
     try:
-        root = _parse(bytes(data))
+        root = _parse(data)
     except etree.XMLSyntaxError as e:
         # nvidia-smi has been seen writing raw bytes of a process's name that
         # are not UTF-8, or control characters; one such name must not cost
         # the whole read. Repair process names only, then try once more.
-        repaired, count = _repair_process_names(bytes(data))
+        repaired, count = _repair_process_names(data)
         if not count:
             raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
         try:
@@ -96,6 +141,10 @@ def parse_query_xml(data: bytes) -> QueryReport:
         except etree.XMLSyntaxError:
             raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
         problems.append(f"{count} process name(s) held bytes that are not UTF-8 text; read with replacements")
+    return _report(root, sections, problems)
+
+
+def _report(root: etree._Element | None, sections: list[list[_Row]], problems: list[str]) -> QueryReport:
     if root is None or root.tag != "nvidia_smi_log":
         tag = getattr(root, "tag", None)
         raise ParseError(f"nvidia-smi -q -x output has root <{tag}>, expected <nvidia_smi_log>")
@@ -104,7 +153,7 @@ def parse_query_xml(data: bytes) -> QueryReport:
     for index, gpu in enumerate(root.iterfind("gpu")):
         card_problems: list[str] = []
         try:
-            cards.append(_read_card(index, gpu, card_problems))
+            cards.append(_read_card(index, gpu, sections, card_problems))
         except Exception as e:  # one unreadable card never blanks the others
             cards.append(CardReading(index=index, uuid=_text(gpu, "uuid"), name=_text(gpu, "product_name"),
                                      error=f"section unreadable: {_one_line(str(e)) or type(e).__name__}"))
@@ -124,6 +173,86 @@ def _parse(data: bytes) -> etree._Element:
         raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
 
 
+def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
+    """The report parsed with each plain ``<processes>`` section read apart, or ``None``
+    where the report or a section is not plain: the caller then parses it whole.
+
+    Why this reads the same: with no comment, CDATA section, processing instruction or
+    internal subset, every ``<processes>`` in the bytes is a start tag; a section of
+    ``_ROW`` rows is well-formed XML that lxml would build as elements whose text is the
+    captured value; and the placeholders are found where the sections were, each once, as
+    ``<processes>`` children of a ``<gpu>`` of the root (where the whole parse reads them),
+    so the rest parsing well-formed means the whole report does."""
+    if _MARK_BYTES in data or not _is_plain(data):
+        return None
+    parts: list[bytes] = []
+    sections: list[list[_Row]] = []
+    start = end = 0
+    while (start := data.find(_SECTION_OPEN, end)) >= 0:
+        close = data.find(_SECTION_CLOSE, start)
+        if close < 0:
+            return None
+        rows = _plain_rows(data[start + len(_SECTION_OPEN):close])
+        if rows is None:
+            return None
+        parts += (data[end:start], b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections)))
+        sections.append(rows)
+        end = close + len(_SECTION_CLOSE)
+    if not sections:
+        return None  # nothing to gain
+    parts.append(data[end:])
+    try:
+        root = etree.fromstring(b"".join(parts), _parser())
+    except (etree.XMLSyntaxError, ValueError):
+        return None  # the whole parse says why
+    found = [section.get(_MARK) for gpu in root.iterfind("gpu") for section in gpu.iterfind("processes")]
+    if root.tag != "nvidia_smi_log" or found != [str(i) for i in range(len(sections))]:
+        return None
+    return root, sections
+
+
+def _is_plain(data: bytes) -> bool:
+    """No comment, CDATA, processing instruction (but the declaration) or internal subset;
+    UTF-8 (lxml's default, and what the rows are decoded as)."""
+    declaration = _DECLARATION.match(data)
+    if declaration is not None:
+        encoding = _DECLARED_ENCODING.search(declaration.group())
+        if b"encoding" in declaration.group() and (encoding is None or encoding.group(2).lower() != b"utf-8"):
+            return False
+    questions = _markup_starts(data, b"?")
+    if questions != ([declaration.group().index(b"<?")] if declaration is not None else []):
+        return False
+    bangs = _markup_starts(data, b"!")
+    return not bangs or (len(bangs) == 1 and _PLAIN_DOCTYPE.match(data, bangs[0]) is not None)
+
+
+def _markup_starts(data: bytes, char: bytes) -> list[int]:
+    """Where ``<`` + ``char`` occurs. By the rare second character: ``find`` of
+    ``<?`` stops at every ``<`` of the report."""
+    found = []
+    at = data.find(char, 1)
+    while at >= 0:
+        if data[at - 1] == 0x3C:  # "<"
+            found.append(at - 1)
+        at = data.find(char, at + 1)
+    return found
+
+
+def _plain_rows(section: bytes) -> list[_Row] | None:
+    """The rows of a section's content, or ``None`` where it holds anything else, is not
+    UTF-8, or has a character or sequence XML forbids in text."""
+    try:
+        text = section.decode("utf-8").rstrip(" \t\r\n")
+    except UnicodeDecodeError:
+        return None
+    if "]]>" in text:
+        return None
+    rows: list[_Row] = _ROW.findall(text)
+    if any(row[6] for row in rows):
+        return None
+    return rows
+
+
 def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     """Process names decoded leniently, stripped of characters XML forbids and
     escaped again; returns the document and how many names changed."""
@@ -141,7 +270,7 @@ def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     return _PROCESS_NAME.sub(repair, data), changed
 
 
-def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardReading:
+def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]], problems: list[str]) -> CardReading:
     values = _Values(problems)
     mig_current = values.flag(gpu, "mig_mode/current_mig")
     mig_pending = values.flag(gpu, "mig_mode/pending_mig")
@@ -161,21 +290,15 @@ def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardRead
             memory=values.memory(el, "fb_memory_usage"),
         ))
     processes: list[ProcessReading] = []
-    for el in gpu.iterfind("processes/process_info"):
-        fields = _child_texts(el)
-        pid_text = _raw(fields.get("pid"))
-        pid = int(pid_text) if _DIGITS.match(pid_text) else 0
-        if not is_plausible_pid(pid):
-            problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
+    for section in gpu.iterfind("processes"):
+        mark = section.get(_MARK)
+        if mark is not None:
+            _add_rows(processes, values, sections[int(mark)])
             continue
-        processes.append(ProcessReading(
-            pid,
-            _known(fields.get("type")) or "",
-            _raw(fields.get("process_name")),
-            values.size_field(fields.get("used_memory"), "used_memory"),
-            values.integer_field(fields.get("gpu_instance_id"), "gpu_instance_id"),
-            values.integer_field(fields.get("compute_instance_id"), "compute_instance_id"),
-        ))
+        for el in section.iterfind("process_info"):
+            fields = _child_texts(el)
+            _add_process(processes, values, fields.get("pid"), fields.get("type"), fields.get("process_name"),
+                         fields.get("used_memory"), fields.get("gpu_instance_id"), fields.get("compute_instance_id"))
     return CardReading(
         index=index,
         uuid=_text(gpu, "uuid"),
@@ -190,6 +313,48 @@ def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardRead
         instances=tuple(instances),
         processes=tuple(processes),
     )
+
+
+def _add_process(processes: list[ProcessReading], values: _Values, pid_raw: str | None, kind: str | None,
+                 name: str | None, used: str | None, gi: str | None, ci: str | None) -> None:
+    """A ``<process_info>``'s untrimmed texts read into a row, or a problem line."""
+    pid_text = _raw(pid_raw)
+    pid = int(pid_text) if _DIGITS.match(pid_text) else 0
+    if not is_plausible_pid(pid):
+        values.problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
+        return
+    processes.append(ProcessReading(
+        pid,
+        _known(kind) or "",
+        _raw(name),
+        values.size_field(used, "used_memory"),
+        values.integer_field(gi, "gpu_instance_id"),
+        values.integer_field(ci, "compute_instance_id"),
+    ))
+
+
+def _add_rows(processes: list[ProcessReading], values: _Values, rows: list[_Row]) -> None:
+    """A plain section's rows: ``_add_process`` for each, with the values nvidia-smi
+    writes (decimal pid, "<n> MiB", decimal ids) read inline to the same result."""
+    kinds: dict[str, str] = {}
+    new = ProcessReading._make
+    for gi, ci, pid_raw, kind, name, used, _ in rows:
+        if not (pid_raw.isascii() and pid_raw.isdigit() and len(pid_raw) <= 10
+                and is_plausible_pid(pid := int(pid_raw))):
+            _add_process(processes, values, pid_raw, kind, name, used, gi, ci)
+            continue
+        known = kinds.get(kind)
+        if known is None:
+            known = kinds[kind] = _known(kind) or ""
+        processes.append(new((
+            pid,
+            known,
+            name.strip(),
+            int(float(used[:-4]) * MIB) if used.endswith(" MiB") and used[:-4].isdecimal()
+            else values.size_field(used, "used_memory"),
+            int(gi) if gi.isdecimal() else values.integer_field(gi, "gpu_instance_id"),
+            int(ci) if ci.isdecimal() else values.integer_field(ci, "compute_instance_id"),
+        )))
 
 
 # Power draw moved between drivers: power_readings (<=525), gpu_power_readings
