@@ -188,7 +188,7 @@ def digest(value: Any) -> str:
 def fixture_cases(fixtures: Any, samples: Any) -> dict[str, tuple[bytes, bytes | None]]:
     """Our fixtures and the demo sample, each with its ``-L`` where there is one, and their variants."""
     cases: dict[str, tuple[bytes, bytes | None]] = {}
-    xmls = sorted(fixtures.glob("*.xml")) + [samples / "demo.xml"]
+    xmls = [*sorted(fixtures.glob("*.xml")), samples / "demo.xml"]
     for path in xmls:
         listing = path.with_name(path.name[:-4] + ".L.txt")
         cases[f"fixture:{path.name}"] = (path.read_bytes(), listing.read_bytes() if listing.exists() else None)

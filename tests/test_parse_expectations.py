@@ -14,7 +14,7 @@ import smi_variants
 from conftest import FIXTURES, REPO, SAMPLES, require_real_corpus
 
 sys.path.insert(0, str(REPO))
-from benchmarks import scenarios  # noqa: E402 - needs the repository on sys.path
+from benchmarks import scenarios
 
 EXPECTED = json.loads((FIXTURES / "snapshot-digests.json").read_text())
 

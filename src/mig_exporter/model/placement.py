@@ -193,10 +193,11 @@ def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Proces
     device) is one process: its types joined (C+G, M+C) and the larger usage.
     """
     by_pid: dict[int, Process] = {}
+    new = tuple.__new__  # a named tuple's own constructor is a Python function around it
     for p in readings:
         seen = by_pid.get(p.pid)
         if seen is None:
-            by_pid[p.pid] = Process(p[0], p[1], p[2], p[3], device_index)
+            by_pid[p.pid] = new(Process, (p[0], p[1], p[2], p[3], device_index))
             continue
         known = [u for u in (seen.used_bytes, p.used_bytes) if u is not None]
         used = max(known) if known else None

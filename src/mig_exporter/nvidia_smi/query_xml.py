@@ -25,12 +25,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import cast
 
 from lxml import etree
 
 from mig_exporter.core.errors import ParseError
-from mig_exporter.model.snapshot import MIB, CardReading, Memory, MigInstance, ProcessReading, is_plausible_pid
+from mig_exporter.model.snapshot import (
+    MIB,
+    PID_MAX_LIMIT,
+    CardReading,
+    Memory,
+    MigInstance,
+    ProcessReading,
+    is_plausible_pid,
+)
 
 # Texts that mean "no value". Checked in lower case; anything in [brackets]
 # (the CSV forms: [N/A], [Not Supported], [Unknown Error]) counts too.
@@ -64,9 +73,11 @@ _DECLARATION = re.compile(rb"(?:\xef\xbb\xbf)?<\?xml[^<>?]*\?>")
 _DECLARED_ENCODING = re.compile(rb"encoding[ \t\r\n]*=[ \t\r\n]*([\"'])([^\"'<>]*)\1")
 _PLAIN_DOCTYPE = re.compile(rb"<!DOCTYPE[^\[\]<>]*>")
 _BLANK = "[ \t\r\n]*"
-# A value: no markup, no reference, no CR (which lxml would turn into LF), no character
-# XML forbids (which would make lxml refuse the report).
-_VALUE = "([^<&\r\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]*)"
+# A value: no markup, no reference, no CR (which lxml would turn into LF). The characters
+# XML forbids are looked for in the whole section first (a shorter class is a faster match).
+_VALUE = "([^<&\r]*)"
+_TEXT_BYTES = bytes([0x09, 0x0A, 0x0D, *range(0x20, 0x100)])
+_NONCHARACTERS = (b"\xef\xbf\xbe", b"\xef\xbf\xbf")  # U+FFFE, U+FFFF in UTF-8
 
 
 def _element(tag: str) -> str:
@@ -241,6 +252,8 @@ def _markup_starts(data: bytes, char: bytes) -> list[int]:
 def _plain_rows(section: bytes) -> list[_Row] | None:
     """The rows of a section's content, or ``None`` where it holds anything else, is not
     UTF-8, or has a character or sequence XML forbids in text."""
+    if section.translate(None, _TEXT_BYTES) or (b"\xef" in section and any(c in section for c in _NONCHARACTERS)):
+        return None
     try:
         text = section.decode("utf-8").rstrip(" \t\r\n")
     except UnicodeDecodeError:
@@ -248,9 +261,12 @@ def _plain_rows(section: bytes) -> list[_Row] | None:
     if "]]>" in text:
         return None
     rows: list[_Row] = _ROW.findall(text)
-    if any(row[6] for row in rows):
+    if any(map(_junk, rows)):
         return None
     return rows
+
+
+_junk = itemgetter(6)
 
 
 def _repair_process_names(data: bytes) -> tuple[bytes, int]:
@@ -272,22 +288,21 @@ def _repair_process_names(data: bytes) -> tuple[bytes, int]:
 
 def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]], problems: list[str]) -> CardReading:
     values = _Values(problems)
-    mig_current = values.flag(gpu, "mig_mode/current_mig")
-    mig_pending = values.flag(gpu, "mig_mode/pending_mig")
+    card = _Children(gpu)
+    mig_current = values.flag(card, "mig_mode/current_mig")
+    mig_pending = values.flag(card, "mig_mode/pending_mig")
     instances: list[MigInstance] = []
-    # A MIG device or process is read in one pass over its children: a path
-    # lookup per value was most of the parse on a node with many processes.
     for el in gpu.iterfind("mig_devices/mig_device"):
-        fields = _child_texts(el)
-        mig_index = values.integer_field(fields.get("index"), "index")
+        fields = _Children(el)
+        mig_index = values.integer_field(fields.text("index"), "index")
         if mig_index is None:
             problems.append("a MIG device without a readable index; skipped")
             continue
         instances.append(MigInstance(
             mig_index=mig_index,
-            gpu_instance_id=values.integer_field(fields.get("gpu_instance_id"), "gpu_instance_id"),
-            compute_instance_id=values.integer_field(fields.get("compute_instance_id"), "compute_instance_id"),
-            memory=values.memory(el, "fb_memory_usage"),
+            gpu_instance_id=values.integer_field(fields.text("gpu_instance_id"), "gpu_instance_id"),
+            compute_instance_id=values.integer_field(fields.text("compute_instance_id"), "compute_instance_id"),
+            memory=values.memory(fields, "fb_memory_usage"),
         ))
     processes: list[ProcessReading] = []
     for section in gpu.iterfind("processes"):
@@ -296,20 +311,20 @@ def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]], prob
             _add_rows(processes, values, sections[int(mark)])
             continue
         for el in section.iterfind("process_info"):
-            fields = _child_texts(el)
-            _add_process(processes, values, fields.get("pid"), fields.get("type"), fields.get("process_name"),
-                         fields.get("used_memory"), fields.get("gpu_instance_id"), fields.get("compute_instance_id"))
+            texts = _child_texts(el)
+            _add_process(processes, values, texts.get("pid"), texts.get("type"), texts.get("process_name"),
+                         texts.get("used_memory"), texts.get("gpu_instance_id"), texts.get("compute_instance_id"))
     return CardReading(
         index=index,
-        uuid=_text(gpu, "uuid"),
-        name=_text(gpu, "product_name"),
-        pci_bus_id=_text(gpu, "pci/pci_bus_id") or _attr(gpu, "id"),
+        uuid=_text(card, "uuid"),
+        name=_text(card, "product_name"),
+        pci_bus_id=_text(card, "pci/pci_bus_id") or _attr(gpu, "id"),
         mig_current=mig_current,
         mig_pending=mig_pending,
-        temperature_celsius=values.number(gpu, "temperature/gpu_temp", "c"),
-        power_draw_watts=values.first_number(gpu, _POWER_DRAW_PATHS, "w"),
-        utilization_ratio=_percent_to_ratio(values.number(gpu, "utilization/gpu_util", "%")),
-        memory=values.memory(gpu, "fb_memory_usage"),
+        temperature_celsius=values.number(card, "temperature/gpu_temp", "c"),
+        power_draw_watts=values.first_number(card, _POWER_DRAW_PATHS, "w"),
+        utilization_ratio=_percent_to_ratio(values.number(card, "utilization/gpu_util", "%")),
+        memory=values.memory(card, "fb_memory_usage"),
         instances=tuple(instances),
         processes=tuple(processes),
     )
@@ -337,16 +352,16 @@ def _add_rows(processes: list[ProcessReading], values: _Values, rows: list[_Row]
     """A plain section's rows: ``_add_process`` for each, with the values nvidia-smi
     writes (decimal pid, "<n> MiB", decimal ids) read inline to the same result."""
     kinds: dict[str, str] = {}
-    new = ProcessReading._make
+    new = tuple.__new__  # a named tuple's own constructor is a Python function around it
     for gi, ci, pid_raw, kind, name, used, _ in rows:
         if not (pid_raw.isascii() and pid_raw.isdigit() and len(pid_raw) <= 10
-                and is_plausible_pid(pid := int(pid_raw))):
+                and 0 < (pid := int(pid_raw)) < PID_MAX_LIMIT):
             _add_process(processes, values, pid_raw, kind, name, used, gi, ci)
             continue
         known = kinds.get(kind)
         if known is None:
             known = kinds[kind] = _known(kind) or ""
-        processes.append(new((
+        processes.append(new(ProcessReading, (
             pid,
             known,
             name.strip(),
@@ -369,13 +384,47 @@ _POWER_DRAW_PATHS = (
 )
 
 
+class _Children:
+    """An element's children by tag, gathered in one pass; ``find`` as the element's own
+    for the paths read here (``tag`` or ``tag/child``). The element's ``find`` walks the
+    children again at each call, and a ``<gpu>`` has some sixty."""
+
+    __slots__ = ("element", "first")
+
+    def __init__(self, element: etree._Element) -> None:
+        self.element = element
+        # The first child of each tag; None where the tag repeats (then the path's own lookup).
+        first: dict[object, etree._Element | None] = {}
+        for child in element:
+            tag = child.tag
+            first[tag] = None if tag in first else child
+        self.first = first
+
+    def find(self, path: str) -> etree._Element | None:
+        head, _, rest = path.partition("/")
+        if head not in self.first:
+            return None
+        found = self.first[head]
+        if found is None:
+            return self.element.find(path)
+        return found.find(rest) if rest else found
+
+    def text(self, tag: str) -> str | None:
+        """The first ``tag`` child's untrimmed text."""
+        found = self.find(tag)
+        return None if found is None else found.text
+
+
+_Lookup = etree._Element | _Children
+
+
 class _Values:
     """Reads typed values; an unreadable one becomes ``None`` and a problem line."""
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
 
-    def number(self, el: etree._Element, path: str, unit: str) -> float | None:
+    def number(self, el: _Lookup, path: str, unit: str) -> float | None:
         text = _text(el, path)
         if text is None:
             return None
@@ -385,7 +434,7 @@ class _Values:
             return None
         return float(m.group(1))
 
-    def first_number(self, el: etree._Element, paths: tuple[str, ...], unit: str) -> float | None:
+    def first_number(self, el: _Lookup, paths: tuple[str, ...], unit: str) -> float | None:
         for path in paths:
             value = self.number(el, path, unit)
             if value is not None:
@@ -424,7 +473,7 @@ class _Values:
             return None
         return int(float(m.group(1)) * factor)
 
-    def memory(self, el: etree._Element, path: str) -> Memory:
+    def memory(self, el: _Lookup, path: str) -> Memory:
         block = el.find(path)
         fields = _child_texts(block) if block is not None else {}
         return Memory(
@@ -434,7 +483,7 @@ class _Values:
             reserved_bytes=self.size_field(fields.get("reserved"), f"{path}/reserved"),
         )
 
-    def flag(self, el: etree._Element, path: str) -> bool | None:
+    def flag(self, el: _Lookup, path: str) -> bool | None:
         text = _text(el, path)
         if text is None:
             return None
@@ -447,12 +496,12 @@ class _Values:
         return None
 
 
-def _raw_text(el: etree._Element, path: str) -> str:
+def _raw_text(el: _Lookup, path: str) -> str:
     found = el.find(path)
     return (found.text or "").strip() if found is not None else ""
 
 
-def _text(el: etree._Element, path: str) -> str | None:
+def _text(el: _Lookup, path: str) -> str | None:
     """The element's trimmed text, or ``None`` when absent or an unknown marker."""
     return _known(_raw_text(el, path))
 
