@@ -194,7 +194,7 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
     captured value; and the placeholders are found where the sections were, each once, as
     ``<processes>`` children of a ``<gpu>`` of the root (where the whole parse reads them),
     so the rest parsing well-formed means the whole report does."""
-    if _MARK_BYTES in data or not _is_plain(data):
+    if data.find(_SECTION_OPEN) < 0 or _MARK_BYTES in data or not _is_plain(data):
         return None
     parts: list[bytes] = []
     sections: list[list[_Row]] = []
@@ -384,6 +384,9 @@ _POWER_DRAW_PATHS = (
 )
 
 
+_MEMORY_FIELDS = ("total", "used", "free", "reserved")  # Memory's own order
+
+
 class _Children:
     """An element's children by tag, gathered in one pass; ``find`` as the element's own
     for the paths read here (``tag`` or ``tag/child``). The element's ``find`` walks the
@@ -475,13 +478,16 @@ class _Values:
 
     def memory(self, el: _Lookup, path: str) -> Memory:
         block = el.find(path)
-        fields = _child_texts(block) if block is not None else {}
-        return Memory(
-            total_bytes=self.size_field(fields.get("total"), f"{path}/total"),
-            used_bytes=self.size_field(fields.get("used"), f"{path}/used"),
-            free_bytes=self.size_field(fields.get("free"), f"{path}/free"),
-            reserved_bytes=self.size_field(fields.get("reserved"), f"{path}/reserved"),
-        )
+        if block is None:
+            return Memory()
+        fields = _child_texts(block)
+        return Memory(*[self._size_in(fields.get(name), path, name) for name in _MEMORY_FIELDS])
+
+    def _size_in(self, raw: str | None, block: str, name: str) -> int | None:
+        """``size_field`` of a block's field; its path is only spelled out for a problem line."""
+        if raw is not None and raw.endswith(" MiB") and raw[:-4].isdecimal():
+            return int(float(raw[:-4]) * MIB)
+        return self.size_of(_known(raw), f"{block}/{name}")
 
     def flag(self, el: _Lookup, path: str) -> bool | None:
         text = _text(el, path)
