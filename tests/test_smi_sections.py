@@ -45,17 +45,24 @@ def _value(rng: random.Random) -> str:
     return "".join(rng.choice(XML_CHARS) for _ in range(rng.randrange(12)))
 
 
-def _pid(rng: random.Random) -> str:
-    return str(rng.randrange(1, 4_194_304)) if rng.random() < 0.8 else _value(rng)
+USUAL = {
+    "gpu_instance_id": lambda rng: str(rng.randrange(15)),
+    "compute_instance_id": lambda rng: str(rng.randrange(8)),
+    "pid": lambda rng: str(rng.randrange(1, 4_194_304)).zfill(rng.choice([0, 0, 0, 10, 11])),  # 11 digits: skipped
+    "type": lambda rng: rng.choice(["C", "G", "C+G", "M+C"]),
+    "process_name": lambda rng: rng.choice(["/usr/bin/python3", " llama-server ", "[not found]", "\xe9\u4e2d"]),
+    "used_memory": lambda rng: f"{rng.randrange(10 ** rng.randrange(1, 8))} MiB",
+}
 
 
-def _row(rng: random.Random) -> bytes:
+def _row(rng: random.Random, odd: float) -> bytes:
     layout = list(rng.choice([IDS_LAYOUT, OLD_LAYOUT]))
-    if rng.random() < 0.1:  # not as nvidia-smi writes it: parsed whole
+    if rng.random() < odd / 5:  # not as nvidia-smi writes it: parsed whole
         layout.append(rng.choice(layout))
         rng.shuffle(layout)
     sep = rng.choice(["", "\n", "\n\t\t\t\t", " \t"])
-    fields = "".join(f"{sep}<{tag}>{escape(_pid(rng) if tag == 'pid' else _value(rng))}</{tag}>" for tag in layout)
+    fields = "".join(f"{sep}<{tag}>{escape(_value(rng) if rng.random() < odd else USUAL[tag](rng))}</{tag}>"
+                     for tag in layout)
     return f"<process_info>{fields}{sep}</process_info>".encode()
 
 
@@ -63,7 +70,9 @@ def report(rng: random.Random) -> bytes:
     """One of our fixtures with its <processes> sections' rows made up."""
     data = BASES[rng.choice(sorted(BASES))]
     parts = _SECTION.split(data)
-    sections = [b"<processes>" + b"\n".join(_row(rng) for _ in range(rng.randrange(7))) + b"\n</processes>"
+    # How often a value or a row's layout is not as nvidia-smi writes it.
+    odd = rng.choice([0.0, 0.02, 0.1, 0.5])
+    sections = [b"<processes>" + b"\n".join(_row(rng, odd) for _ in range(rng.randrange(7))) + b"\n</processes>"
                 for _ in parts[1:]]
     return b"".join(p + s for p, s in zip(parts, [*sections, b""], strict=True))
 
@@ -76,9 +85,10 @@ def _read(data: bytes) -> object:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.randoms(use_true_random=False))
-def test_sections_read_apart_read_as_the_whole_parse_reads_them(rng):
-    data = report(rng)
+@given(st.integers(min_value=0, max_value=2**64))
+def test_sections_read_apart_read_as_the_whole_parse_reads_them(seed):
+    # A seed, not hypothesis's randoms: theirs lean to the first choice, and rows would rarely vary.
+    data = report(random.Random(seed))
     assert _read(data) == _read(data + NOT_PLAIN)
 
 
