@@ -24,10 +24,8 @@ same; anything else is parsed whole, as before (tests/test_parse_expectations.py
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from operator import itemgetter, methodcaller
+from operator import itemgetter
 from typing import cast
 
 from lxml import etree
@@ -353,10 +351,6 @@ def _add_process(processes: list[ProcessReading], values: _Values, pid_raw: str 
 def _add_rows(processes: list[ProcessReading], values: _Values, rows: list[_Row]) -> None:
     """A plain section's rows: ``_add_process`` for each, with the values nvidia-smi
     writes (decimal pid, "<n> MiB", decimal ids) read inline to the same result."""
-    usual = _usual_rows(rows) if rows else None
-    if usual is not None:
-        processes.extend(usual)
-        return
     kinds: dict[str, str] = {}
     new = tuple.__new__  # a named tuple's own constructor is a Python function around it
     for gi, ci, pid_raw, kind, name, used, _ in rows:
@@ -376,38 +370,6 @@ def _add_rows(processes: list[ProcessReading], values: _Values, rows: list[_Row]
             int(gi) if gi.isdecimal() else values.integer_field(gi, "gpu_instance_id"),
             int(ci) if ci.isdecimal() else values.integer_field(ci, "compute_instance_id"),
         )))
-
-
-def _usual_rows(rows: list[_Row]) -> list[ProcessReading] | None:
-    """The rows read column by column where every value is as nvidia-smi writes it (then
-    no row is skipped and none has a problem line), else ``None``. A column at a time is
-    a C loop per check where ``_add_rows`` is a Python one per row."""
-    gis, cis, pids, kinds, names, useds, _ = zip(*rows, strict=True)
-    if not (all(map(str.isascii, pids)) and all(map(str.isdigit, pids)) and max(map(len, pids)) <= 10):
-        return None
-    pid_values = list(map(int, pids))
-    if not (min(pid_values) > 0 and max(pid_values) < PID_MAX_LIMIT) or not all(map(_in_mib, useds)):
-        return None
-    mib = [used[:-4] for used in useds]
-    if not all(map(str.isdecimal, mib)):
-        return None
-    gi_values: list[int | None]
-    ci_values: list[int | None]
-    if any(gis) or any(cis):
-        if not (all(map(str.isdecimal, gis)) and all(map(str.isdecimal, cis))):
-            return None
-        gi_values, ci_values = list(map(int, gis)), list(map(int, cis))
-    else:  # the layout without instance ids, read as None
-        gi_values = ci_values = [None] * len(rows)
-    known = {kind: _known(kind) or "" for kind in set(kinds)}
-    columns = zip(pid_values, map(known.__getitem__, kinds), map(str.strip, names),
-                  [int(float(n) * MIB) for n in mib], gi_values, ci_values, strict=True)
-    return list(map(_new_row, columns))
-
-
-_in_mib = methodcaller("endswith", " MiB")
-# A named tuple's own constructor is a Python function around tuple.__new__.
-_new_row = cast(Callable[[tuple[object, ...]], ProcessReading], partial(tuple.__new__, ProcessReading))
 
 
 # Power draw moved between drivers: power_readings (<=525), gpu_power_readings
