@@ -149,3 +149,11 @@ def test_a_broken_card_keeps_its_error_and_its_neighbours_read_the_fast_way():
     assert report.cards[0].error is not None and "unreadable" in report.cards[0].error
     assert [c.error for c in report.cards[1:]] == [None, None]
     assert report.cards[1].processes and report.cards[1].processes == report.cards[2].processes
+
+
+def test_a_name_longer_than_libxml2_takes_fails_as_the_whole_parse_fails():
+    data = BASES["h100-mig-processes"]
+    bent = data.replace(b"/root/tools/memhog", b"x" * 10_000_001, 1)
+    assert query_xml._parse_fast(bent) is None
+    with pytest.raises(ParseError):
+        parse_query_xml(bent)

@@ -78,6 +78,8 @@ _BLANK = "[ \t\r\n]*"
 _VALUE = "([^<&\r]*)"
 _TEXT_BYTES = bytes([0x09, 0x0A, 0x0D, *range(0x20, 0x100)])
 _NONCHARACTERS = (b"\xef\xbf\xbe", b"\xef\xbf\xbf")  # U+FFFE, U+FFFF in UTF-8
+# libxml2 refuses a longer text node without huge_tree; a section under it holds none.
+_MOST_TEXT = 10_000_000
 
 
 def _element(tag: str) -> str:
@@ -251,8 +253,10 @@ def _markup_starts(data: bytes, char: bytes) -> list[int]:
 
 def _plain_rows(section: bytes) -> list[_Row] | None:
     """The rows of a section's content, or ``None`` where it holds anything else, is not
-    UTF-8, or has a character or sequence XML forbids in text."""
-    if section.translate(None, _TEXT_BYTES) or (b"\xef" in section and any(c in section for c in _NONCHARACTERS)):
+    UTF-8, has a character or sequence XML forbids in text, or is as long as a text node
+    libxml2 refuses."""
+    if len(section) >= _MOST_TEXT or section.translate(None, _TEXT_BYTES) or (
+            b"\xef" in section and any(c in section for c in _NONCHARACTERS)):
         return None
     try:
         text = section.decode("utf-8").rstrip(" \t\r\n")
