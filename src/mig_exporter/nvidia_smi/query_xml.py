@@ -216,7 +216,7 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
     parts.append(data[end:])
     try:
         root = etree.fromstring(b"".join(parts), _parser())
-    except (etree.XMLSyntaxError, ValueError):
+    except (etree.LxmlError, ValueError):
         return None  # the whole parse says why
     found = [section.get(_MARK) for gpu in root.iterfind("gpu") for section in gpu.iterfind("processes")]
     if root.tag != "nvidia_smi_log" or found != [str(i) for i in range(len(sections))]:
