@@ -69,7 +69,7 @@ def test_compare_tolerates_mib_rounding_but_not_a_moved_process():
         for d in a.devices))
     assert compare(a, b) == []
     moved = dataclasses.replace(a, processes=tuple(
-        dataclasses.replace(p, device_index=1003) if p.pid == 21198 else p for p in a.processes))
+        p._replace(device_index=1003) if p.pid == 21198 else p for p in a.processes))
     assert compare(a, moved) == ["process 21198 on device 0/mig2 (1002) seen by one path only",
                                  "process 21198 on device 0/mig3 (1003) seen by one path only"]
 

@@ -198,7 +198,7 @@ def test_a_process_the_driver_says_n_a_for_leaves_its_job_s_sum_out(tmp_path):
     class NotSaid(DemoSource):
         def read(self, deadline=None):
             snapshot = super().read(deadline)
-            return replace(snapshot, processes=tuple(replace(p, used_bytes=None) if p.pid == 51877 else p
+            return replace(snapshot, processes=tuple(p._replace(used_bytes=None) if p.pid == 51877 else p
                                                      for p in snapshot.processes))
 
     families = Scraper(NotSaid(), owners=OwnerReader(_hpc(tmp_path))).families()

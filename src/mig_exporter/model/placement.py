@@ -19,6 +19,7 @@ path fed it:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from mig_exporter.model.device_class import card_class, mig_device_class
 from mig_exporter.model.snapshot import (
@@ -122,9 +123,9 @@ def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device
     processes that carry its instance ids; a problem line per process no instance claims."""
     devices: list[Device] = []
     processes: list[Process] = []
-    claimed: set[int] = set()
+    claimed: set[_InstanceIds] = set()
     instances, problems = _placeable_instances(r)
-    by_ids = _process_positions_by_instance_ids(r.processes)
+    by_ids = _processes_by_instance_ids(r.processes)
     for inst in instances:
         device = Device(
             index=mig_placement_index(r.index, inst.mig_index),
@@ -139,28 +140,34 @@ def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device
             memory=inst.memory,
         )
         devices.append(device)
-        mine: list[int] = []
         if inst.gpu_instance_id is not None:
-            mine = by_ids.get((inst.gpu_instance_id, inst.compute_instance_id), [])
-        claimed.update(mine)
-        processes.extend(_merge((r.processes[i] for i in mine), device.index))
-    for i, p in enumerate(r.processes):
-        if i not in claimed:
-            problems.append(
-                f"card {r.index}: process {p.pid} carries GPU instance {p.gpu_instance_id} "
-                f"and compute instance {p.compute_instance_id}, which match no MIG device; not placed"
-            )
+            ids = (inst.gpu_instance_id, inst.compute_instance_id)
+            claimed.add(ids)
+            processes.extend(_merge(by_ids.get(ids, ()), device.index))
+    if not claimed.issuperset(by_ids):
+        for p in r.processes:
+            if (p.gpu_instance_id, p.compute_instance_id) not in claimed:
+                problems.append(
+                    f"card {r.index}: process {p.pid} carries GPU instance {p.gpu_instance_id} "
+                    f"and compute instance {p.compute_instance_id}, which match no MIG device; not placed"
+                )
     return devices, processes, problems
 
 
-def _process_positions_by_instance_ids(
-    readings: Sequence[ProcessReading],
-) -> dict[tuple[int | None, int | None], list[int]]:
-    """Positions of the card's processes by the (GPU instance, compute instance) they
-    carry, in listed order: one pass over the card's processes, not one per instance."""
-    by_ids: dict[tuple[int | None, int | None], list[int]] = {}
-    for i, p in enumerate(readings):
-        by_ids.setdefault((p.gpu_instance_id, p.compute_instance_id), []).append(i)
+_InstanceIds = tuple[int | None, int | None]
+
+
+def _processes_by_instance_ids(readings: Sequence[ProcessReading]) -> dict[_InstanceIds, list[ProcessReading]]:
+    """The card's processes by the (GPU instance, compute instance) they carry, in listed
+    order: one pass over the card's processes, not one per instance."""
+    by_ids: dict[_InstanceIds, list[ProcessReading]] = {}
+    for p in readings:
+        ids = (p.gpu_instance_id, p.compute_instance_id)
+        found = by_ids.get(ids)
+        if found is None:
+            by_ids[ids] = [p]
+        else:
+            found.append(p)
     return by_ids
 
 
@@ -184,18 +191,23 @@ def _placeable_instances(r: CardReading) -> tuple[list[MigInstance], list[str]]:
     return kept, problems
 
 
-def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Process]:
+def _merge(readings: Sequence[ProcessReading], device_index: int) -> list[Process]:
     """One process per pid on a device, in pid order, so no series is repeated.
 
     A pid listed more than once (NVML lists a process in each of its compute,
     graphics and MPS lists, each entry with the process's whole usage on the
     device) is one process: its types joined (C+G, M+C) and the larger usage.
     """
+    new = tuple.__new__  # a named tuple's own constructor is a Python function around it
+    placed = [new(Process, (p[0], p[1], p[2], p[3], device_index)) for p in readings]
+    if len({p[0] for p in placed}) == len(placed):  # each pid once, as nvidia-smi lists them
+        placed.sort(key=_by_pid)
+        return placed
     by_pid: dict[int, Process] = {}
     for p in readings:
         seen = by_pid.get(p.pid)
         if seen is None:
-            by_pid[p.pid] = Process(p.pid, p.type, p.name, p.used_bytes, device_index)
+            by_pid[p.pid] = new(Process, (p[0], p[1], p[2], p[3], device_index))
             continue
         known = [u for u in (seen.used_bytes, p.used_bytes) if u is not None]
         used = max(known) if known else None
@@ -203,7 +215,10 @@ def _merge(readings: Iterable[ProcessReading], device_index: int) -> list[Proces
         by_pid[p.pid] = Process(p.pid, "+".join(types), seen.name or p.name, used, device_index)
     # By pid: the drivers' list orders differ between paths (NVML lists compute
     # before graphics), the snapshot must not.
-    return sorted(by_pid.values(), key=lambda p: p.pid)
+    return sorted(by_pid.values(), key=_by_pid)
+
+
+_by_pid = attrgetter("pid")
 
 
 def _type_order(letter: str) -> tuple[int, str]:

@@ -1,4 +1,6 @@
-"""The snapshot: one read of the driver as frozen dataclasses.
+"""The snapshot: one read of the driver as frozen dataclasses, and named tuples for
+the per-process rows (hundreds a read: a tuple is built several times faster than a
+frozen dataclass, and read by the same attribute names).
 
 Both read paths (nvidia-smi and NVML) end here, and the collector starts here.
 Sizes are ints in bytes, temperatures in degrees Celsius, power in watts and
@@ -9,6 +11,7 @@ say" (N/A, Not Supported, a missing element); it is never read as zero.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 MIB = 1024 * 1024
 
@@ -50,8 +53,7 @@ def is_plausible_pid(pid: object) -> bool:
     return isinstance(pid, int) and 0 < pid < PID_MAX_LIMIT
 
 
-@dataclass(frozen=True, slots=True)
-class ProcessReading:
+class ProcessReading(NamedTuple):
     """One process as the driver lists it on a card, before placement.
 
     ``gpu_instance_id``/``compute_instance_id`` are ``None`` outside MIG.
@@ -143,8 +145,7 @@ class Device:
         return f"{self.card}/mig{self.mig_index}" if self.mig_index is not None else str(self.card)
 
 
-@dataclass(frozen=True, slots=True)
-class Process:
+class Process(NamedTuple):
     """A process holding memory on one device (by placement index)."""
 
     pid: int

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mig_exporter.core.errors import ParseError
-from mig_exporter.model.snapshot import CardReading
+from mig_exporter.model.snapshot import CardReading, MigInstance
 
 _GPU_LINE = re.compile(r"^GPU\s+(\d+):\s*(.*?)\s*\(UUID:\s*([^)\s]+)\s*\)\s*$")
 _MIG_LINE = re.compile(r"^\s+MIG\s+(\S+)\s+Device\s+(\d+):\s*\(UUID:\s*([^)\s]+)\s*\)\s*$")
@@ -61,25 +61,25 @@ def parse_list(text: str | bytes) -> Listing:
     """
     if isinstance(text, bytes | bytearray):
         text = bytes(text).decode("utf-8", errors="replace")
-    gpus: list[ListedGpu] = []
+    # Each GPU line with the MIG lines under it; made into ListedGpu once all are read.
+    gpus: list[tuple[re.Match[str], list[ListedMig]]] = []
     skipped: list[str] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or _NOTHING_FOUND.match(line.strip()):
             continue
         gpu = _GPU_LINE.match(line)
         if gpu:
-            gpus.append(ListedGpu(int(gpu.group(1)), gpu.group(2), gpu.group(3)))
+            gpus.append((gpu, []))
             continue
         mig = _MIG_LINE.match(line)
         if mig and gpus:
-            last = gpus[-1]
-            entry = ListedMig(int(mig.group(2)), mig.group(1), mig.group(3))
-            gpus[-1] = dataclasses.replace(last, mig_devices=(*last.mig_devices, entry))
+            gpus[-1][1].append(ListedMig(int(mig.group(2)), mig.group(1), mig.group(3)))
             continue
         skipped.append(f"nvidia-smi -L line {number} is not a GPU or MIG line: {line.strip()[:80]!r}")
     if skipped and not gpus:
         raise ParseError(skipped[0])
-    return Listing(tuple(gpus), tuple(skipped))
+    listed = tuple(ListedGpu(int(g.group(1)), g.group(2), g.group(3), tuple(migs)) for g, migs in gpus)
+    return Listing(listed, tuple(skipped))
 
 
 def apply_listing(
@@ -120,6 +120,7 @@ def apply_listing(
                                 "profile and UUID unknown")
                 instances.append(inst)
             else:
-                instances.append(dataclasses.replace(inst, profile=m.profile, uuid=m.uuid))
+                instances.append(MigInstance(inst.mig_index, inst.gpu_instance_id, inst.compute_instance_id,
+                                             inst.memory, profile=m.profile, uuid=m.uuid))
         out.append(dataclasses.replace(card, instances=tuple(instances)))
     return tuple(out), tuple(problems)

@@ -10,18 +10,36 @@ The parser is hardened: no DTD is loaded (nvidia-smi names
 top of that, an ASCII/UTF-8 document that declares entities is refused before
 parsing (nvidia-smi never does, even with ``--dtd``), and so is a document in
 another encoding (UTF-16), which nvidia-smi never writes either.
+
+``<processes>`` is most of a busy report, and building its elements most of
+the parse. Where the report is plain (no comments, CDATA, processing
+instructions, internal DTD subset; UTF-8) and each ``<processes>`` holds
+``<process_info>`` rows exactly as nvidia-smi writes them, each such section is
+read by one regular expression and lxml parses the rest with a placeholder in
+its place. The rows' grammar admits only well-formed XML whose text lxml would
+give unchanged (no markup, reference or CR in a value), so the report reads the
+same; anything else is parsed whole, as before (tests/test_parse_expectations.py).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import cast
 
 from lxml import etree
 
 from mig_exporter.core.errors import ParseError
-from mig_exporter.model.snapshot import MIB, CardReading, Memory, MigInstance, ProcessReading, is_plausible_pid
+from mig_exporter.model.snapshot import (
+    MIB,
+    PID_MAX_LIMIT,
+    CardReading,
+    Memory,
+    MigInstance,
+    ProcessReading,
+    is_plausible_pid,
+)
 
 # Texts that mean "no value". Checked in lower case; anything in [brackets]
 # (the CSV forms: [N/A], [Not Supported], [Unknown Error]) counts too.
@@ -45,6 +63,40 @@ _DIGITS = re.compile(r"^[0-9]{1,10}$")
 _PROCESS_NAME = re.compile(rb"(<process_name>)(.*?)(</process_name>)", re.S)
 # Characters XML 1.0 forbids, which a process name may still carry.
 _XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+# The fast reading of <processes> (see the module's docstring).
+_SECTION_OPEN, _SECTION_CLOSE = b"<processes>", b"</processes>"
+# Marks where a section was taken out; a report that already holds it is parsed whole.
+_MARK = "mig-exporter-section"
+_MARK_BYTES = _MARK.encode()
+_DECLARATION = re.compile(rb"(?:\xef\xbb\xbf)?<\?xml[^<>?]*\?>")
+_DECLARED_ENCODING = re.compile(rb"encoding[ \t\r\n]*=[ \t\r\n]*([\"'])([^\"'<>]*)\1")
+_PLAIN_DOCTYPE = re.compile(rb"<!DOCTYPE[^\[\]<>]*>")
+_BLANK = "[ \t\r\n]*"
+# A value: no markup, no reference, no CR (which lxml would turn into LF). The characters
+# XML forbids are looked for in the whole section first (a shorter class is a faster match).
+_VALUE = "([^<&\r]*)"
+_TEXT_BYTES = bytes([0x09, 0x0A, 0x0D, *range(0x20, 0x100)])
+_NONCHARACTERS = (b"\xef\xbf\xbe", b"\xef\xbf\xbf")  # U+FFFE, U+FFFF in UTF-8
+# libxml2 refuses a longer text node without huge_tree; a section under it holds none.
+_MOST_TEXT = 10_000_000
+
+
+def _element(tag: str) -> str:
+    return f"<{tag}>{_VALUE}</{tag}>{_BLANK}"
+
+
+# One <process_info> as nvidia-smi writes it, with or without the instance ids
+# (drivers before R450 have none), each value captured; or any other character,
+# captured last, which makes the section not plain.
+_ROW = re.compile(
+    f"{_BLANK}(?:<process_info>{_BLANK}"
+    f"(?:{_element('gpu_instance_id')}{_element('compute_instance_id')})?"
+    f"{_element('pid')}{_element('type')}{_element('process_name')}{_element('used_memory')}"
+    "</process_info>|(.))",
+    re.S,
+)
+_Row = tuple[str, str, str, str, str, str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +133,20 @@ def parse_query_xml(data: bytes) -> QueryReport:
         raise ParseError("nvidia-smi -q -x output is not UTF-8 (NUL bytes)")
     if _ENTITY_DECLARATION.search(data):
         raise ParseError("nvidia-smi -q -x output declares XML entities; refused (nvidia-smi never does)")
+    data = bytes(data)
+    fast = _parse_fast(data)
+    if fast is not None:
+        root, sections = fast
+        return _report(root, sections, [])
+    sections = []
     problems: list[str] = []
     try:
-        root = _parse(bytes(data))
+        root = _parse(data)
     except etree.XMLSyntaxError as e:
         # nvidia-smi has been seen writing raw bytes of a process's name that
         # are not UTF-8, or control characters; one such name must not cost
         # the whole read. Repair process names only, then try once more.
-        repaired, count = _repair_process_names(bytes(data))
+        repaired, count = _repair_process_names(data)
         if not count:
             raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
         try:
@@ -96,6 +154,10 @@ def parse_query_xml(data: bytes) -> QueryReport:
         except etree.XMLSyntaxError:
             raise ParseError(f"nvidia-smi -q -x output is not well-formed XML: {_one_line(str(e))}") from None
         problems.append(f"{count} process name(s) held bytes that are not UTF-8 text; read with replacements")
+    return _report(root, sections, problems)
+
+
+def _report(root: etree._Element | None, sections: list[list[_Row]], problems: list[str]) -> QueryReport:
     if root is None or root.tag != "nvidia_smi_log":
         tag = getattr(root, "tag", None)
         raise ParseError(f"nvidia-smi -q -x output has root <{tag}>, expected <nvidia_smi_log>")
@@ -104,7 +166,7 @@ def parse_query_xml(data: bytes) -> QueryReport:
     for index, gpu in enumerate(root.iterfind("gpu")):
         card_problems: list[str] = []
         try:
-            cards.append(_read_card(index, gpu, card_problems))
+            cards.append(_read_card(index, gpu, sections, card_problems))
         except Exception as e:  # one unreadable card never blanks the others
             cards.append(CardReading(index=index, uuid=_text(gpu, "uuid"), name=_text(gpu, "product_name"),
                                      error=f"section unreadable: {_one_line(str(e)) or type(e).__name__}"))
@@ -124,6 +186,93 @@ def _parse(data: bytes) -> etree._Element:
         raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
 
 
+def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
+    """The report parsed with each plain ``<processes>`` section read apart, or ``None``
+    where the report or a section is not plain: the caller then parses it whole.
+
+    Why this reads the same: with no comment, CDATA section, processing instruction or
+    internal subset, every ``<processes>`` in the bytes is a start tag; a section of
+    ``_ROW`` rows is well-formed XML that lxml would build as elements whose text is the
+    captured value; and the placeholders are found where the sections were, each once, as
+    ``<processes>`` children of a ``<gpu>`` of the root (where the whole parse reads them),
+    so the rest parsing well-formed means the whole report does."""
+    if data.find(_SECTION_OPEN) < 0 or _MARK_BYTES in data or not _is_plain(data):
+        return None
+    parts: list[bytes] = []
+    sections: list[list[_Row]] = []
+    start = end = 0
+    while (start := data.find(_SECTION_OPEN, end)) >= 0:
+        close = data.find(_SECTION_CLOSE, start)
+        if close < 0:
+            return None
+        rows = _plain_rows(data[start + len(_SECTION_OPEN):close])
+        if rows is None:
+            return None
+        parts += (data[end:start], b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections)))
+        sections.append(rows)
+        end = close + len(_SECTION_CLOSE)
+    if not sections:
+        return None  # nothing to gain
+    parts.append(data[end:])
+    try:
+        root = etree.fromstring(b"".join(parts), _parser())
+    except (etree.LxmlError, ValueError):
+        return None  # the whole parse says why
+    found = [section.get(_MARK) for gpu in root.iterfind("gpu") for section in gpu.iterfind("processes")]
+    if root.tag != "nvidia_smi_log" or found != [str(i) for i in range(len(sections))]:
+        return None
+    return root, sections
+
+
+def _is_plain(data: bytes) -> bool:
+    """No comment, CDATA, processing instruction (but the declaration) or internal subset;
+    UTF-8 (lxml's default, and what the rows are decoded as)."""
+    declaration = _DECLARATION.match(data)
+    if declaration is not None:
+        encoding = _DECLARED_ENCODING.search(declaration.group())
+        if b"encoding" in declaration.group() and (encoding is None or encoding.group(2).lower() != b"utf-8"):
+            return False
+    questions = _markup_starts(data, b"?")
+    if questions != ([declaration.group().index(b"<?")] if declaration is not None else []):
+        return False
+    bangs = _markup_starts(data, b"!")
+    return not bangs or (len(bangs) == 1 and _PLAIN_DOCTYPE.match(data, bangs[0]) is not None)
+
+
+def _markup_starts(data: bytes, char: bytes) -> list[int]:
+    """Where ``<`` + ``char`` occurs. By the rare second character: ``find`` of
+    ``<?`` stops at every ``<`` of the report."""
+    found = []
+    at = data.find(char, 1)
+    while at >= 0:
+        if data[at - 1] == 0x3C:  # "<"
+            found.append(at - 1)
+        at = data.find(char, at + 1)
+    return found
+
+
+def _plain_rows(section: bytes) -> list[_Row] | None:
+    """The rows of a section's content, or ``None`` where it holds anything else, is not
+    UTF-8, has a character or sequence XML forbids in text, or is as long as a text node
+    libxml2 refuses."""
+    if len(section) >= _MOST_TEXT or section.translate(None, _TEXT_BYTES) or (
+            b"\xef" in section and any(c in section for c in _NONCHARACTERS)):
+        return None
+    try:
+        text = section.decode("utf-8").rstrip(" \t\r\n")
+    except UnicodeDecodeError:
+        return None
+    if "]]>" in text:
+        return None
+    rows: list[_Row] = _ROW.findall(text)
+    if any(map(_junk, rows)):
+        return None
+    return rows
+
+
+_junk = itemgetter(6)
+
+
 def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     """Process names decoded leniently, stripped of characters XML forbids and
     escaped again; returns the document and how many names changed."""
@@ -141,55 +290,90 @@ def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     return _PROCESS_NAME.sub(repair, data), changed
 
 
-def _read_card(index: int, gpu: etree._Element, problems: list[str]) -> CardReading:
+def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]], problems: list[str]) -> CardReading:
     values = _Values(problems)
-    mig_current = values.flag(gpu, "mig_mode/current_mig")
-    mig_pending = values.flag(gpu, "mig_mode/pending_mig")
+    card = _Children(gpu)
+    mig_current = values.flag(card, "mig_mode/current_mig")
+    mig_pending = values.flag(card, "mig_mode/pending_mig")
     instances: list[MigInstance] = []
-    # A MIG device or process is read in one pass over its children: a path
-    # lookup per value was most of the parse on a node with many processes.
     for el in gpu.iterfind("mig_devices/mig_device"):
-        fields = _child_texts(el)
-        mig_index = values.integer_field(fields.get("index"), "index")
+        fields = _Children(el)
+        mig_index = values.integer_field(fields.text("index"), "index")
         if mig_index is None:
             problems.append("a MIG device without a readable index; skipped")
             continue
         instances.append(MigInstance(
             mig_index=mig_index,
-            gpu_instance_id=values.integer_field(fields.get("gpu_instance_id"), "gpu_instance_id"),
-            compute_instance_id=values.integer_field(fields.get("compute_instance_id"), "compute_instance_id"),
-            memory=values.memory(el, "fb_memory_usage"),
+            gpu_instance_id=values.integer_field(fields.text("gpu_instance_id"), "gpu_instance_id"),
+            compute_instance_id=values.integer_field(fields.text("compute_instance_id"), "compute_instance_id"),
+            memory=values.memory(fields, "fb_memory_usage"),
         ))
     processes: list[ProcessReading] = []
-    for el in gpu.iterfind("processes/process_info"):
-        fields = _child_texts(el)
-        pid_text = _raw(fields.get("pid"))
-        pid = int(pid_text) if _DIGITS.match(pid_text) else 0
-        if not is_plausible_pid(pid):
-            problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
+    for section in gpu.iterfind("processes"):
+        mark = section.get(_MARK)
+        if mark is not None:
+            _add_rows(processes, values, sections[int(mark)])
             continue
-        processes.append(ProcessReading(
-            pid,
-            _known(fields.get("type")) or "",
-            _raw(fields.get("process_name")),
-            values.size_field(fields.get("used_memory"), "used_memory"),
-            values.integer_field(fields.get("gpu_instance_id"), "gpu_instance_id"),
-            values.integer_field(fields.get("compute_instance_id"), "compute_instance_id"),
-        ))
+        for el in section.iterfind("process_info"):
+            texts = _child_texts(el)
+            _add_process(processes, values, texts.get("pid"), texts.get("type"), texts.get("process_name"),
+                         texts.get("used_memory"), texts.get("gpu_instance_id"), texts.get("compute_instance_id"))
     return CardReading(
         index=index,
-        uuid=_text(gpu, "uuid"),
-        name=_text(gpu, "product_name"),
-        pci_bus_id=_text(gpu, "pci/pci_bus_id") or _attr(gpu, "id"),
+        uuid=_text(card, "uuid"),
+        name=_text(card, "product_name"),
+        pci_bus_id=_text(card, "pci/pci_bus_id") or _attr(gpu, "id"),
         mig_current=mig_current,
         mig_pending=mig_pending,
-        temperature_celsius=values.number(gpu, "temperature/gpu_temp", "c"),
-        power_draw_watts=values.first_number(gpu, _POWER_DRAW_PATHS, "w"),
-        utilization_ratio=_percent_to_ratio(values.number(gpu, "utilization/gpu_util", "%")),
-        memory=values.memory(gpu, "fb_memory_usage"),
+        temperature_celsius=values.number(card, "temperature/gpu_temp", "c"),
+        power_draw_watts=values.first_number(card, _POWER_DRAW_PATHS, "w"),
+        utilization_ratio=_percent_to_ratio(values.number(card, "utilization/gpu_util", "%")),
+        memory=values.memory(card, "fb_memory_usage"),
         instances=tuple(instances),
         processes=tuple(processes),
     )
+
+
+def _add_process(processes: list[ProcessReading], values: _Values, pid_raw: str | None, kind: str | None,
+                 name: str | None, used: str | None, gi: str | None, ci: str | None) -> None:
+    """A ``<process_info>``'s untrimmed texts read into a row, or a problem line."""
+    pid_text = _raw(pid_raw)
+    pid = int(pid_text) if _DIGITS.match(pid_text) else 0
+    if not is_plausible_pid(pid):
+        values.problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
+        return
+    processes.append(ProcessReading(
+        pid,
+        _known(kind) or "",
+        _raw(name),
+        values.size_field(used, "used_memory"),
+        values.integer_field(gi, "gpu_instance_id"),
+        values.integer_field(ci, "compute_instance_id"),
+    ))
+
+
+def _add_rows(processes: list[ProcessReading], values: _Values, rows: list[_Row]) -> None:
+    """A plain section's rows: ``_add_process`` for each, with the values nvidia-smi
+    writes (decimal pid, "<n> MiB", decimal ids) read inline to the same result."""
+    kinds: dict[str, str] = {}
+    new = tuple.__new__  # a named tuple's own constructor is a Python function around it
+    for gi, ci, pid_raw, kind, name, used, _ in rows:
+        if not (pid_raw.isascii() and pid_raw.isdigit() and len(pid_raw) <= 10
+                and 0 < (pid := int(pid_raw)) < PID_MAX_LIMIT):
+            _add_process(processes, values, pid_raw, kind, name, used, gi, ci)
+            continue
+        known = kinds.get(kind)
+        if known is None:
+            known = kinds[kind] = _known(kind) or ""
+        processes.append(new(ProcessReading, (
+            pid,
+            known,
+            name.strip(),
+            int(float(used[:-4]) * MIB) if used.endswith(" MiB") and used[:-4].isdecimal()
+            else values.size_field(used, "used_memory"),
+            int(gi) if gi.isdecimal() else values.integer_field(gi, "gpu_instance_id"),
+            int(ci) if ci.isdecimal() else values.integer_field(ci, "compute_instance_id"),
+        )))
 
 
 # Power draw moved between drivers: power_readings (<=525), gpu_power_readings
@@ -204,13 +388,50 @@ _POWER_DRAW_PATHS = (
 )
 
 
+_MEMORY_FIELDS = ("total", "used", "free", "reserved")  # Memory's own order
+
+
+class _Children:
+    """An element's children by tag, gathered in one pass; ``find`` as the element's own
+    for the paths read here (``tag`` or ``tag/child``). The element's ``find`` walks the
+    children again at each call, and a ``<gpu>`` has some sixty."""
+
+    __slots__ = ("element", "first")
+
+    def __init__(self, element: etree._Element) -> None:
+        self.element = element
+        # The first child of each tag; None where the tag repeats (then the path's own lookup).
+        first: dict[object, etree._Element | None] = {}
+        for child in element:
+            tag = child.tag
+            first[tag] = None if tag in first else child
+        self.first = first
+
+    def find(self, path: str) -> etree._Element | None:
+        head, _, rest = path.partition("/")
+        if head not in self.first:
+            return None
+        found = self.first[head]
+        if found is None:
+            return self.element.find(path)
+        return found.find(rest) if rest else found
+
+    def text(self, tag: str) -> str | None:
+        """The first ``tag`` child's untrimmed text."""
+        found = self.find(tag)
+        return None if found is None else found.text
+
+
+_Lookup = etree._Element | _Children
+
+
 class _Values:
     """Reads typed values; an unreadable one becomes ``None`` and a problem line."""
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
 
-    def number(self, el: etree._Element, path: str, unit: str) -> float | None:
+    def number(self, el: _Lookup, path: str, unit: str) -> float | None:
         text = _text(el, path)
         if text is None:
             return None
@@ -220,7 +441,7 @@ class _Values:
             return None
         return float(m.group(1))
 
-    def first_number(self, el: etree._Element, paths: tuple[str, ...], unit: str) -> float | None:
+    def first_number(self, el: _Lookup, paths: tuple[str, ...], unit: str) -> float | None:
         for path in paths:
             value = self.number(el, path, unit)
             if value is not None:
@@ -259,17 +480,20 @@ class _Values:
             return None
         return int(float(m.group(1)) * factor)
 
-    def memory(self, el: etree._Element, path: str) -> Memory:
+    def memory(self, el: _Lookup, path: str) -> Memory:
         block = el.find(path)
-        fields = _child_texts(block) if block is not None else {}
-        return Memory(
-            total_bytes=self.size_field(fields.get("total"), f"{path}/total"),
-            used_bytes=self.size_field(fields.get("used"), f"{path}/used"),
-            free_bytes=self.size_field(fields.get("free"), f"{path}/free"),
-            reserved_bytes=self.size_field(fields.get("reserved"), f"{path}/reserved"),
-        )
+        if block is None:
+            return Memory()
+        fields = _child_texts(block)
+        return Memory(*[self._size_in(fields.get(name), path, name) for name in _MEMORY_FIELDS])
 
-    def flag(self, el: etree._Element, path: str) -> bool | None:
+    def _size_in(self, raw: str | None, block: str, name: str) -> int | None:
+        """``size_field`` of a block's field; its path is only spelled out for a problem line."""
+        if raw is not None and raw.endswith(" MiB") and raw[:-4].isdecimal():
+            return int(float(raw[:-4]) * MIB)
+        return self.size_of(_known(raw), f"{block}/{name}")
+
+    def flag(self, el: _Lookup, path: str) -> bool | None:
         text = _text(el, path)
         if text is None:
             return None
@@ -282,12 +506,12 @@ class _Values:
         return None
 
 
-def _raw_text(el: etree._Element, path: str) -> str:
+def _raw_text(el: _Lookup, path: str) -> str:
     found = el.find(path)
     return (found.text or "").strip() if found is not None else ""
 
 
-def _text(el: etree._Element, path: str) -> str | None:
+def _text(el: _Lookup, path: str) -> str | None:
     """The element's trimmed text, or ``None`` when absent or an unknown marker."""
     return _known(_raw_text(el, path))
 
