@@ -224,6 +224,22 @@ def test_serve_source_nvml_maps_our_library_and_answers_as_read_does(fake_libnvm
     assert served.get("/-/ready")[0] == 200
 
 
+def test_every_later_scrape_through_the_library_lists_the_processes_as_one_read_does(fake_libnvml_env, serve):
+    # Later reads keep names and process readings from earlier ones: they must never differ.
+    env = fake_libnvml_env(bench.nvml_scenario(BENCH_SHAPES["big-mig"]))
+
+    def processes(text: str) -> list[str]:
+        return sorted(line for line in text.splitlines() if line.startswith("mig_exporter_process_"))
+
+    expected = processes(_read(env, "--source", "nvml").stdout)
+    assert len(expected) >= BENCH_SHAPES["big-mig"].processes
+    served = serve(env)
+    for _ in range(3):
+        status, body, _ = served.get("/metrics")
+        assert status == 200
+        assert processes(body) == expected
+
+
 # -- error modes -------------------------------------------------------------------
 
 

@@ -13,12 +13,47 @@ placement rules, so a dashboard cannot tell which path fed it except by the
   (``fb_memory_usage``);
 - processes: compute, graphics and MPS lists on each MIG handle, or on the
   card (``processes/process_info``), v3 with a fallback to v2.
+
+What a read costs: a big host lists hundreds of processes a read, so the per-process work is
+kept off pynvml's per-entry Python objects, keeping its ctypes layer. The process lists are
+read through the library's own C functions (pynvml's lookup, its ``c_nvmlProcessInfo_*``
+Structure classes and its size-query protocol) and unpacked in one pass from the struct
+array's bytes, at the offsets of pynvml's Structure fields. Names (``nvmlSystemGetProcessName``)
+are asked once per pid and kept while the pid provably still names the same process:
+
+- an entry lives only while reads keep listing its pid: one read that does not list it drops it;
+  a pid NVML gave no name for has none: it is asked again at the next read;
+- a pid is reused only when the kernel allocates it again. Linux allocates pids cyclically
+  (``/proc/sys/kernel/ns_last_pid`` is the last one handed out), so between two samples of it
+  only the pids in the cyclic interval it crossed can have been handed out again, unless the
+  allocator went all the way round: each position it passes is either allocated then or held
+  by a task alive in the window, so a full round needs ``2 * forks + threads >= pid_max - 300``
+  (tasks created between the samples from ``/proc/stat``'s ``processes``, read on both sides
+  of ``ns_last_pid`` to bound it from above and below; tasks at the first sample from
+  ``/proc/loadavg``). Every task takes a pid in the host's namespace, each at the cursor or
+  later, so more forks than positions crossed means a pid was chosen instead
+  (clone3's ``set_tid``, a checkpoint restore writing ``ns_last_pid``): nothing is kept then.
+  What this cannot see is such a chosen pid hidden among enough ordinary forks in one window:
+  a privileged restore into the very pid a listed process left since the last read;
+- each read samples that after listing every device and before asking any name, so a name
+  asked in one read and a listing in the next are always inside the sampled window. An entry
+  whose pid lies in the crossed interval, or every entry after a possible full round, or when
+  any of those files cannot be read, is asked again;
+- the driver lists host pids: names are kept only where the exporter runs in the host's PID
+  namespace (``/proc/self/ns/pid``, as for engines), where that cursor is the host's. Elsewhere
+  every name is asked at every read.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import operator
+import os
 import re
+import struct
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pynvml
@@ -26,6 +61,7 @@ import pynvml
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.flight import Flights
+from mig_exporter.host.procfs import HOST_PID_NAMESPACE
 from mig_exporter.model.placement import place
 from mig_exporter.model.snapshot import (
     CardReading,
@@ -42,6 +78,16 @@ _EMPTY_SLOT = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_
 # Reads of a process list that grows between pynvml's sizing call and its read each time.
 _LIST_ATTEMPTS = 3
 _PROFILE_IN_NAME = re.compile(r"\bMIG\s+(\S+)\s*$")
+
+_NAME_BUFFER_BYTES = 1024  # what pynvml's nvmlSystemGetProcessName allocates
+# What pynvml's nvmlDeviceGetName and GetUUID allocate.
+_NAME_BYTES = pynvml.NVML_DEVICE_NAME_V2_BUFFER_SIZE
+_UUID_BYTES = pynvml.NVML_DEVICE_UUID_V2_BUFFER_SIZE
+_UNKNOWN_MEMORY = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value  # pynvml makes it None
+_RESERVED_PIDS = 300  # the kernel's cyclic allocation restarts above these
+_USED = operator.itemgetter(1)
+_MEMORY_V2 = ("total", "reserved", "free", "used")
+_ENTRY_V3 = getattr(pynvml, "c_nvmlProcessInfo_v3_t", pynvml.c_nvmlProcessInfo_v2_t)
 
 _PROCESS_LISTS = (
     # pynvml's unversioned wrappers raise a non-NVML error where _v3 is missing;
@@ -68,6 +114,8 @@ class NvmlSource:
         # would only make the answer late, hence no grace here.
         self._reads: Flights[str, Snapshot] = Flights("nvml-read", ends_at_deadline=False)
         self._checks: Flights[str, tuple[bool, str]] = Flights("nvml-ready", ends_at_deadline=False)
+        self._names = ProcessNames()
+        self._readings: dict[_Row, ProcessReading] = {}
 
     def ready(self) -> tuple[bool, str]:
         def late() -> tuple[bool, str]:
@@ -104,15 +152,34 @@ class NvmlSource:
         driver = _text(nv.optional(pynvml.nvmlSystemGetDriverVersion))
         cuda = _cuda_version(nv.optional(pynvml.nvmlSystemGetCudaDriverVersion))
         count = nv.call(pynvml.nvmlDeviceGetCount)
-        cards: list[CardReading] = []
         problems: list[str] = []
-        for index in range(count):
-            cards.append(self._read_card(index, problems))
+        # Every card's lists first, then the names of every pid listed (see the module's docstring).
+        read = [self._read_card(index, problems) for index in range(count)]
+        names = self._names.resolve(nv, [row[0] for card in read if not isinstance(card, CardReading)
+                                         for row in card[1]])
+        # A process listed as in the last read, under the same name, is the same immutable
+        # reading: kept rather than built again (most of a big host's processes, most reads).
+        earlier, readings = self._readings, {}
+        cards: list[CardReading] = []
+        for card in read:
+            if isinstance(card, CardReading):
+                cards.append(card)
+                continue
+            processes = []
+            for row in card[1]:
+                reading = earlier.get(row)
+                if reading is None or reading.name != names[row[0]]:
+                    reading = ProcessReading(row[0], row[1], names[row[0]], *row[2:])
+                readings[row] = reading
+                processes.append(reading)
+            cards.append(CardReading(processes=tuple(processes), **card[0]))
+        self._readings = readings
         return place(cards, driver_version=driver, cuda_version=cuda, problems=problems)
 
-    def _read_card(self, index: int, problems: list[str]) -> CardReading:
-        """One card; a failing call marks the card (keeping what was read before
-        it) instead of failing the read, unless the whole library has gone."""
+    def _read_card(self, index: int, problems: list[str]) -> CardReading | tuple[dict[str, Any], list[_Row]]:
+        """One card: its ``CardReading``'s fields and process rows, to be named; or, where a
+        call failed, the card marked (keeping what was read before it) instead of failing the
+        read, unless the whole library has gone."""
         identity: dict[str, Any] = {}
         try:
             return self._read_card_values(index, identity, problems)
@@ -121,11 +188,12 @@ class NvmlSource:
                 raise
             return CardReading(index=index, error=f"{error_name(e.code)} in {e.function}", **identity)
 
-    def _read_card_values(self, index: int, identity: dict[str, Any], problems: list[str]) -> CardReading:
+    def _read_card_values(self, index: int, identity: dict[str, Any],
+                          problems: list[str]) -> tuple[dict[str, Any], list[_Row]]:
         nv = self.nvml
         handle = nv.call(pynvml.nvmlDeviceGetHandleByIndex, index)
-        identity["uuid"] = _text(nv.call(pynvml.nvmlDeviceGetUUID, handle))
-        identity["name"] = _text(nv.call(pynvml.nvmlDeviceGetName, handle))
+        identity["uuid"] = _text(nv.text("nvmlDeviceGetUUID", handle, _UUID_BYTES))
+        identity["name"] = _text(nv.text("nvmlDeviceGetName", handle, _NAME_BYTES))
         identity["pci_bus_id"] = _text(getattr(nv.optional(pynvml.nvmlDeviceGetPciInfo, handle), "busId", None))
         mode = nv.optional(pynvml.nvmlDeviceGetMigMode, handle)
         identity["mig_current"] = mig_current = None if mode is None else bool(mode[0])
@@ -135,38 +203,37 @@ class NvmlSource:
         utilization = None if mig_current else nv.optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
         identity["memory"] = self._memory(handle)
         instances: list[MigInstance] = []
-        processes: list[ProcessReading] = []
+        processes: list[_Row] = []
         if mig_current:
             for mig_index, mig_handle in self._mig_handles(handle):
-                gi = nv.call(pynvml.nvmlDeviceGetGpuInstanceId, mig_handle)
-                ci = nv.call(pynvml.nvmlDeviceGetComputeInstanceId, mig_handle)
+                gi = nv.uint("nvmlDeviceGetGpuInstanceId", mig_handle)
+                ci = nv.uint("nvmlDeviceGetComputeInstanceId", mig_handle)
                 instances.append(MigInstance(
                     mig_index=mig_index,
                     gpu_instance_id=gi,
                     compute_instance_id=ci,
                     memory=self._memory(mig_handle),
-                    profile=_profile(_text(nv.optional(pynvml.nvmlDeviceGetName, mig_handle))),
-                    uuid=_text(nv.optional(pynvml.nvmlDeviceGetUUID, mig_handle)),
+                    profile=_profile(_text(nv.optional(nv.text, "nvmlDeviceGetName", mig_handle, _NAME_BYTES))),
+                    uuid=_text(nv.optional(nv.text, "nvmlDeviceGetUUID", mig_handle, _UUID_BYTES)),
                 ))
                 processes.extend(self._processes(mig_handle, gi, ci, f"card {index} MIG device {mig_index}", problems))
         else:
             processes.extend(self._processes(handle, None, None, f"card {index}", problems))
-        return CardReading(
+        return dict(
             index=index,
             temperature_celsius=None if temperature is None else float(temperature),
             power_draw_watts=None if power_mw is None else power_mw / 1000.0,
             utilization_ratio=None if utilization is None else utilization.gpu / 100.0,
             instances=tuple(instances),
-            processes=tuple(processes),
             **identity,
-        )
+        ), processes
 
     def _mig_handles(self, handle: Any) -> list[tuple[int, Any]]:
         nv = self.nvml
         found = []
         for mig_index in range(nv.call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)):
             try:
-                found.append((mig_index, nv.call(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, mig_index)))
+                found.append((mig_index, nv.mig_handle(handle, mig_index)))
             except NvmlCallError as e:
                 if e.code not in _EMPTY_SLOT:
                     raise
@@ -179,7 +246,9 @@ class NvmlSource:
         if version is not None:
             try:
                 m = nv.call(pynvml.nvmlDeviceGetMemoryInfo, handle, version=version)
-                return Memory(total_bytes=m.total, used_bytes=m.used, free_bytes=m.free, reserved_bytes=m.reserved)
+                total, reserved, free, used = _layout(pynvml.c_nvmlMemory_v2_t, _MEMORY_V2).unpack(ctypes.string_at(
+                    ctypes.addressof(m), ctypes.sizeof(m)))
+                return Memory(total_bytes=total, used_bytes=used, free_bytes=free, reserved_bytes=reserved)
             except NvmlCallError as e:
                 if not (e.unsupported or e.code == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH):
                     raise
@@ -189,22 +258,17 @@ class NvmlSource:
         return Memory(total_bytes=m.total, used_bytes=m.used, free_bytes=m.free)
 
     def _processes(self, handle: Any, gi: int | None, ci: int | None, where: str,
-                   problems: list[str]) -> list[ProcessReading]:
+                   problems: list[str]) -> list[_Row]:
         """Compute (C), graphics (G) and MPS (M) processes; placement merges a pid
         listed in several of them into one process of type C+G or M+C."""
-        found: list[ProcessReading] = []
-        names: dict[int, str] = {}
+        found: list[_Row] = []
         readable = False
         for letter, functions in _PROCESS_LISTS:
             listed = self._process_list(handle, functions, where, problems)
             if listed is None:
                 continue
             readable = True
-            for pid, used in listed:
-                if pid not in names:
-                    names[pid] = self._process_name(pid)
-                found.append(ProcessReading(pid=pid, type=letter, name=names[pid], used_bytes=used,
-                                            gpu_instance_id=gi, compute_instance_id=ci))
+            found.extend((pid, letter, used, gi, ci) for pid, used in listed)
         if not readable:
             # pynvml reaches the process lists only through their _v2 and _v3
             # symbols; a driver with neither would show every device as idle.
@@ -219,46 +283,198 @@ class NvmlSource:
         mismatch) is read again with the older variant; if every variant is
         garbled, the impossible pids are dropped and the memory of the rest is
         unknown: the same garbling made it garbage too."""
-        garbled: list[Any] | None = None
+        garbled: list[tuple[int, int | None]] | None = None
         for name in functions:
-            function = getattr(pynvml, name, None)
-            if function is None:
-                continue
             try:
-                entries = self._listed(function, handle)
+                entries = self._listed(name, handle)
             except NvmlCallError as e:
                 if e.unsupported:
                     continue
                 raise
-            if all(is_plausible_pid(p.pid) for p in entries):
-                return [(int(p.pid), p.usedGpuMemory) for p in entries]
+            # min and max of (pid, used) pairs hold the least and greatest pid.
+            if not entries or (is_plausible_pid(min(entries)[0]) and is_plausible_pid(max(entries)[0])):
+                return entries
             garbled = entries
         if garbled is None:
             return None
-        kept: list[tuple[int, int | None]] = [(int(p.pid), None) for p in garbled if is_plausible_pid(p.pid)]
+        kept: list[tuple[int, int | None]] = [(pid, None) for pid, _ in garbled if is_plausible_pid(pid)]
         problems.append(
             f"{where}: {len(garbled) - len(kept)} process entries with impossible pids dropped and the memory of "
             f"{len(kept)} unknown (NVML process struct version mismatch)"
         )
         return kept
 
-    def _listed(self, function: Any, handle: Any) -> list[Any]:
-        """One process list. pynvml sizes it, allocates twice that plus five and reads: a list
-        that grew past that in between answers INSUFFICIENT_SIZE, and is asked again (sized
-        anew), a bounded number of times, rather than fail the card for this read."""
-        for _ in range(_LIST_ATTEMPTS - 1):
-            try:
-                return list(self.nvml.call(function, handle))
-            except NvmlCallError as e:
-                if e.code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
-                    raise
-        return list(self.nvml.call(function, handle))
+    def _listed(self, name: str, handle: Any) -> list[tuple[int, int | None]]:
+        """One process list, as pynvml's wrapper reads it (sized by a first call, an array of
+        twice that plus five, read), without its per-entry objects. A list that grew past the
+        array in between answers INSUFFICIENT_SIZE, and is asked again (sized anew), a bounded
+        number of times, rather than fail the card for this read."""
+        nv = self.nvml
+        function = nv.c_function(name)
+        entry = _ENTRY_V3 if name.endswith("_v3") else pynvml.c_nvmlProcessInfo_v2_t
+        count = ctypes.c_uint(0)
+        for attempt in range(1, _LIST_ATTEMPTS + 1):
+            count.value = 0
+            code = function(handle, ctypes.byref(count), None)
+            if code == pynvml.NVML_SUCCESS:
+                return []  # no processes
+            if code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE:
+                nv.check(name, code)
+            count.value = count.value * 2 + 5
+            array = (entry * count.value)()
+            code = function(handle, ctypes.byref(count), array)
+            if code == pynvml.NVML_SUCCESS:
+                return _unpack(entry, array, count.value)
+            if code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE or attempt == _LIST_ATTEMPTS:
+                nv.check(name, code)
+        raise AssertionError("unreachable: the last attempt raises")
 
-    def _process_name(self, pid: int) -> str:
+
+# (pid, type letter, used bytes, GPU instance id, compute instance id): a process as listed, before its name.
+_Row = tuple[int, str, "int | None", "int | None", "int | None"]
+
+
+class ProcessNames:
+    """``nvmlSystemGetProcessName`` per pid, kept while the pid still names the process it
+    was asked for (the rules are in the module's docstring)."""
+
+    def __init__(self, sample: Callable[[], PidSample | None] | None = None) -> None:
+        self._sample_now = sample or host_pid_sample
+        self._names: dict[int, str] = {}
+        self._sample: PidSample | None = None
+
+    def resolve(self, nv: Nvml, pids: Sequence[int]) -> dict[int, str]:
+        """The name of each pid, "" where NVML has none (exited since it was listed, or not
+        ours to see). Call after listing every device, before showing any name."""
+        sample = self._sample_now()
+        earlier, kept = self._sample, self._names
+        window = None if sample is None or earlier is None else earlier.window(sample)
+        names: dict[int, str] = {}
+        if window is not None:
+            safe, inside = window
+            names = {pid: name for pid in pids if (name := kept.get(pid)) is not None and (pid in safe) == inside}
+        asker: _NameAsker | None = None
+        unnamed = False
+        for pid in pids:
+            if pid not in names:
+                asker = asker or _NameAsker(nv)
+                names[pid] = name = asker.name(pid)
+                unnamed = unnamed or not name
+        # No name is not kept: NVML may give one next time.
+        self._names = {pid: name for pid, name in names.items() if name} if unnamed else names
+        self._sample = sample
+        return names
+
+
+class _NameAsker:
+    """``nvmlSystemGetProcessName`` through the C function, one buffer for a read's calls."""
+
+    def __init__(self, nv: Nvml) -> None:
+        self._nv = nv
+        self._buffer = ctypes.create_string_buffer(_NAME_BUFFER_BYTES)
         try:
-            return _text(self.nvml.call(pynvml.nvmlSystemGetProcessName, pid)) or ""
+            self._function: Any = nv.c_function("nvmlSystemGetProcessName")
         except NvmlCallError:
-            return ""  # exited since it was listed, or not ours to see
+            self._function = None
+
+    def name(self, pid: int) -> str:
+        if self._function is None:
+            return ""
+        code = self._function(ctypes.c_uint(pid), self._buffer, ctypes.c_uint(_NAME_BUFFER_BYTES))
+        if code != pynvml.NVML_SUCCESS:
+            try:
+                self._nv.check("nvmlSystemGetProcessName", code)  # a driver-level error still marks re-init
+            except NvmlCallError:
+                return ""  # exited since it was listed, or not ours to see
+        return _text(self._buffer.value) or ""
+
+
+class PidSample:
+    """Where the kernel's pid allocation stood: enough to tell which pids it may have handed
+    out again since an earlier sample."""
+
+    __slots__ = ("forks_after", "forks_before", "last_pid", "pid_max", "threads")
+
+    def __init__(self, last_pid: int, forks_before: int, forks_after: int, threads: int, pid_max: int) -> None:
+        self.last_pid, self.threads, self.pid_max = last_pid, threads, pid_max
+        # The fork counter read just before and just after ``last_pid``: it bounds the tasks
+        # created between two samples' ``last_pid`` from below and from above.
+        self.forks_before, self.forks_after = forks_before, forks_after
+
+    @classmethod
+    def now(cls) -> PidSample | None:
+        """``None`` where /proc cannot tell (not Linux, a file missing or odd)."""
+        try:
+            threads = int(_read_proc("/proc/loadavg").split()[3].split(b"/")[1])
+            pid_max = int(_read_proc("/proc/sys/kernel/pid_max"))
+            forks_before = _forks()
+            last_pid = int(_read_proc("/proc/sys/kernel/ns_last_pid"))
+            forks_after = _forks()
+        except (OSError, ValueError, IndexError):
+            return None
+        return cls(last_pid, forks_before, forks_after, threads, pid_max)
+
+    def window(self, later: PidSample) -> tuple[range, bool] | None:
+        """The pids that cannot have been handed out between this sample and ``later``: those in
+        the range (``True``) or those outside it (``False``); ``None`` when that may be none."""
+        span = later.pid_max - _RESERVED_PIDS
+        if later.pid_max != self.pid_max or 2 * (later.forks_after - self.forks_before) + self.threads >= span:
+            return None  # the allocator may have gone all the way round
+        start, end = self.last_pid, later.last_pid
+        crossed = end - start if start <= end else later.pid_max - start + end - _RESERVED_PIDS
+        if later.forks_before - self.forks_after > crossed:
+            return None  # some pid was not handed out at the cursor (clone3's set_tid, a restore)
+        if start <= end:
+            return range(start + 1, end + 1), False  # it crossed (start, end]
+        return range(end + 1, start + 1), True  # it wrapped: it crossed all but (end, start]
+
+
+def host_pid_sample(namespace_link: str = "/proc/self/ns/pid") -> PidSample | None:
+    """A sample where we run in the host's PID namespace (that of the pids NVML lists), else ``None``."""
+    try:
+        if os.readlink(namespace_link) != HOST_PID_NAMESPACE:
+            return None
+    except OSError:
+        return None
+    return PidSample.now()
+
+
+def _forks() -> int:
+    """Tasks created since boot (``processes`` in /proc/stat)."""
+    stat = _read_proc("/proc/stat")
+    return int(stat[stat.index(b"\nprocesses ") + 11:].split(None, 1)[0])
+
+
+def _read_proc(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _layout(entry: type[ctypes.Structure], fields: tuple[str, ...] = ("pid", "usedGpuMemory")) -> struct.Struct:
+    """``fields`` (in the order they lie, unsigned ints) of one of pynvml's Structures, at their
+    offsets: one C call reads them all, where each attribute would pass through pynvml's
+    ``__getattribute__``."""
+    codes = {4: "I", 8: "Q"}
+    layout, at = "=", 0
+    for name in fields:
+        field = getattr(entry, name)
+        if field.offset < at or field.size not in codes:
+            raise AssertionError(f"unexpected layout of {entry.__name__}")
+        layout += f"{field.offset - at}x{codes[field.size]}"
+        at = field.offset + field.size
+    return struct.Struct(f"{layout}{ctypes.sizeof(entry) - at}x")
+
+
+def _unpack(entry: type[ctypes.Structure], array: ctypes.Array[Any], count: int) -> list[tuple[int, int | None]]:
+    data = ctypes.string_at(array, count * ctypes.sizeof(entry))
+    entries: list[tuple[int, int | None]] = list(_layout(entry).iter_unpack(data))
+    if entries and max(entries, key=_USED)[1] == _UNKNOWN_MEMORY:
+        return [(pid, None if used == _UNKNOWN_MEMORY else used) for pid, used in entries]
+    return entries
 
 
 def _profile(mig_name: str | None) -> str | None:
@@ -282,4 +498,4 @@ def _cuda_version(value: int | None) -> str | None:
     return f"{value // 1000}.{value % 1000 // 10}"
 
 
-__all__ = ["NvmlSource", "NvmlUnavailable"]
+__all__ = ["NvmlSource", "NvmlUnavailable", "PidSample", "ProcessNames", "host_pid_sample"]

@@ -10,6 +10,7 @@ the NVML error name, so callers can decide per call what a failure means
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -115,11 +116,48 @@ class Nvml:
             raise NvmlCallError(getattr(function, "__name__", "nvml"), pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
                                 f"NVML_ERROR_FUNCTION_NOT_FOUND ({e})") from None
         except pynvml.NVMLError as e:
-            code = int(getattr(e, "value", pynvml.NVML_ERROR_UNKNOWN))
-            if code in _REINIT_ERRORS:
-                with self._lock:
-                    self._initialised = False  # the next read initialises again
-            raise NvmlCallError(getattr(function, "__name__", "nvml"), code, _describe(e)) from None
+            raise self._failed(getattr(function, "__name__", "nvml"), e) from None
+
+    def c_function(self, name: str) -> Any:
+        """The library's C function ``name``, through pynvml's own lookup and cache, for the hot
+        calls whose pynvml wrapper builds a Python object per entry; its codes go to ``check``.
+        A symbol the library lacks raises ``NvmlCallError`` (FUNCTION_NOT_FOUND) naming it."""
+        try:
+            return pynvml._nvmlGetFunctionPointer(name)
+        except pynvml.NVMLError as e:
+            raise self._failed(name, e) from None
+
+    def uint(self, name: str, handle: Any) -> int:
+        """``name(device, unsigned int *)`` (``nvmlDeviceGetGpuInstanceId``...), as pynvml's
+        wrapper calls it, without its Python layers: these are asked per MIG device."""
+        value = ctypes.c_uint()
+        self.check(name, self.c_function(name)(handle, ctypes.byref(value)))
+        return value.value
+
+    def text(self, name: str, handle: Any, size: int) -> bytes:
+        """``name(device, char *, unsigned int)`` (``nvmlDeviceGetName``, ``GetUUID``), likewise."""
+        buffer = ctypes.create_string_buffer(size)
+        self.check(name, self.c_function(name)(handle, buffer, ctypes.c_uint(size)))
+        return buffer.value
+
+    def mig_handle(self, handle: Any, index: int) -> Any:
+        """``nvmlDeviceGetMigDeviceHandleByIndex``, likewise."""
+        name = "nvmlDeviceGetMigDeviceHandleByIndex"
+        mig = pynvml.c_nvmlDevice_t()
+        self.check(name, self.c_function(name)(handle, ctypes.c_uint(index), ctypes.byref(mig)))
+        return mig
+
+    def check(self, name: str, code: int) -> None:
+        """What ``call`` does with a failing pynvml call, for a return code of ``c_function``'s."""
+        if code != pynvml.NVML_SUCCESS:
+            raise self._failed(name, pynvml.NVMLError(code))
+
+    def _failed(self, name: str, e: pynvml.NVMLError) -> NvmlCallError:
+        code = int(getattr(e, "value", pynvml.NVML_ERROR_UNKNOWN))
+        if code in _REINIT_ERRORS:
+            with self._lock:
+                self._initialised = False  # the next read initialises again
+        return NvmlCallError(name, code, _describe(e))
 
     def optional(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """Like ``call``, but a reading the device does not have is ``None``."""
