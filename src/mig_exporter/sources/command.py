@@ -74,6 +74,7 @@ _lock = threading.RLock()
 _reaping = 0
 _serial = itertools.count(1)
 TOKEN_VARIABLE = "MIG_EXPORTER_COMMAND"
+_TOKEN_KEY = TOKEN_VARIABLE.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,11 +300,23 @@ def _is_reaping() -> bool:
     return _reaping > 0 or os.getpid() == 1
 
 
+def _environment() -> dict[bytes, bytes]:
+    """A copy of this process's environment, as bytes (what a child is given). Copied from the
+    bytes ``os.environ`` keeps (``_data``, shared with ``os.environb``) where there are any: at C
+    speed, where iterating ``os.environ`` decodes each name and value and Popen encodes them back
+    (some 30 µs a command)."""
+    data = getattr(os.environb, "_data", None)
+    if isinstance(data, dict):
+        return dict(data)
+    return dict(os.environb)
+
+
 def _spawn(argv: tuple[str, ...]) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a session of its own, tracked from its start on."""
     global _starting
     token = f"{os.getpid()}.{next(_serial)}"
-    env = {**os.environ, TOKEN_VARIABLE: token}
+    env = _environment()
+    env[_TOKEN_KEY] = token.encode()
     with _lock:
         _starting += 1
     try:

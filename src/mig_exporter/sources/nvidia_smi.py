@@ -21,7 +21,7 @@ from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError, CommandNotFound
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
-from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, OutputBudget, run_commands
+from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, OutputBudget, run_commands
 
 DEFAULT_BINARY = "nvidia-smi"
 DEFAULT_TIMEOUT_S = 10.0
