@@ -403,6 +403,33 @@ def test_query_and_listing_run_in_parallel(fake_nvidia_smi: FakeSmi) -> None:
     assert 0.4 <= elapsed < 0.75
 
 
+def test_a_read_starts_no_thread(fake_nvidia_smi: FakeSmi) -> None:
+    """Both commands are read in the calling thread: a scrape starts no thread of its own
+    (starting one costs about a millisecond of a 2-core machine)."""
+    import threading
+
+    fake = fake_for(fake_nvidia_smi, "h100-mig-processes", delay_s=0.3)
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.update(t.name for t in threading.enumerate())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, name="watcher")
+    before = {t.name for t in threading.enumerate()} | {"watcher"}
+    watcher.start()
+    try:
+        result, _ = timed_read(NvidiaSmiSource(str(fake), timeout_s=10))
+    finally:
+        stop.set()
+        watcher.join()
+    assert isinstance(result, Snapshot), repr(result)
+    assert [d.profile for d in result.devices] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
+    assert seen - before == set()
+
+
 def test_describe_names_the_binary_and_timeout() -> None:
     assert (NvidiaSmiSource("/usr/bin/nvidia-smi", timeout_s=7).describe()
             == "nvidia-smi (/usr/bin/nvidia-smi, timeout 7s)")
