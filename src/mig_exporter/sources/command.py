@@ -10,15 +10,20 @@ killed too, at once (so a leftover holding our pipes does not hold the read to
 its deadline). Groups still running when the exporter stops are killed by
 ``kill_running()``.
 
+A read's commands (``-q -x`` and ``-L``) run side by side in the calling
+thread (``run_commands``): one wait covers both commands' pipes and exits, so
+a read starts no thread.
+
 The output cap is a read's, not a command's: the commands of one read share an
 ``OutputBudget``, and the first to take the read past it is killed.
 
 Grandchildren that leave the group (``setsid()``) escape its kill. Inside
 ``reaping()`` (``serve`` and ``read``: the process is a child subreaper then,
 ``reaper.py``) and when the exporter is PID 1, orphans are handed to this
-process: after each command, and at ``kill_running()``, every child of ours
-that is not a command is killed and reaped, until none is left. Except those
-of a command still running (its own helpers, double-forked away): each
+process: after each run of commands (once for a read's two), when a command's
+pipes stay open after it exited, and at ``kill_running()``, every child of
+ours that is not a command is killed and reaped, until none is left. Except
+those of a command still running (its own helpers, double-forked away): each
 command's environment carries ``MIG_EXPORTER_COMMAND``, a token of its own,
 which its descendants inherit; an orphan whose token is a running command's
 is left to that command's own sweep. A command is never reaped by a sweep: it
