@@ -344,29 +344,33 @@ def test_kill_running_takes_down_commands_in_flight(tmp_path: Path) -> None:
 
 # --- several commands side by side (run_commands) ----------------------------------------------
 
-def test_commands_run_side_by_side_in_the_calling_thread() -> None:
-    """Two commands of 0.4 s each take 0.4 s together, and no thread is started for them: one
-    wait covers both commands' pipes. Each gets its own output, in the order given."""
+def test_commands_run_side_by_side_and_start_no_thread_once_one_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two commands of 0.4 s each take 0.4 s together. The second is started in a kept worker
+    and both are read in the calling thread: after the first run, none starts a thread. Each
+    gets its own output, in the order given."""
     import threading
 
+    from mig_exporter.core import workers
     from mig_exporter.sources.command import OutputBudget, run_commands
 
-    seen: set[str] = set()
+    monkeypatch.setattr(workers, "WORKERS", workers.Workers())  # as serve's: threads kept
+    commands = [(["sh", "-c", "sleep 0.4; echo first"], OutputBudget(MIB)),
+                (["sh", "-c", "sleep 0.4; echo second >&2; echo 2"], OutputBudget(MIB))]
+    run_commands([(["true"], OutputBudget(MIB)), (["true"], OutputBudget(MIB))], Deadline.after(10))
+    seen: set[threading.Thread] = set()
     stop = threading.Event()
 
     def watch() -> None:  # every thread alive while the commands run
         while not stop.is_set():
-            seen.update(t.name for t in threading.enumerate())
+            seen.update(threading.enumerate())
             time.sleep(0.005)
 
     watcher = threading.Thread(target=watch, name="watcher")
-    before = {t.name for t in threading.enumerate()} | {"watcher"}
+    before = set(threading.enumerate()) | {watcher}
     watcher.start()
     started = time.monotonic()
     try:
-        first, second = run_commands([(["sh", "-c", "sleep 0.4; echo first"], OutputBudget(MIB)),
-                                      (["sh", "-c", "sleep 0.4; echo second >&2; echo 2"], OutputBudget(MIB))],
-                                     Deadline.after(10))
+        first, second = run_commands(commands, Deadline.after(10))
     finally:
         stop.set()
         watcher.join()
@@ -374,7 +378,7 @@ def test_commands_run_side_by_side_in_the_calling_thread() -> None:
     assert isinstance(first, CommandResult) and isinstance(second, CommandResult)
     assert (first.stdout, second.stdout, second.stderr) == (b"first\n", b"2\n", b"second\n")
     assert 0.4 <= elapsed < 0.75
-    assert seen - before == set()
+    assert {t.name for t in seen - before} == set()
 
 
 def test_when_the_first_command_fails_the_others_are_cancelled_at_once(tmp_path: Path) -> None:

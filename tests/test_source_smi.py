@@ -403,31 +403,36 @@ def test_query_and_listing_run_in_parallel(fake_nvidia_smi: FakeSmi) -> None:
     assert 0.4 <= elapsed < 0.75
 
 
-def test_a_read_starts_no_thread(fake_nvidia_smi: FakeSmi) -> None:
-    """Both commands are read in the calling thread: a scrape starts no thread of its own
-    (starting one costs about a millisecond of a 2-core machine)."""
+def test_a_read_starts_no_thread_once_one_is_kept(fake_nvidia_smi: FakeSmi, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both commands are read in the calling thread, and -L is started in a kept worker: after
+    the first, a read starts no thread (starting one costs about a millisecond of a 2-core
+    machine). Seen from a thread that lists every thread while the second read runs."""
     import threading
 
-    fake = fake_for(fake_nvidia_smi, "h100-mig-processes", delay_s=0.3)
-    seen: set[str] = set()
+    from mig_exporter.core import workers
+
+    monkeypatch.setattr(workers, "WORKERS", workers.Workers())  # as serve's: threads kept
+    source = NvidiaSmiSource(str(fake_for(fake_nvidia_smi, "h100-mig-processes", delay_s=0.3)), timeout_s=10)
+    source.read()
+    seen: set[threading.Thread] = set()
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
-            seen.update(t.name for t in threading.enumerate())
+            seen.update(threading.enumerate())
             time.sleep(0.005)
 
     watcher = threading.Thread(target=watch, name="watcher")
-    before = {t.name for t in threading.enumerate()} | {"watcher"}
+    before = set(threading.enumerate()) | {watcher}
     watcher.start()
     try:
-        result, _ = timed_read(NvidiaSmiSource(str(fake), timeout_s=10))
+        result, _ = timed_read(source)
     finally:
         stop.set()
         watcher.join()
     assert isinstance(result, Snapshot), repr(result)
     assert [d.profile for d in result.devices] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
-    assert seen - before == set()
+    assert {t.name for t in seen - before} == set()
 
 
 def test_describe_names_the_binary_and_timeout() -> None:

@@ -10,9 +10,9 @@ killed too, at once (so a leftover holding our pipes does not hold the read to
 its deadline). Groups still running when the exporter stops are killed by
 ``kill_running()``.
 
-A read's commands (``-q -x`` and ``-L``) run side by side in the calling
-thread (``run_commands``): one wait covers both commands' pipes and exits, so
-a read starts no thread.
+A read's commands (``-q -x`` and ``-L``) run side by side, read in the
+calling thread (``run_commands``): one wait covers both commands' pipes and
+exits, and no thread is started for them.
 
 The output cap is a read's, not a command's: the commands of one read share an
 ``OutputBudget``, and the first to take the read past it is killed.
@@ -45,6 +45,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from mig_exporter.core import workers
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError, CommandFailed, CommandNotFound, CommandTimeout, OutputTooLarge
 from mig_exporter.sources import reaper
@@ -163,20 +164,15 @@ def run_commands(
     """Run the commands side by side, each with its stdout budget, by ``deadline``; each one's
     result or error, in order (the errors ``run_command`` raises).
 
-    All in the calling thread: one wait covers every pipe of every command, so a read of two
-    commands starts no thread. The first command is the one the others serve: when it fails,
+    Read in the calling thread: one wait covers every pipe of every command. The later
+    commands are started in a kept worker thread while the first starts here, so a read
+    starts no thread once one is idle. The first command is the one the others serve: when it fails,
     the others are killed at once, each answered as cancelled; one that cannot be started at
     all raises its ``CommandNotFound`` and starts nothing more.
     """
     runs = [_Run(tuple(argv), budget) for argv, budget in commands]
     try:
-        for run in runs:
-            try:
-                run.proc = _spawn(run.argv)
-            except CommandNotFound as e:
-                if run is runs[0]:
-                    raise
-                run.error = e
+        _start_all(runs)
         _collect(runs, deadline, cancel)
         for run in runs:
             if run.outcome == "eof" and run.proc is not None and run.proc.returncode is None:
@@ -188,6 +184,52 @@ def run_commands(
             if run.outcome != "eof":
                 _drop(run.stdout, run.budget)  # the output goes with the error: so does its share of the budget
     return [run.answer() for run in runs]
+
+
+def _start_all(runs: list[_Run]) -> None:
+    """Start every command: the first in this thread and, at the same time, the others in a
+    kept worker (``core/workers.py``: no thread is started for it once one is idle). A start
+    holds its thread until the child has called exec (vfork), which on a busy machine can
+    take a millisecond or more; one after the other, the read would wait for both.
+
+    Raises the first command's ``CommandNotFound`` once the others have been started (so
+    that they are killed with it); theirs are kept as their answers."""
+    rest = runs[1:]
+    started = threading.Event()
+
+    def start_rest() -> None:
+        try:
+            for run in rest:
+                _start(run)
+        finally:
+            started.set()
+
+    in_worker = False
+    if rest:
+        try:
+            workers.WORKERS.start(start_rest, "command-start")
+            in_worker = True
+        except RuntimeError:  # no thread to be had (a pids limit): one after the other, here
+            pass
+    try:
+        runs[0].proc = _spawn(runs[0].argv)
+    finally:
+        # Even when the first failed: what the worker started must be there to kill. A start
+        # that hangs (an exec on a dead mount) holds the read as the first command's would.
+        if in_worker:
+            started.wait()
+    if not in_worker:
+        for run in rest:
+            _start(run)
+
+
+def _start(run: _Run) -> None:
+    try:
+        run.proc = _spawn(run.argv)
+    except CommandNotFound as e:
+        run.error = e
+    except Exception as e:  # never expected (_spawn maps OSError): still the command's answer, not the read's
+        run.error = CommandNotFound(f"{run.argv[0]}: cannot start: {e}")
 
 
 class _Run:
