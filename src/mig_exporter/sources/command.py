@@ -22,7 +22,8 @@ Grandchildren that leave the group (``setsid()``) escape its kill. Inside
 ``reaper.py``) and when the exporter is PID 1, orphans are handed to this
 process: after each run of commands (once for a read's two), when a command's
 pipes stay open after it exited, and at ``kill_running()``, every child of
-ours that is not a command is killed and reaped, until none is left. Except
+ours that is not a command (of those an orphan is handed to: the main
+thread's) is killed and reaped, until none is left. Except
 those of a command still running (its own helpers, double-forked away): each
 command's environment carries ``MIG_EXPORTER_COMMAND``, a token of its own,
 which its descendants inherit; an orphan whose token is a running command's
@@ -630,13 +631,15 @@ def _sweep(commands: Iterable[subprocess.Popen[bytes]], within_s: float = _SWEEP
 
 def _kill_orphans() -> int:
     """SIGKILL and reap (once dead) our children that are neither commands nor
-    left by one still running; how many are left unreaped (1 while a command
-    is being started: its child is not tracked yet, so nothing is touched)."""
+    left by one still running, among those an orphan is handed to (the main
+    thread's, ``reaper.orphan_pids``); how many are left unreaped (1 while a
+    command is being started: its child is not tracked yet, so nothing is
+    touched)."""
     with _lock:
         if _starting:
             return 1
         try:
-            pids = reaper.child_pids()
+            pids = reaper.orphan_pids()
         except OSError:
             return 0  # no /proc: nothing to find them by
         running = set(_running.values())
