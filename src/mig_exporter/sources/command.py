@@ -246,7 +246,7 @@ class _Run:
         self.stderr = bytearray()
         self.open_pipes = 2
         self.pidfd: int | None = None  # readable once the child has exited; closed then
-        self.exited_at: float | None = None  # when its exit was seen, its pipes still open
+        self.exited_at: float | None = None  # when its exit was seen, its pipes still open (until swept)
         self.swept = False  # a sweep that left nothing has run since it was reaped
         self.outcome = "interrupted"  # then "running", and at last "eof" or how it was stopped
 
@@ -424,13 +424,13 @@ def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | Non
                     for run in running:
                         run.stop(remaining, sel)
                     return
-                held = [run for run in running if run.exited_at is not None and not run.swept]
+                held = [run for run in running if run.exited_at is not None]
                 if held:
                     due = min(run.exited_at or 0.0 for run in held) + _HELD_S - time.monotonic()
                     if due <= 0:
                         _sweep_after(live)
                         for run in held:
-                            run.swept = True  # once: what a sweep cannot kill, the deadline ends
+                            run.exited_at = None  # once: what a sweep cannot kill, the deadline ends
                         continue
                     remaining = min(remaining, due)
                 exits = []
