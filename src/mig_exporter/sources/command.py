@@ -183,7 +183,7 @@ def run_commands(
         _finish(runs)
         for run in runs:
             if run.outcome != "eof":
-                _drop(run.stdout, run.budget)  # the output goes with the error: so does its share of the budget
+                run.drop()  # the output goes with the error: so does its share of the budget
     return [run.answer() for run in runs]
 
 
@@ -242,7 +242,9 @@ class _Run:
         self.started = time.monotonic()
         self.proc: subprocess.Popen[bytes] | None = None
         self.error: CommandError | None = None  # could not be started
-        self.stdout = bytearray()
+        # Chunks as read, joined once at the end: one copy of a large -q -x, not a growing buffer's and then bytes()'s.
+        self.stdout: list[bytes] = []
+        self.stdout_bytes = 0
         self.stderr = bytearray()
         self.open_pipes = 2
         self.pidfd: int | None = None  # readable once the child has exited; closed then
@@ -269,11 +271,17 @@ class _Run:
         assert self.proc is not None
         returncode = self.proc.returncode
         if returncode != 0:
-            reason = _first_line(bytes(self.stderr)) or _first_line(bytes(self.stdout)) or "no output"
+            reason = _first_line(bytes(self.stderr)) or _first_line(b"".join(self.stdout)) or "no output"
             what = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
-            _drop(self.stdout, self.budget)
+            self.drop()
             return CommandFailed(f"{shown}: {what}: {reason}")
-        return CommandResult(self.argv, bytes(self.stdout), bytes(self.stderr), elapsed)
+        return CommandResult(self.argv, b"".join(self.stdout), bytes(self.stderr), elapsed)
+
+    def drop(self) -> None:
+        """Let go of the output, and give its share of the budget back."""
+        self.budget.give_back(self.stdout_bytes)
+        self.stdout.clear()
+        self.stdout_bytes = 0
 
     def failed(self) -> bool:
         """Ended, and not with a clean exit."""
@@ -406,8 +414,8 @@ def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | Non
             for run in live:
                 assert run.proc is not None and run.proc.stdout is not None and run.proc.stderr is not None
                 run.outcome = "running"
-                sel.register(run.proc.stdout, selectors.EVENT_READ, (run, run.stdout))
-                sel.register(run.proc.stderr, selectors.EVENT_READ, (run, run.stderr))
+                sel.register(run.proc.stdout, selectors.EVENT_READ, (run, True))
+                sel.register(run.proc.stderr, selectors.EVENT_READ, (run, False))
                 run.pidfd = _open_pidfd(run.proc.pid)
                 if run.pidfd is not None:
                     sel.register(run.pidfd, selectors.EVENT_READ, (run, None))
@@ -435,10 +443,10 @@ def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | Non
                     remaining = min(remaining, due)
                 exits = []
                 for key, _ in sel.select(remaining):
-                    run, buffer = key.data
+                    run, is_stdout = key.data
                     if run.outcome != "running":
                         continue  # stopped by an event before this one: its pipes are closed
-                    if buffer is None:
+                    if is_stdout is None:
                         exits.append(run)
                         continue
                     chunk = os.read(key.fd, _CHUNK)
@@ -446,14 +454,15 @@ def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | Non
                         sel.unregister(key.fileobj)
                         key.fileobj.close()  # type: ignore[union-attr]
                         run.open_pipes -= 1
-                    elif buffer is run.stdout:
+                    elif is_stdout:
                         if not run.budget.take(len(chunk)):
-                            _drop(run.stdout, run.budget)  # now: the read's other command may go on with it
+                            run.drop()  # now: the read's other command may go on with it
                             run.stop("overflow", sel)
                             continue
-                        buffer += chunk
-                    elif len(buffer) < _MAX_STDERR_BYTES:
-                        buffer += chunk[: _MAX_STDERR_BYTES - len(buffer)]
+                        run.stdout.append(chunk)
+                        run.stdout_bytes += len(chunk)
+                    elif len(run.stderr) < _MAX_STDERR_BYTES:
+                        run.stderr += chunk[: _MAX_STDERR_BYTES - len(run.stderr)]
                 for run in exits:  # after the pipes: their EOF in the same wait is no held pipe
                     if run.outcome == "running":
                         assert run.proc is not None
@@ -466,11 +475,6 @@ def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | Non
                 if run.outcome == "running" and run.done:
                     run.outcome = "eof"
                 run.close(sel)
-
-
-def _drop(stdout: bytearray, budget: OutputBudget) -> None:
-    budget.give_back(len(stdout))
-    stdout.clear()
 
 
 def _wait_for(deadline: Deadline, cancel: threading.Event | None) -> float | str:
