@@ -289,3 +289,48 @@ def test_the_child_subreaper_flag_is_set_and_given_up():
     with reaping() as done:
         assert done and is_child_subreaper()
     assert not is_child_subreaper()
+
+
+def test_orphans_are_found_among_the_main_threads_children_and_other_threads_children_are_not(tmp_path):
+    """The kernel hands an orphan to its reaper's first living thread, the main thread: a sweep
+    reads that thread's children alone. A grandchild whose parent has exited is there once
+    this process is its subreaper; a child another thread started is that thread's and is not,
+    while that thread lives."""
+    from mig_exporter.sources.command import reaping
+    from mig_exporter.sources.reaper import child_pids, orphan_pids
+
+    require_tool("setsid")
+    pidfile = tmp_path / "orphan.pid"
+    started: list[subprocess.Popen[bytes]] = []
+    checked = threading.Event()
+
+    def start_and_stay() -> None:  # a thread that ends hands its children to the main thread
+        started.append(subprocess.Popen(["sleep", "30"]))
+        checked.wait(30)
+
+    worker = threading.Thread(target=start_and_stay)
+    orphan = None
+    with reaping():
+        try:
+            worker.start()
+            while not started and worker.is_alive():
+                time.sleep(0.01)
+            # sh starts a grandchild in the background and exits: the grandchild is handed to us.
+            subprocess.run(["sh", "-c", f"sleep 30 & echo $! > {pidfile}"], check=True)
+            orphan = int(pidfile.read_text())
+            deadline = time.monotonic() + 5
+            while orphan not in orphan_pids() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert orphan in orphan_pids()
+            assert started[0].pid not in orphan_pids()
+            assert {orphan, started[0].pid} <= child_pids()
+        finally:
+            checked.set()
+            worker.join()
+            for proc in started:
+                proc.kill()
+                proc.wait()
+            if orphan is not None:
+                kill_all([orphan])
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(orphan, 0)

@@ -340,3 +340,94 @@ def test_kill_running_takes_down_commands_in_flight(tmp_path: Path) -> None:
     assert len(errors) == 1 and isinstance(errors[0], CommandFailed) and "killed by signal 9" in str(errors[0])
     left, zombies = wait_until_clean(pgid)
     assert left == [] and zombies == []
+
+
+# --- several commands side by side (run_commands) ----------------------------------------------
+
+def test_commands_run_side_by_side_and_start_no_thread_once_one_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two commands of 0.4 s each take 0.4 s together. The second is started in a kept worker
+    and both are read in the calling thread: after the first run, none starts a thread. Each
+    gets its own output, in the order given."""
+    import threading
+
+    from mig_exporter.core import workers
+    from mig_exporter.sources.command import OutputBudget, run_commands
+
+    monkeypatch.setattr(workers, "WORKERS", workers.Workers())  # as serve's: threads kept
+    commands = [(["sh", "-c", "sleep 0.4; echo first"], OutputBudget(MIB)),
+                (["sh", "-c", "sleep 0.4; echo second >&2; echo 2"], OutputBudget(MIB))]
+    run_commands([(["true"], OutputBudget(MIB)), (["true"], OutputBudget(MIB))], Deadline.after(10))
+    seen: set[threading.Thread] = set()
+    stop = threading.Event()
+
+    def watch() -> None:  # every thread alive while the commands run
+        while not stop.is_set():
+            seen.update(threading.enumerate())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, name="watcher")
+    before = set(threading.enumerate()) | {watcher}
+    watcher.start()
+    started = time.monotonic()
+    try:
+        first, second = run_commands(commands, Deadline.after(10))
+    finally:
+        stop.set()
+        watcher.join()
+    elapsed = time.monotonic() - started
+    assert isinstance(first, CommandResult) and isinstance(second, CommandResult)
+    assert (first.stdout, second.stdout, second.stderr) == (b"first\n", b"2\n", b"second\n")
+    assert 0.4 <= elapsed < 0.75
+    assert {t.name for t in seen - before} == set()
+
+
+def test_when_the_first_command_fails_the_others_are_cancelled_at_once(tmp_path: Path) -> None:
+    from mig_exporter.sources.command import OutputBudget, run_commands
+
+    pidfile = tmp_path / "pid"
+    started = time.monotonic()
+    failed, cancelled = run_commands([
+        (["sh", "-c", f"while [ ! -s {shlex.quote(str(pidfile))} ]; do sleep 0.01; done; echo {DRIVER_ERROR!r} >&2; "
+                      "exit 9"], OutputBudget(MIB)),
+        (["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; sleep 600"], OutputBudget(MIB)),
+    ], Deadline.after(30))
+    assert time.monotonic() - started < 2.0
+    assert isinstance(failed, CommandFailed) and str(failed).endswith(f"exit status 9: {DRIVER_ERROR}")
+    assert isinstance(cancelled, CommandTimeout) and ": cancelled after " in str(cancelled)
+    left, zombies = wait_until_clean(group_leader(pidfile))
+    assert left == [] and zombies == []
+
+
+def test_a_later_command_failing_leaves_the_first_to_finish() -> None:
+    from mig_exporter.sources.command import OutputBudget, run_commands
+
+    first, second = run_commands([(["sh", "-c", "sleep 0.2; echo done"], OutputBudget(MIB)),
+                                  (["sh", "-c", "echo no >&2; exit 3"], OutputBudget(MIB)),
+                                  ], Deadline.after(10))
+    assert isinstance(first, CommandResult) and first.stdout == b"done\n"
+    assert isinstance(second, CommandFailed) and str(second).endswith("exit status 3: no")
+
+
+def test_a_later_command_that_cannot_start_is_its_answer_and_the_first_still_runs(tmp_path: Path) -> None:
+    from mig_exporter.sources.command import OutputBudget, run_commands
+
+    first, missing = run_commands([(["echo", "hi"], OutputBudget(MIB)),
+                                   ([str(tmp_path / "absent")], OutputBudget(MIB))], Deadline.after(5))
+    assert isinstance(first, CommandResult) and first.stdout == b"hi\n"
+    assert isinstance(missing, CommandNotFound) and "cannot execute" in str(missing)
+
+
+def test_a_command_sees_the_environment_as_it_is_now_and_its_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment is copied at each start: a variable set (or removed) since the last
+    command is seen so; and the command carries a token of its own."""
+    script = 'printf "%s|%s|%s" "$MIG_TEST_ADDED" "${MIG_TEST_REMOVED-unset}" "$MIG_EXPORTER_COMMAND"'
+    monkeypatch.setenv("MIG_TEST_REMOVED", "here")
+    monkeypatch.setenv("MIG_TEST_ADDED", "first")
+    before = run_command(["sh", "-c", script], Deadline.after(5)).stdout.decode().split("|")
+    monkeypatch.setenv("MIG_TEST_ADDED", "then é")
+    monkeypatch.delenv("MIG_TEST_REMOVED")
+    after = run_command(["sh", "-c", script], Deadline.after(5)).stdout.decode().split("|")
+    assert before[:2] == ["first", "here"]
+    assert after[:2] == ["then é", "unset"]
+    assert before[2].startswith(f"{os.getpid()}.") and after[2].startswith(f"{os.getpid()}.")
+    assert before[2] != after[2]

@@ -10,15 +10,21 @@ killed too, at once (so a leftover holding our pipes does not hold the read to
 its deadline). Groups still running when the exporter stops are killed by
 ``kill_running()``.
 
+A read's commands (``-q -x`` and ``-L``) run side by side, read in the
+calling thread (``run_commands``): one wait covers both commands' pipes and
+exits, and no thread is started for them.
+
 The output cap is a read's, not a command's: the commands of one read share an
 ``OutputBudget``, and the first to take the read past it is killed.
 
 Grandchildren that leave the group (``setsid()``) escape its kill. Inside
 ``reaping()`` (``serve`` and ``read``: the process is a child subreaper then,
 ``reaper.py``) and when the exporter is PID 1, orphans are handed to this
-process: after each command, and at ``kill_running()``, every child of ours
-that is not a command is killed and reaped, until none is left. Except those
-of a command still running (its own helpers, double-forked away): each
+process: after each run of commands (once for a read's two), when a command's
+pipes stay open after it exited, and at ``kill_running()``, every child of
+ours that is not a command (of those an orphan is handed to: the main
+thread's) is killed and reaped, until none is left. Except
+those of a command still running (its own helpers, double-forked away): each
 command's environment carries ``MIG_EXPORTER_COMMAND``, a token of its own,
 which its descendants inherit; an orphan whose token is a running command's
 is left to that command's own sweep. A command is never reaped by a sweep: it
@@ -40,8 +46,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from mig_exporter.core import workers
 from mig_exporter.core.deadline import Deadline
-from mig_exporter.core.errors import CommandFailed, CommandNotFound, CommandTimeout, OutputTooLarge
+from mig_exporter.core.errors import CommandError, CommandFailed, CommandNotFound, CommandTimeout, OutputTooLarge
 from mig_exporter.sources import reaper
 
 DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024 * 1024
@@ -51,6 +58,9 @@ _MAX_STDERR_BYTES = 64 * 1024
 _CHUNK = 64 * 1024
 _REAP_GRACE_S = 0.05
 _CANCEL_POLL_S = 0.05
+# A command's pipes still open this long after it exited are held by something
+# that escaped its group (its output left in them is read within microseconds).
+_HELD_S = 0.01
 # How long a sweep waits for what it killed to die and hand its own children on
 # (SIGKILL lands within milliseconds, except in uninterruptible sleep).
 _SWEEP_S = 0.25
@@ -71,6 +81,7 @@ _lock = threading.RLock()
 _reaping = 0
 _serial = itertools.count(1)
 TOKEN_VARIABLE = "MIG_EXPORTER_COMMAND"
+_TOKEN_KEY = TOKEN_VARIABLE.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,37 +150,164 @@ def run_command(
     set first), ``OutputTooLarge`` or ``CommandFailed`` (non-zero exit, with
     the first line of stderr, or of stdout where nvidia-smi writes its errors).
     """
-    argv = tuple(argv)
-    shown = " ".join(argv).replace("\n", "\\n")
     budget = output_budget if output_budget is not None else OutputBudget(max_output_bytes, shared=False)
-    started = time.monotonic()
-    proc = _spawn(argv)
-    stdout = bytearray()
-    stderr = bytearray()
-    outcome = "interrupted"
+    (answer,) = run_commands([(argv, budget)], deadline, cancel)
+    if isinstance(answer, CommandError):
+        raise answer
+    return answer
+
+
+def run_commands(
+    commands: Sequence[tuple[Sequence[str], OutputBudget]],
+    deadline: Deadline,
+    cancel: threading.Event | None = None,
+) -> list[CommandResult | CommandError]:
+    """Run the commands side by side, each with its stdout budget, by ``deadline``; each one's
+    result or error, in order (the errors ``run_command`` raises).
+
+    Read in the calling thread: one wait covers every pipe of every command. The later
+    commands are started in a kept worker thread while the first starts here, so a read
+    starts no thread once one is idle. The first command is the one the others serve: when it fails,
+    the others are killed at once, each answered as cancelled; one that cannot be started at
+    all raises its ``CommandNotFound`` and starts nothing more.
+    """
+    runs = [_Run(tuple(argv), budget) for argv, budget in commands]
     try:
-        outcome = _collect(proc, deadline, stdout, stderr, budget, cancel)
-        if outcome == "eof":
-            outcome = _wait_exited(proc, deadline, cancel)
+        _start_all(runs)
+        _collect(runs, deadline, cancel)
+        for run in runs:
+            if run.outcome == "eof" and run.proc is not None and run.proc.returncode is None:
+                run.outcome = _wait_exited(run.proc, deadline, cancel)  # no pidfd: polled
     finally:
-        # Also on KeyboardInterrupt or SystemExit: never leave the group behind.
-        _finish(proc)
-        if outcome != "eof":
-            _drop(stdout, budget)  # the output goes with the error: so does its share of the budget
-    elapsed = time.monotonic() - started
-    if outcome == "timeout":
-        raise CommandTimeout(f"{shown}: timed out after {elapsed:.1f}s; process group killed")
-    if outcome == "cancelled":
-        raise CommandTimeout(f"{shown}: cancelled after {elapsed:.1f}s; process group killed")
-    if outcome == "overflow":
-        raise OutputTooLarge(budget.refusal(shown))
-    returncode = proc.returncode
-    if returncode != 0:
-        reason = _first_line(bytes(stderr)) or _first_line(bytes(stdout)) or "no output"
-        what = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
-        _drop(stdout, budget)
-        raise CommandFailed(f"{shown}: {what}: {reason}")
-    return CommandResult(argv, bytes(stdout), bytes(stderr), elapsed)
+        # Also on KeyboardInterrupt or SystemExit: never leave a group behind.
+        _finish(runs)
+        for run in runs:
+            if run.outcome != "eof":
+                run.drop()  # the output goes with the error: so does its share of the budget
+    return [run.answer() for run in runs]
+
+
+def _start_all(runs: list[_Run]) -> None:
+    """Start every command: the first in this thread and, at the same time, the others in a
+    kept worker (``core/workers.py``: no thread is started for it once one is idle). A start
+    holds its thread until the child has called exec (vfork), which on a busy machine can
+    take a millisecond or more; one after the other, the read would wait for both.
+
+    Raises the first command's ``CommandNotFound`` once the others have been started (so
+    that they are killed with it); theirs are kept as their answers."""
+    rest = runs[1:]
+    started = threading.Event()
+
+    def start_rest() -> None:
+        try:
+            for run in rest:
+                _start(run)
+        finally:
+            started.set()
+
+    in_worker = False
+    if rest:
+        try:
+            workers.WORKERS.start(start_rest, "command-start")
+            in_worker = True
+        except RuntimeError:  # no thread to be had (a pids limit): one after the other, here
+            pass
+    try:
+        runs[0].proc = _spawn(runs[0].argv)
+    finally:
+        # Even when the first failed: what the worker started must be there to kill. A start
+        # that hangs (an exec on a dead mount) holds the read as the first command's would.
+        if in_worker:
+            started.wait()
+    if not in_worker:
+        for run in rest:
+            _start(run)
+
+
+def _start(run: _Run) -> None:
+    try:
+        run.proc = _spawn(run.argv)
+    except CommandNotFound as e:
+        run.error = e
+    except Exception as e:  # never expected (_spawn maps OSError): still the command's answer, not the read's
+        run.error = CommandNotFound(f"{run.argv[0]}: cannot start: {e}")
+
+
+class _Run:
+    """One command of ``run_commands``: its child, its output so far, how it ended."""
+
+    def __init__(self, argv: tuple[str, ...], budget: OutputBudget) -> None:
+        self.argv = argv
+        self.budget = budget
+        self.started = time.monotonic()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.error: CommandError | None = None  # could not be started
+        # Chunks as read, joined once at the end: one copy of a large -q -x, not a growing buffer's and then bytes()'s.
+        self.stdout: list[bytes] = []
+        self.stdout_bytes = 0
+        self.stderr = bytearray()
+        self.open_pipes = 2
+        self.pidfd: int | None = None  # readable once the child has exited; closed then
+        self.exited_at: float | None = None  # when its exit was seen, its pipes still open (until swept)
+        self.swept = False  # a sweep that left nothing has run since it was reaped
+        self.outcome = "interrupted"  # then "running", and at last "eof" or how it was stopped
+
+    @property
+    def done(self) -> bool:
+        """Ended: stopped, or its pipes at EOF and its exit seen (or not to be seen: no pidfd)."""
+        return self.outcome != "running" or (self.open_pipes == 0 and self.pidfd is None)
+
+    def answer(self) -> CommandResult | CommandError:
+        if self.error is not None:
+            return self.error
+        shown = " ".join(self.argv).replace("\n", "\\n")
+        elapsed = time.monotonic() - self.started
+        if self.outcome in ("timeout", "interrupted"):
+            return CommandTimeout(f"{shown}: timed out after {elapsed:.1f}s; process group killed")
+        if self.outcome == "cancelled":
+            return CommandTimeout(f"{shown}: cancelled after {elapsed:.1f}s; process group killed")
+        if self.outcome == "overflow":
+            return OutputTooLarge(self.budget.refusal(shown))
+        assert self.proc is not None
+        returncode = self.proc.returncode
+        if returncode != 0:
+            reason = _first_line(bytes(self.stderr)) or _first_line(b"".join(self.stdout)) or "no output"
+            what = f"killed by signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
+            self.drop()
+            return CommandFailed(f"{shown}: {what}: {reason}")
+        return CommandResult(self.argv, b"".join(self.stdout), bytes(self.stderr), elapsed)
+
+    def drop(self) -> None:
+        """Let go of the output, and give its share of the budget back."""
+        self.budget.give_back(self.stdout_bytes)
+        self.stdout.clear()
+        self.stdout_bytes = 0
+
+    def failed(self) -> bool:
+        """Ended, and not with a clean exit."""
+        return self.outcome not in ("running", "eof") or (
+            self.done and self.proc is not None and self.proc.returncode not in (None, 0))
+
+    def stop(self, outcome: str, sel: selectors.BaseSelector) -> None:
+        """Stop reading it (its group is killed by ``_finish``)."""
+        self.outcome = outcome
+        self.close(sel)
+
+    def close(self, sel: selectors.BaseSelector) -> None:
+        assert self.proc is not None and self.proc.stdout is not None and self.proc.stderr is not None
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if not pipe.closed:
+                with contextlib.suppress(KeyError):
+                    sel.unregister(pipe)
+                pipe.close()
+        self.open_pipes = 0
+        self.end_pidfd(sel)
+
+    def end_pidfd(self, sel: selectors.BaseSelector) -> None:
+        if self.pidfd is not None:
+            sel.unregister(self.pidfd)
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def kill_running() -> int:
@@ -218,11 +356,23 @@ def _is_reaping() -> bool:
     return _reaping > 0 or os.getpid() == 1
 
 
+def _environment() -> dict[bytes, bytes]:
+    """A copy of this process's environment, as bytes (what a child is given). Copied from the
+    bytes ``os.environ`` keeps (``_data``, shared with ``os.environb``) where there are any: at C
+    speed, where iterating ``os.environ`` decodes each name and value and Popen encodes them back
+    (some 30 µs a command)."""
+    data = getattr(os.environb, "_data", None)
+    if isinstance(data, dict):
+        return dict(data)
+    return dict(os.environb)
+
+
 def _spawn(argv: tuple[str, ...]) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a session of its own, tracked from its start on."""
     global _starting
     token = f"{os.getpid()}.{next(_serial)}"
-    env = {**os.environ, TOKEN_VARIABLE: token}
+    env = _environment()
+    env[_TOKEN_KEY] = token.encode()
     with _lock:
         _starting += 1
     try:
@@ -249,63 +399,82 @@ def _spawn(argv: tuple[str, ...]) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _collect(
-    proc: subprocess.Popen[bytes],
-    deadline: Deadline,
-    stdout: bytearray,
-    stderr: bytearray,
-    budget: OutputBudget,
-    cancel: threading.Event | None,
-) -> str:
-    """Read both pipes until EOF ("eof"), the deadline ("timeout"), the
-    budget ("overflow") or cancellation ("cancelled").
+def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | None) -> None:
+    """Read every pipe of the started ``runs`` until each has ended: its pipes at EOF and its
+    exit seen ("eof"), or stopped: at the deadline ("timeout"), past its budget ("overflow"),
+    or cancelled ("cancelled": ``cancel`` set, or the first command failed).
 
-    When the command exits first, what it left in its group (and, reaping,
-    what escaped it) is killed at once: a leftover that holds the pipes would
-    otherwise hold the read to its deadline. The output already in the pipes
-    is still read to the end."""
-    assert proc.stdout is not None and proc.stderr is not None
-    pidfd = _open_pidfd(proc.pid)
-    open_pipes = 2
+    A command's exit is seen through its pidfd: what it left in its group is killed then, at
+    once, and the child reaped. Its output already in the pipes is still read to the end; pipes
+    still open ``_HELD_S`` after its exit are held by something that escaped the group, which,
+    reaping, a sweep kills then (else it would hold the read to its deadline)."""
+    live = [run for run in runs if run.proc is not None]
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ, stdout)
-        sel.register(proc.stderr, selectors.EVENT_READ, stderr)
-        if pidfd is not None:
-            sel.register(pidfd, selectors.EVENT_READ, None)  # readable once the command has exited
         try:
-            while open_pipes:
+            for run in live:
+                assert run.proc is not None and run.proc.stdout is not None and run.proc.stderr is not None
+                run.outcome = "running"
+                sel.register(run.proc.stdout, selectors.EVENT_READ, (run, True))
+                sel.register(run.proc.stderr, selectors.EVENT_READ, (run, False))
+                run.pidfd = _open_pidfd(run.proc.pid)
+                if run.pidfd is not None:
+                    sel.register(run.pidfd, selectors.EVENT_READ, (run, None))
+            while True:
+                if runs[0].failed():
+                    for run in live:
+                        if not run.done:
+                            run.stop("cancelled", sel)  # of no use without the first
+                running = [run for run in live if not run.done]
+                if not running:
+                    return
                 remaining = _wait_for(deadline, cancel)
                 if isinstance(remaining, str):
-                    return remaining
+                    for run in running:
+                        run.stop(remaining, sel)
+                    return
+                held = [run for run in running if run.exited_at is not None]
+                if held:
+                    due = min(run.exited_at or 0.0 for run in held) + _HELD_S - time.monotonic()
+                    if due <= 0:
+                        _sweep_after(live)
+                        for run in held:
+                            run.exited_at = None  # once: what a sweep cannot kill, the deadline ends
+                        continue
+                    remaining = min(remaining, due)
+                exits = []
                 for key, _ in sel.select(remaining):
-                    if key.data is None:
-                        sel.unregister(key.fileobj)
-                        _end_group(proc)
+                    run, is_stdout = key.data
+                    if run.outcome != "running":
+                        continue  # stopped by an event before this one: its pipes are closed
+                    if is_stdout is None:
+                        exits.append(run)
                         continue
                     chunk = os.read(key.fd, _CHUNK)
                     if not chunk:
                         sel.unregister(key.fileobj)
-                        open_pipes -= 1
-                        continue
-                    buffer: bytearray = key.data
-                    if buffer is stdout:
-                        if not budget.take(len(chunk)):
-                            _drop(stdout, budget)  # now: the read's other command may go on with it
-                            return "overflow"
-                        buffer += chunk
-                    elif len(buffer) < _MAX_STDERR_BYTES:
-                        buffer += chunk[: _MAX_STDERR_BYTES - len(buffer)]
-            return "eof"
+                        key.fileobj.close()  # type: ignore[union-attr]
+                        run.open_pipes -= 1
+                    elif is_stdout:
+                        if not run.budget.take(len(chunk)):
+                            run.drop()  # now: the read's other command may go on with it
+                            run.stop("overflow", sel)
+                            continue
+                        run.stdout.append(chunk)
+                        run.stdout_bytes += len(chunk)
+                    elif len(run.stderr) < _MAX_STDERR_BYTES:
+                        run.stderr += chunk[: _MAX_STDERR_BYTES - len(run.stderr)]
+                for run in exits:  # after the pipes: their EOF in the same wait is no held pipe
+                    if run.outcome == "running":
+                        assert run.proc is not None
+                        run.end_pidfd(sel)
+                        _end_group(run.proc)
+                        if run.open_pipes:
+                            run.exited_at = time.monotonic()
         finally:
-            proc.stdout.close()
-            proc.stderr.close()
-            if pidfd is not None:
-                os.close(pidfd)
-
-
-def _drop(stdout: bytearray, budget: OutputBudget) -> None:
-    budget.give_back(len(stdout))
-    stdout.clear()
+            for run in live:
+                if run.outcome == "running" and run.done:
+                    run.outcome = "eof"
+                run.close(sel)
 
 
 def _wait_for(deadline: Deadline, cancel: threading.Event | None) -> float | str:
@@ -386,35 +555,51 @@ def _reap(proc: subprocess.Popen[bytes]) -> bool:
 
 
 def _end_group(proc: subprocess.Popen[bytes]) -> None:
-    """The command has exited: SIGKILL what it left in its group, reap it and,
-    reaping, sweep up what escaped the group."""
+    """The command has exited: SIGKILL what it left in its group and reap it."""
     with _lock:
         _running.pop(proc.pid, None)
         _signal_group(proc)
         _reap(proc)
-    if _is_reaping():
-        _sweep([proc])
 
 
-def _finish(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the child's whole process group, then reap the child and,
-    reaping, the orphans it left.
+def _finish(runs: list[_Run]) -> None:
+    """SIGKILL the whole process group of each command of ``runs`` still unreaped, then reap
+    them and, reaping, the orphans they left: one sweep for them all, unless one has run
+    since the last of them was reaped and left nothing.
 
     The group id is the child's pid (it leads its own session) and stays
     reserved until the child is reaped, so the kill cannot hit a stranger.
     """
+    procs = [run.proc for run in runs if run.proc is not None]
     with _lock:
-        if proc.returncode is None:
-            _running.pop(proc.pid, None)
-        _signal_group(proc)
+        for proc in procs:
+            if proc.returncode is None:
+                _running.pop(proc.pid, None)
+            _signal_group(proc)
+    for proc in procs:  # the pipes, where _collect never got to them
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
     # SIGKILL is acted on at once except in uninterruptible sleep (a wedged
     # driver call). Do not let such a child hold the caller past its deadline:
     # a daemon thread reaps it whenever the kernel lets it go.
-    if _wait_exited(proc, Deadline.after(_REAP_GRACE_S), None) != "eof" or not _reap(proc):
-        threading.Thread(target=_reap_later, args=(proc,), name=f"reap-{proc.pid}", daemon=True).start()
+    grace = Deadline.after(_REAP_GRACE_S)
+    for proc in procs:
+        if proc.returncode is None and (_wait_exited(proc, grace, None) != "eof" or not _reap(proc)):
+            threading.Thread(target=_reap_later, args=(proc,), name=f"reap-{proc.pid}", daemon=True).start()
+    if any(run.proc is not None and not run.swept for run in runs):
+        _sweep_after(runs)
+
+
+def _sweep_after(runs: list[_Run]) -> None:
+    """Reaping, sweep up what the commands of ``runs`` reaped so far left; mark them swept
+    when the sweep leaves nothing."""
+    if not _is_reaping():
         return
-    if _is_reaping():
-        _sweep([proc])
+    reaped = [run for run in runs if run.proc is not None and run.proc.returncode is not None]
+    if _sweep([]):
+        for run in reaped:
+            run.swept = True
 
 
 def _reap_later(proc: subprocess.Popen[bytes]) -> None:
@@ -426,35 +611,39 @@ def _reap_later(proc: subprocess.Popen[bytes]) -> None:
         _sweep([proc])
 
 
-def _sweep(commands: Iterable[subprocess.Popen[bytes]], within_s: float = _SWEEP_S) -> None:
+def _sweep(commands: Iterable[subprocess.Popen[bytes]], within_s: float = _SWEEP_S) -> bool:
     """Kill and reap every child of ours that is neither a command nor left by
     one still running, until none is left and ``commands`` have exited, or
     ``within_s`` has passed.
 
     Each one killed hands its own children to us (we are their subreaper, or
     PID 1) once it is dead, so they are found at the next pass; the commands
-    hand theirs on when they exit."""
+    hand theirs on when they exit. Whether it ended with none left."""
     waiting = list(commands)
     deadline = Deadline.after(within_s)
     delay = 0.0005
     while True:
         left = _kill_orphans()
         waiting = [proc for proc in waiting if not _exited(proc)]
-        if (not left and not waiting) or deadline.expired:
-            return
+        if not left and not waiting:
+            return True
+        if deadline.expired:
+            return False
         time.sleep(delay)
         delay = min(delay * 2, 0.01)
 
 
 def _kill_orphans() -> int:
     """SIGKILL and reap (once dead) our children that are neither commands nor
-    left by one still running; how many are left unreaped (1 while a command
-    is being started: its child is not tracked yet, so nothing is touched)."""
+    left by one still running, among those an orphan is handed to (the main
+    thread's, ``reaper.orphan_pids``); how many are left unreaped (1 while a
+    command is being started: its child is not tracked yet, so nothing is
+    touched)."""
     with _lock:
         if _starting:
             return 1
         try:
-            pids = reaper.child_pids()
+            pids = reaper.orphan_pids()
         except OSError:
             return 0  # no /proc: nothing to find them by
         running = set(_running.values())

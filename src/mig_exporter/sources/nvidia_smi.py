@@ -15,19 +15,16 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import threading
 from collections.abc import Sequence
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError, CommandNotFound
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
-from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, CommandResult, OutputBudget, run_command
+from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, OutputBudget, run_commands
 
 DEFAULT_BINARY = "nvidia-smi"
 DEFAULT_TIMEOUT_S = 10.0
-# -L is killed at the read's deadline as -q -x is; what it may take past it to answer.
-_LISTING_GRACE_S = 0.5
 
 
 def _why_not_executable(path: str) -> str:
@@ -98,37 +95,17 @@ class NvidiaSmiSource:
         deadline = Deadline.after(self.timeout_s) if deadline is None else deadline.within(self.timeout_s)
         prefix = self.resolve_command()
 
-        # -L runs in parallel with -q -x so a read costs the slower of the two.
-        listing: dict[str, object] = {}
-        cancel = threading.Event()
+        # -L runs in parallel with -q -x so a read costs the slower of the two; both in this thread.
         # The cap is the read's: both commands together hold at most max_output_bytes. -L prints a
         # line per device (a few KiB on the largest node); -q -x gets the rest.
         cap = self.max_output_bytes
-        listing_output = OutputBudget(cap // 16, read_cap=cap)
-        output = OutputBudget(cap - cap // 16, read_cap=cap)
-
-        def run_listing() -> None:
-            try:
-                listing["result"] = run_command([*prefix, "-L"], deadline, cancel=cancel,
-                                                output_budget=listing_output)
-            except CommandError as e:
-                listing["error"] = f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {e}"
-
-        worker = threading.Thread(target=run_listing, name="nvidia-smi-L", daemon=True)
-        worker.start()
-        try:
-            query = run_command([*prefix, "-q", "-x"], deadline, output_budget=output)
-        except BaseException:
-            cancel.set()  # the read has failed; -L is no longer wanted
-            raise
-        finally:
-            worker.join(deadline.left_s() + _LISTING_GRACE_S)
-        result = listing.get("result")
-        error = listing.get("error")
-        if result is None and error is None:
-            error = "nvidia-smi -L did not finish in time; MIG profiles and UUIDs unknown"
-        return snapshot_from_smi(
-            query.stdout,
-            result.stdout if isinstance(result, CommandResult) else None,
-            error if isinstance(error, str) else None,
-        )
+        query, listing = run_commands([
+            ([*prefix, "-q", "-x"], OutputBudget(cap - cap // 16, read_cap=cap)),
+            ([*prefix, "-L"], OutputBudget(cap // 16, read_cap=cap)),  # killed at once if -q -x fails
+        ], deadline)
+        if isinstance(query, CommandError):
+            raise query
+        if isinstance(listing, CommandError):
+            return snapshot_from_smi(query.stdout, None,
+                                     f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {listing}")
+        return snapshot_from_smi(query.stdout, listing.stdout, None)

@@ -84,6 +84,21 @@ def child_pids(proc: str = "/proc") -> set[int]:
     return pids
 
 
+def orphan_pids(proc: str = "/proc") -> set[int]:
+    """The pids of this process's children that an orphan can be among: those of its main
+    thread (the thread group leader), zombies included. The kernel hands an orphan to the
+    first living thread of its reaper, which is the leader while it lives; the children
+    other threads started themselves are theirs and are not orphans. One file to read,
+    where ``child_pids`` reads one per thread. Where the kernel has no children files
+    (``CONFIG_PROC_CHILDREN``), every child (``child_pids``)."""
+    me = os.getpid()
+    try:
+        with open(f"{proc}/{me}/task/{me}/children") as f:
+            return {int(pid) for pid in f.read().split()}
+    except FileNotFoundError:
+        return child_pids(proc)
+
+
 def read_environ(pid: int, proc: str = "/proc") -> bytes | None:
     """``/proc/PID/environ``: None when it cannot be read; b"" for a zombie, and for a
     moment during an exec, when the kernel has no environment to show."""
