@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from mig_exporter.engines.rules import EngineSettings
-from mig_exporter.host.procfs import ProcError, ProcReader, ProcTable
+from mig_exporter.host.procfs import ProcError, ProcfsSource, ProcReader, ProcTable
 from mig_exporter.model.readings import EngineProcess, EngineReading
 from mig_exporter.model.snapshot import Process, Snapshot
 
@@ -39,6 +39,8 @@ class EngineReader:
     def __init__(self, settings: EngineSettings, procs: ProcReader) -> None:
         self.settings = settings
         self.procs = procs
+        if isinstance(procs, ProcfsSource):  # what it reads again at every read: the engines' trees
+            procs.watch(settings.match)
 
     def describe(self) -> str:
         engines = ", ".join(self.settings.engines) or "none"
