@@ -121,10 +121,12 @@ class PidNamespace:
 
 @dataclass(frozen=True, slots=True)
 class ProcTable:
-    """Every process under one /proc root, by pid."""
+    """Every process under one /proc root, by pid; ``inodes``: each one's /proc/PID
+    inode (``ProcfsSource.listing``) when read from a /proc tree."""
 
     namespace: PidNamespace
     processes: dict[int, ProcEntry]
+    inodes: dict[int, int] | None = None
 
 
 # --- pure parsing --------------------------------------------------------------------------------
@@ -287,7 +289,7 @@ class ProcfsSource:
         if fresh or now.keys() != known.keys():
             self._under = self._under_watch(now) if self._watch is not None else frozenset()
         self._known = now
-        return ProcTable(self.read_namespace(), {pid: k.entry for pid, k in now.items()})
+        return ProcTable(self.read_namespace(), {pid: k.entry for pid, k in now.items()}, listing)
 
     def _read_one(self, pid: int, inode: int, listing: dict[int, int]) -> _Known | None:
         read = _read_process(f"{self.root}/{pid}")

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import CgroupIdentity
-from mig_exporter.host.owners import read_identities
+from mig_exporter.host.owners import cgroup_reads, read_identities
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podlogs import PodName, PodNames, read_pod_names
 from mig_exporter.kubernetes.podresources import PodResources, PodResourcesClient, PodResourcesError
@@ -133,6 +133,7 @@ class PodReader:
 
     def __init__(self, proc_root: str, pod_resources: PodResourcesClient | None, log_dir: str | None) -> None:
         self.procs = ProcfsSource(proc_root)
+        self._cgroups = cgroup_reads(self.procs)
         self.pod_resources = pod_resources
         self.log_dir = log_dir
 
@@ -150,7 +151,7 @@ class PodReader:
         problems: list[str] = []
         notes: list[str] = []
         if identities is None:
-            identities = read_identities(self.procs, (p.pid for p in snapshot.processes)) or {}
+            identities = read_identities(self.procs, (p.pid for p in snapshot.processes), None, self._cgroups) or {}
         names = PodNames()
         if self.log_dir and any(i.container_id or i.pod_uid for i in identities.values()):
             names, reason = read_pod_names(self.log_dir)
