@@ -10,6 +10,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -199,6 +201,38 @@ def test_the_node_s_processes_carry_their_pods_and_the_devices_their_allocations
     }
     assert sample_value(families, "mig_exporter_pod_resources_read_success") == 1
     assert sample_value(families, "mig_exporter_read_problems") == 0
+
+
+def test_the_kubelet_is_asked_while_the_gpus_are_read(tmp_path, fake_kubelet):
+    """The kubelet's answer and log directories need no GPU snapshot: each read waits (a while)
+    for the other to have begun, and both see the other only if they run at the same time."""
+    gpu_began, kubelet_began = threading.Event(), threading.Event()
+    met: list[str] = []
+
+    class Gpu(DemoSource):
+        def read(self, deadline=None):
+            gpu_began.set()
+            if kubelet_began.wait(5):
+                met.append("gpu saw kubelet")
+            return super().read(deadline)
+
+    pods = _watch(tmp_path, fake_kubelet(PODS).socket_path)
+    ask = pods.read_kubelet
+
+    def read_kubelet(deadline=None):
+        kubelet_began.set()
+        if gpu_began.wait(5):
+            met.append("kubelet saw gpu")
+        return ask(deadline)
+
+    pods.read_kubelet = read_kubelet
+    started = time.monotonic()
+    families = Scraper(Gpu(), pods=pods).families(Deadline.after(20))
+    assert sorted(met) == ["gpu saw kubelet", "kubelet saw gpu"]
+    assert time.monotonic() - started < 4  # neither waited its 5 s out
+    assert sample_value(families, "mig_exporter_pod_resources_read_success") == 1
+    assert sample_value(families, "mig_exporter_process_info", {"pid": "48213", "pod": "llama-0"}) == 1
+    assert len(samples_of(families, "mig_exporter_device_allocation_info")) == 4
 
 
 def test_without_a_socket_the_labels_stay_and_allocations_go_and_it_is_said_once(tmp_path, caplog):

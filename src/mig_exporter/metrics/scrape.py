@@ -3,22 +3,23 @@ the collector what to map.
 
 A failed read is data, not an exception: the scrape still answers, with
 ``mig_exporter_read_success 0``, and the reason goes to the log as one line.
-With engines watched, /proc is read in the same read, in a worker thread
-alongside the GPUs (it needs nothing from them, and took as long on a busy
-node), and waited for by the read's deadline. So a process started while the
-driver is asked may be seen by one and not the other: an engine started then
-shows 0 bytes (or is missed) until the next read, and memory listed for a
-process /proc did not see yet goes to no engine until then. With pods
-watched, the cgroups of the processes the driver listed, the kubelet's log
-directory names and its pod-resources answer are read just after the GPUs,
-by the read's deadline. With owners watched, the same cgroups (read once for
-both) and the processes' uids give their Slurm jobs, systemd units and users;
-only for the processes the /proc listing shows (the engines' when taken by
-then). With a Slurm job-map directory, it is read last, by the same deadline.
+With engines watched, /proc is read in a worker thread alongside the GPUs (it
+needs nothing from them, and took as long as them on a busy node), and waited
+for by the read's deadline. So a process started while the driver is asked may
+be in one reading and not the other: a new engine may show 0 bytes for one read
+(as if on the CPU), and what the driver lists for a process /proc did not show
+yet goes to no engine until the next read. With pods watched, the kubelet's log
+directory names and its pod-resources answer are read alongside the GPUs too,
+and the cgroups of the processes the driver listed just after them, by the
+read's deadline. With owners watched, the same cgroups (read once for both) and
+the processes' uids give their Slurm jobs, systemd units and users, read only
+for the processes the /proc listing shows (the engines', when taken by then).
+With a Slurm job-map directory, it is read last, by the same deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -38,7 +39,7 @@ from mig_exporter.host.cgroup import CgroupIdentity
 from mig_exporter.host.jobmap import SlurmJobMap
 from mig_exporter.host.owners import OwnerReader
 from mig_exporter.host.procfs import ProcTable
-from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.kubernetes.pods import KubeletReading, PodReader
 from mig_exporter.metrics.families import (
     allocation_families,
     engine_families,
@@ -115,6 +116,7 @@ class Scraper:
         False when every caller has answered late already, each answer counting itself."""
         started = time.monotonic()
         reading = self._start_procs()
+        kubelet = self._start_kubelet(deadline)
         try:
             snapshot = self.source.read(None if deadline is None else max(deadline, Deadline.after(_MIN_READ_S)))
         except ReadError as e:
@@ -131,7 +133,7 @@ class Scraper:
             listing = None  # another /proc's pids
         identities = self._identities(snapshot, deadline, listing)
         owners = self._owners(snapshot, deadline, identities, listing)
-        pods = self._pods(snapshot, deadline, identities)
+        pods = self._pods(snapshot, deadline, identities, kubelet)
         job_map = self._job_map(snapshot, deadline)
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
@@ -181,11 +183,17 @@ class Scraper:
             return OwnerReading({}, (f"owner attribution failed: unexpected {type(e).__name__}: {e}",))
 
     def _pods(self, snapshot: Snapshot, deadline: Deadline | None,
-              identities: dict[int, CgroupIdentity] | None = None) -> PodReading | None:
+              identities: dict[int, CgroupIdentity] | None = None,
+              kubelet: Future[KubeletReading] | None = None) -> PodReading | None:
         if self.pods is None:
             return None
         try:
-            return self.pods.read(snapshot, deadline, identities)
+            answer = None
+            if kubelet is not None:
+                # Out of time, pods.read asks again: it says so without asking.
+                with contextlib.suppress(FutureTimeout):
+                    answer = kubelet.result(None if deadline is None else deadline.left_s())
+            return self.pods.read(snapshot, deadline, identities, answer)
         except Exception as e:  # a bug here costs the pod labels, not the scrape
             self._log_bug("attributing processes to pods failed unexpectedly", e)
             return PodReading({}, None, None, (f"pod attribution failed: unexpected {type(e).__name__}: {e}",))
@@ -208,6 +216,26 @@ class Scraper:
         except RuntimeError:  # no thread to be had (a pids limit): read here, before the GPUs
             read()
         return reading
+
+    def _start_kubelet(self, deadline: Deadline | None) -> Future[KubeletReading] | None:
+        """Start asking the kubelet (its allocations, its log directory's names) in a worker,
+        alongside the GPU read; ``None`` when pods are not watched, or nothing is to be asked."""
+        pods = self.pods
+        if pods is None or (pods.pod_resources is None and not pods.log_dir):
+            return None
+        answer: Future[KubeletReading] = Future()
+
+        def read() -> None:
+            try:
+                answer.set_result(pods.read_kubelet(deadline))
+            except Exception as e:  # _pods logs it, once
+                answer.set_exception(e)
+
+        try:
+            WORKERS.start(read, "mig-exporter-kubelet")
+        except RuntimeError:  # no thread to be had: ask after the GPUs, as pods.read does
+            return None
+        return answer
 
     def _procs(self, reading: Future[_Procs] | None, deadline: Deadline | None) -> _Procs | None:
         """The /proc reading, waited for until ``deadline``."""
