@@ -284,13 +284,14 @@ def test_read_again_after_churn_is_the_same_as_a_fresh_read(tmp_path, seed):
     procs: dict[int, Proc] = {}
     next_pid = iter(range(1000, 100000, 7))
 
-    def born() -> Proc:
-        parents = [1, *procs]
+    def born(ppid: int | None = None) -> Proc:
+        ppid = rng.choice([1, *procs]) if ppid is None else ppid
         engine = rng.random() < 0.15
+        # Young (3 s) or old, never older than its parent.
+        started = max(rng.choice([1000, 86400 * 100 - 300]), procs[ppid].start_ticks if ppid in procs else 0)
         return Proc(next(next_pid), "engine" if engine else rng.choice(["bash", "python3", "sshd"]),
-                    [rng.choice(["a", "b"]), str(rng.randrange(100))], ppid=rng.choice(parents),
-                    threads=[next(next_pid) for _ in range(rng.randrange(3))],
-                    start_ticks=rng.choice([1000, 86400 * 100 - 300]))
+                    [rng.choice(["a", "b"]), str(rng.randrange(100))], ppid=ppid,
+                    threads=[next(next_pid) for _ in range(rng.randrange(3))], start_ticks=started)
 
     for _ in range(30):
         p = born()
@@ -313,11 +314,14 @@ def test_read_again_after_churn_is_the_same_as_a_fresh_read(tmp_path, seed):
                 _rewrite(root, child)
             if rng.random() < 0.5:  # the pid comes back as another process
                 again = born()
-                again.pid, again.ppid = gone.pid, rng.choice([1, *procs])
+                again.pid = gone.pid
                 procs[again.pid] = again
                 write_proc(root, again)
-        under = source._under  # what it will read again: the engines' trees
-        for pid in sorted(under & procs.keys()):
+        for p in procs.values():  # young ones exec: a wrapper into its engine, or the other way
+            if p.start_ticks > 1000 and rng.random() < 0.2:
+                p.comm, p.cmdline = rng.choice([("python3", ["python3", "-c", "x"]), ("engine", ["engine"])])
+                _rewrite(root, p)
+        for pid in sorted(_under_engines(procs)):
             p = procs[pid]
             p.threads = [next(next_pid) for _ in range(rng.randrange(3))]
             p.state = rng.choice(["S", "R", "Z"])
@@ -325,3 +329,26 @@ def test_read_again_after_churn_is_the_same_as_a_fresh_read(tmp_path, seed):
                 p.comm, p.cmdline = rng.choice([("python3", ["python3", "-c", "x"]), ("engine", ["engine"])])
             _rewrite(root, p)
     assert source.read() == _source(root).read()
+
+
+def _under_engines(procs: dict[int, Proc]) -> set[int]:
+    """The engines and every process under one."""
+    def under(pid: int, seen: frozenset[int] = frozenset()) -> bool:
+        p = procs.get(pid)
+        return p is not None and pid not in seen and (_engine(p) or under(p.ppid, seen | {pid}))
+    return {pid for pid in procs if under(pid)}
+
+
+def test_a_wrapper_that_became_an_engine_keeps_its_workers_read_once_they_are_old(tmp_path):
+    boot_ticks = 86400 * 100
+    root = make_proc(tmp_path / "proc", [
+        Proc(500, "entrypoint.sh", ["sh", "entrypoint.sh"], start_ticks=boot_ticks - 500),
+        Proc(501, "worker", ["worker"], ppid=500, start_ticks=boot_ticks - 400),
+    ])
+    source = _source(root)
+    source.read()
+    _rewrite(root, Proc(500, "engine", ["engine"], start_ticks=boot_ticks - 500))  # exec'd, 5 s in
+    source.read()
+    (root / "uptime").write_text(f"{86400 + SETTLE_S + 10:.2f} 0.00\n")  # both old now
+    _rewrite(root, Proc(501, "worker", ["worker"], ppid=500, threads=[502], start_ticks=boot_ticks - 400))
+    assert source.read().processes[501].thread_ids == (501, 502)

@@ -275,20 +275,22 @@ class ProcfsSource:
         known = self._known
         under = self._under
         now: dict[int, _Known] = {}
-        fresh = False
+        moved = False  # whether the tree (or what watch matches in it) changed: what is under it then
         for pid, inode in listing.items():
             k = known.get(pid)
             if (k is None or k.inode != inode or pid in under or settled_before is None
                     or k.started_s > settled_before or k.parent_inode != listing.get(k.entry.ppid)):
                 # String paths, not pathlib: on a node with thousands of processes
                 # pathlib's joins were a third of the read.
-                k = self._read_one(pid, inode, listing)
-                fresh = True
-                if k is None:
+                read = self._read_one(pid, inode, listing)
+                if read is None:
                     continue
+                moved = moved or k is None or k.inode != inode or k.entry.ppid != read.entry.ppid \
+                    or k.matched != read.matched
+                k = read
             now[pid] = k
-        if fresh or now.keys() != known.keys():
-            self._under = self._under_watch(now) if self._watch is not None else frozenset()
+        if self._watch is not None and (moved or now.keys() != known.keys()):
+            self._under = self._under_watch(now)
         self._known = now
         return ProcTable(self.read_namespace(), {pid: k.entry for pid, k in now.items()}, listing)
 
