@@ -17,7 +17,7 @@ from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.readings import EngineProcess, EngineReading
 from mig_exporter.sources.demo import DemoProcs, DemoSource
-from proc_tree import CONTAINER_NS, Proc, make_proc
+from proc_tree import CONTAINER_NS, Proc, make_proc, write_proc
 
 LLAMA = ["/usr/local/bin/llama-server", "-m", "/models/q.gguf", "-ngl", "99"]
 ENGINES = DEFAULT_SETTINGS.engines
@@ -210,3 +210,42 @@ def test_a_hung_proc_read_costs_the_engines_not_the_deadline():
     assert outcome.engines.problems == ("reading processes took longer than the scrape's budget",)
     problems = [s.value for f in families for s in f.samples if s.name == "mig_exporter_read_problems"]
     assert problems == [1]  # and the GPUs answered: the rest of the scrape is there
+
+
+def test_a_process_not_read_again_is_not_matched_again(tmp_path, monkeypatch):
+    """What an unchanged process matched is kept (a match is ~10 µs: 50 ms a scrape on a node of
+    5 000); the engines' trees, read at every read, and new processes are matched afresh."""
+    from mig_exporter.engines.rules import EngineSettings
+
+    matched: list[int] = []
+    real = EngineSettings.match
+    monkeypatch.setattr(EngineSettings, "match", lambda self, p: matched.append(p.pid) or real(self, p))
+    root = make_proc(tmp_path / "proc", [
+        Proc(48213, "llama-server", LLAMA, exe="/usr/local/bin/llama-server"),
+        Proc(48300, "llama-server", LLAMA, ppid=48213),  # folded into 48213
+        Proc(60000, "python3", ["/usr/bin/python3", "train.py"]),
+    ])
+    reader = EngineReader(DEFAULT_SETTINGS, ProcfsSource(str(root)))
+    first = reader.reading(*reader.read_procs(), demo_gpu())
+    matched.clear()
+    again = reader.reading(*reader.read_procs(), demo_gpu())
+    assert again == first and [e.pid for e in again.processes] == [48213]
+    assert sorted(set(matched)) == [48213, 48300]  # read again (an engine's tree), so matched again
+    write_proc(root, Proc(60001, "llama-server", LLAMA))
+    matched.clear()
+    third = reader.reading(*reader.read_procs(), demo_gpu())
+    assert sorted(set(matched)) == [48213, 48300, 60001]
+    assert [e.pid for e in third.processes] == [48213, 60001]
+
+
+def test_new_settings_match_afresh(tmp_path):
+    """A config reload sets new settings: what the old ones matched (or not) is not kept."""
+    root = make_proc(tmp_path / "proc", [Proc(52040, "llama-server", LLAMA),
+                                         Proc(48213, "python3", ["python3"])])  # on the GPU: our pids
+    none, _ = parse_engines({"presets": False})
+    reader = EngineReader(none, ProcfsSource(str(root)))
+    assert reader.reading(*reader.read_procs(), demo_gpu()).processes is None
+    reader.settings = DEFAULT_SETTINGS
+    assert [e.pid for e in reader.reading(*reader.read_procs(), demo_gpu()).processes] == [52040]
+    reader.settings = none
+    assert reader.reading(*reader.read_procs(), demo_gpu()).processes is None
