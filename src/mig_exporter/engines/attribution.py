@@ -56,6 +56,13 @@ class EngineReader:
         engines = ", ".join(self.settings.engines) or "none"
         return f"engines: {engines} (/proc: {self.procs.describe()})"
 
+    def reads_little(self) -> bool:
+        """Whether the next ``read_procs`` is a short one (only what changed since the last, or
+        the demo's table): one that may run alongside the GPU read. A first read of a /proc opens
+        every process's files, and would hold the interpreter while the GPU read starts its
+        commands."""
+        return not isinstance(self.procs, ProcfsSource) or self.procs.warm
+
     def read_procs(self) -> tuple[ProcTable | None, str | None]:
         """Read /proc now: the table, or ``None`` and why not. With no engine
         switched on only the namespace is read, for host_pid_namespace."""

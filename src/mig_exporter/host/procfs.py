@@ -252,6 +252,11 @@ class ProcfsSource:
     def describe(self) -> str:
         return self.root
 
+    @property
+    def warm(self) -> bool:
+        """Whether a read has been made to build on: the next reads only what changed."""
+        return bool(self._known)
+
     def read_namespace(self) -> PidNamespace:
         if not os.path.isdir(self.root):
             raise ProcError(f"cannot read {self.root}: not a directory")

@@ -5,10 +5,12 @@ A failed read is data, not an exception: the scrape still answers, with
 ``mig_exporter_read_success 0``, and the reason goes to the log as one line.
 With engines watched, /proc is read in a worker thread alongside the GPUs (it
 needs nothing from them, and took as long as them on a busy node), and waited
-for by the read's deadline. So a process started while the driver is asked may
-be in one reading and not the other: a new engine may show 0 bytes for one read
-(as if on the CPU), and what the driver lists for a process /proc did not show
-yet goes to no engine until the next read. With pods watched, the kubelet's log
+for by the read's deadline; only its first read, of every process, is made
+before the GPUs, since it holds the interpreter while the GPU read starts. So a
+process started while the driver is asked may be in one reading and not the
+other: a new engine may show 0 bytes for one read (as if on the CPU), and what
+the driver lists for a process /proc did not show yet goes to no engine until
+the next read. With pods watched, the kubelet's log
 directory names and its pod-resources answer are read alongside the GPUs too,
 and the cgroups of the processes the driver listed just after them, by the
 read's deadline. With owners watched, the same cgroups (read once for both) and
@@ -211,6 +213,9 @@ class Scraper:
                 self._newest_procs = (time.monotonic(), procs)
             reading.set_result(procs)
 
+        if not self.engines.reads_little():  # a first read, of everything: before the GPUs, as it holds the
+            read()  # interpreter (the GPU read's commands would start late, and a signal could miss them)
+            return reading
         try:
             WORKERS.start(read, "mig-exporter-procs")
         except RuntimeError:  # no thread to be had (a pids limit): read here, before the GPUs
