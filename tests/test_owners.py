@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from mig_exporter.metrics.exposition import render
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.readings import ProcessOwner
 from mig_exporter.sources.demo import DemoSource
-from proc_tree import CONTAINER_NS, Proc, make_proc
+from proc_tree import CONTAINER_NS, Proc, make_proc, write_proc
 from test_pods import demo_proc
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cgroup"
@@ -275,3 +276,29 @@ def test_the_flag_names_the_users_too(fake_nvidia_smi, tmp_path):
     families = list(text_string_to_metric_families(result.stdout))
     assert sample_value(families, "mig_exporter_process_info", {"pid": "50102"}) == 1
     assert _owners(families)["50102"][3] == "root"
+
+
+def test_each_process_s_cgroup_and_status_are_read_once_and_again_for_a_new_process(tmp_path, monkeypatch):
+    """Read once for a running process (its pid and /proc/PID inode), never for a pid the /proc
+    listing lacks, and again when the pid is another process's."""
+    opened: list[str] = []
+    for name in ("read_cgroup", "read_status"):
+        real = getattr(ProcfsSource, name)
+        monkeypatch.setattr(ProcfsSource, name,
+                            lambda self, pid, real=real, name=name: opened.append(f"{name} {pid}") or real(self, pid))
+    root = Path(_hpc(tmp_path))
+    shutil.rmtree(root / "50318")  # exited: on the GPU list, not in /proc
+    scraper = Scraper(DemoSource(), owners=OwnerReader(str(root)))
+    first = _owners(scraper.families())
+    assert sorted(opened) == [f"{name} {pid}" for name in ("read_cgroup", "read_status")
+                              for pid in (48213, 50102, 51877)]
+    opened.clear()
+    assert _owners(scraper.families()) == first
+    assert opened == []
+    (tmp_path / "gone").mkdir()
+    os.rename(root / "48213", tmp_path / "gone" / "48213")  # kept: its inode is not handed on
+    write_proc(root, Proc(48213, "python3", ["python3"], uid=2000,
+                          cgroup=(FIXTURES / "v2-systemd-run-service.txt").read_text()))
+    again = _owners(scraper.families())
+    assert sorted(opened) == ["read_cgroup 48213", "read_status 48213"]
+    assert again == {**first, "48213": ("", "", "run-u12.service", "2000")}

@@ -10,6 +10,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -201,6 +203,38 @@ def test_the_node_s_processes_carry_their_pods_and_the_devices_their_allocations
     assert sample_value(families, "mig_exporter_read_problems") == 0
 
 
+def test_the_kubelet_is_asked_while_the_gpus_are_read(tmp_path, fake_kubelet):
+    """The kubelet's answer and log directories need no GPU snapshot: each read waits (a while)
+    for the other to have begun, and both see the other only if they run at the same time."""
+    gpu_began, kubelet_began = threading.Event(), threading.Event()
+    met: list[str] = []
+
+    class Gpu(DemoSource):
+        def read(self, deadline=None):
+            gpu_began.set()
+            if kubelet_began.wait(5):
+                met.append("gpu saw kubelet")
+            return super().read(deadline)
+
+    pods = _watch(tmp_path, fake_kubelet(PODS).socket_path)
+    ask = pods.read_kubelet
+
+    def read_kubelet(deadline=None):
+        kubelet_began.set()
+        if gpu_began.wait(5):
+            met.append("kubelet saw gpu")
+        return ask(deadline)
+
+    pods.read_kubelet = read_kubelet
+    started = time.monotonic()
+    families = Scraper(Gpu(), pods=pods).families(Deadline.after(20))
+    assert sorted(met) == ["gpu saw kubelet", "kubelet saw gpu"]
+    assert time.monotonic() - started < 4  # neither waited its 5 s out
+    assert sample_value(families, "mig_exporter_pod_resources_read_success") == 1
+    assert sample_value(families, "mig_exporter_process_info", {"pid": "48213", "pod": "llama-0"}) == 1
+    assert len(samples_of(families, "mig_exporter_device_allocation_info")) == 4
+
+
 def test_without_a_socket_the_labels_stay_and_allocations_go_and_it_is_said_once(tmp_path, caplog):
     scraper = Scraper(DemoSource(), pods=_watch(tmp_path, str(tmp_path / "no.sock")))
     with caplog.at_level(logging.INFO, logger="mig_exporter"):
@@ -246,8 +280,10 @@ def test_a_failed_gpu_read_reads_no_pods(tmp_path, fake_kubelet):
 
     kubelet = fake_kubelet(PODS)
     families = Scraper(Failing(), pods=_watch(tmp_path, kubelet.socket_path)).families()
-    assert kubelet.calls == 0
+    assert kubelet.calls <= 1  # asked alongside the GPU read, once at most; its answer goes unused
     assert sample_value(families, "mig_exporter_pod_resources_read_success") is None
+    assert samples_of(families, "mig_exporter_process_info") == []
+    assert samples_of(families, "mig_exporter_device_allocation_info") == []
 
 
 def test_an_unknown_container_id_has_its_id_and_no_names(tmp_path, fake_kubelet):

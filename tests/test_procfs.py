@@ -5,6 +5,7 @@ namespace apart from a container's."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from mig_exporter.host.procfs import (
     HOST_PID_NAMESPACE,
     MAX_FILE_BYTES,
+    SETTLE_S,
     PidNamespace,
     ProcError,
     ProcfsSource,
@@ -21,7 +23,7 @@ from mig_exporter.host.procfs import (
     parse_exe_link,
     parse_stat,
 )
-from proc_tree import CONTAINER_NS, Proc, make_proc, stat_line
+from proc_tree import CONTAINER_NS, Proc, make_proc, stat_line, write_proc
 
 # --- parsing -------------------------------------------------------------------------------------
 
@@ -193,3 +195,160 @@ def test_reads_this_process_and_its_threads_from_the_real_proc():
     assert me.cmdline == tuple(Path("/proc/self/cmdline").read_bytes().decode().split("\0")[:-1])
     assert os.getpid() in me.thread_ids and native[0] in me.thread_ids
     assert table.processes[os.getppid()].pid == os.getppid()
+
+
+# --- reading again: only what may have changed ------------------------------------------------------
+
+def _engine(p) -> bool:
+    return p.comm.startswith("engine")
+
+
+def _source(root: Path, settle_s: float = SETTLE_S) -> ProcfsSource:
+    source = ProcfsSource(str(root), settle_s)
+    source.watch(_engine)
+    return source
+
+
+def _exit(root: Path, pid: int) -> None:
+    """The process is gone. Its directory is kept elsewhere, not deleted, so that this
+    filesystem cannot hand its inode number to the next directory made (the kernel's /proc
+    draws each from a counter): a new process under the same pid gets a new one, as in /proc."""
+    graveyard = root.parent / "gone"
+    graveyard.mkdir(exist_ok=True)
+    os.rename(root / str(pid), graveyard / f"{pid}.{len(os.listdir(graveyard))}")
+
+
+def _rewrite(root: Path, p: Proc) -> None:
+    """The same process, changed (re-parented, exec'd, threads come and go): same directory."""
+    d = root / str(p.pid)
+    (d / "stat").write_text(stat_line(p.pid, p.comm, p.state, p.ppid, 1 + len(p.threads), p.start_ticks))
+    (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in p.cmdline))
+    shutil.rmtree(d / "task")
+    for tid in [p.pid, *p.threads]:
+        (d / "task" / str(tid)).mkdir(parents=True)
+
+
+def test_a_reused_pid_is_read_as_the_new_process(tmp_path):
+    root = make_proc(tmp_path / "proc", [Proc(500, "bash", ["bash"], threads=[501])])
+    source = _source(root)
+    assert source.read().processes[500].comm == "bash"
+    _exit(root, 500)
+    write_proc(root, Proc(500, "llama-server", ["llama-server", "-m", "x.gguf"], ppid=4242, threads=[502]))
+    table = source.read()
+    assert (table.processes[500].comm, table.processes[500].ppid) == ("llama-server", 4242)
+    assert table.processes[500].thread_ids == (500, 502)
+
+
+def test_a_known_process_is_not_read_again_unless_its_parent_died(tmp_path):
+    """An old process's files are not opened again: what it changes (an exec, threads) is not
+    seen; its parent dying (it is re-parented) is."""
+    root = make_proc(tmp_path / "proc", [Proc(500, "sh", ["sh", "run.sh"]),
+                                         Proc(600, "worker", ["worker"], ppid=500, threads=[601])])
+    source = _source(root)
+    first = source.read()
+    _rewrite(root, Proc(600, "worker2", ["worker2"], ppid=500, threads=[601, 602]))
+    assert source.read() == first
+    _exit(root, 500)
+    _rewrite(root, Proc(600, "worker2", ["worker2"], ppid=1, threads=[601, 602]))
+    table = source.read()
+    assert 500 not in table.processes
+    assert table.processes[600] == ProcfsSource(str(root)).read().processes[600]
+    assert table.processes[600].ppid == 1
+
+
+def test_a_young_process_is_read_again_and_so_is_everything_under_an_engine(tmp_path):
+    """A wrapper that execs into an engine soon after it starts is seen as the engine; an engine's
+    tree (its workers, their threads, a worker turned zombie) is read at every read."""
+    boot_ticks = 86400 * 100
+    root = make_proc(tmp_path / "proc", [
+        Proc(500, "entrypoint.sh", ["sh", "entrypoint.sh"], start_ticks=boot_ticks - 500),  # 5 s old
+        Proc(700, "engine", ["engine"], start_ticks=1000),
+        Proc(701, "worker", ["worker"], ppid=700, start_ticks=1001),
+    ])
+    source = _source(root)
+    source.read()
+    _rewrite(root, Proc(500, "engine-server", ["engine-server"], start_ticks=boot_ticks - 500))
+    _rewrite(root, Proc(701, "worker", ["worker"], ppid=700, state="Z", threads=[702], start_ticks=1001))
+    table = source.read()
+    assert table.processes[500].comm == "engine-server"
+    assert (table.processes[701].state, table.processes[701].thread_ids) == ("Z", (701, 702))
+    assert table == _source(root).read()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_read_again_after_churn_is_the_same_as_a_fresh_read(tmp_path, seed):
+    """Random trees, and between reads: processes start (some under others, some young, some
+    engines), exit (their children go to init), their pids are reused, and engines' trees
+    change their threads, states and command lines. The kept read equals a fresh one."""
+    rng = random.Random(seed)
+    procs: dict[int, Proc] = {}
+    next_pid = iter(range(1000, 100000, 7))
+
+    def born(ppid: int | None = None) -> Proc:
+        ppid = rng.choice([1, *procs]) if ppid is None else ppid
+        engine = rng.random() < 0.15
+        # Young (3 s) or old, never older than its parent.
+        started = max(rng.choice([1000, 86400 * 100 - 300]), procs[ppid].start_ticks if ppid in procs else 0)
+        return Proc(next(next_pid), "engine" if engine else rng.choice(["bash", "python3", "sshd"]),
+                    [rng.choice(["a", "b"]), str(rng.randrange(100))], ppid=ppid,
+                    threads=[next(next_pid) for _ in range(rng.randrange(3))], start_ticks=started)
+
+    for _ in range(30):
+        p = born()
+        procs[p.pid] = p
+    root = make_proc(tmp_path / "proc", list(procs.values()))
+    source = _source(root)
+    for _ in range(6):
+        assert source.read() == _source(root).read()
+        for _ in range(rng.randrange(1, 6)):
+            p = born()
+            procs[p.pid] = p
+            write_proc(root, p)
+        for pid in rng.sample(sorted(procs), 3):
+            if pid not in procs:
+                continue
+            gone = procs.pop(pid)
+            _exit(root, pid)
+            for child in [c for c in procs.values() if c.ppid == pid]:
+                child.ppid = 1
+                _rewrite(root, child)
+            if rng.random() < 0.5:  # the pid comes back as another process
+                again = born()
+                again.pid = gone.pid
+                procs[again.pid] = again
+                write_proc(root, again)
+        for p in procs.values():  # young ones exec: a wrapper into its engine, or the other way
+            if p.start_ticks > 1000 and rng.random() < 0.2:
+                p.comm, p.cmdline = rng.choice([("python3", ["python3", "-c", "x"]), ("engine", ["engine"])])
+                _rewrite(root, p)
+        for pid in sorted(_under_engines(procs)):
+            p = procs[pid]
+            p.threads = [next(next_pid) for _ in range(rng.randrange(3))]
+            p.state = rng.choice(["S", "R", "Z"])
+            if p.comm != "engine":
+                p.comm, p.cmdline = rng.choice([("python3", ["python3", "-c", "x"]), ("engine", ["engine"])])
+            _rewrite(root, p)
+    assert source.read() == _source(root).read()
+
+
+def _under_engines(procs: dict[int, Proc]) -> set[int]:
+    """The engines and every process under one."""
+    def under(pid: int, seen: frozenset[int] = frozenset()) -> bool:
+        p = procs.get(pid)
+        return p is not None and pid not in seen and (_engine(p) or under(p.ppid, seen | {pid}))
+    return {pid for pid in procs if under(pid)}
+
+
+def test_a_wrapper_that_became_an_engine_keeps_its_workers_read_once_they_are_old(tmp_path):
+    boot_ticks = 86400 * 100
+    root = make_proc(tmp_path / "proc", [
+        Proc(500, "entrypoint.sh", ["sh", "entrypoint.sh"], start_ticks=boot_ticks - 500),
+        Proc(501, "worker", ["worker"], ppid=500, start_ticks=boot_ticks - 400),
+    ])
+    source = _source(root)
+    source.read()
+    _rewrite(root, Proc(500, "engine", ["engine"], start_ticks=boot_ticks - 500))  # exec'd, 5 s in
+    source.read()
+    (root / "uptime").write_text(f"{86400 + SETTLE_S + 10:.2f} 0.00\n")  # both old now
+    _rewrite(root, Proc(501, "worker", ["worker"], ppid=500, threads=[502], start_ticks=boot_ticks - 400))
+    assert source.read().processes[501].thread_ids == (501, 502)

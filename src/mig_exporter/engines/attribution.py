@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from mig_exporter.engines.rules import EngineSettings
-from mig_exporter.host.procfs import ProcError, ProcReader, ProcTable
+from mig_exporter.host.procfs import ProcEntry, ProcError, ProcfsSource, ProcReader, ProcTable
 from mig_exporter.model.readings import EngineProcess, EngineReading
 from mig_exporter.model.snapshot import Process, Snapshot
 
@@ -37,12 +37,31 @@ class EngineReader:
     or the demo's bundled table)."""
 
     def __init__(self, settings: EngineSettings, procs: ProcReader) -> None:
-        self.settings = settings
         self.procs = procs
+        self.settings = settings
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: EngineSettings) -> None:
+        """New settings (a config reload): what was matched under the old ones is forgotten."""
+        self._settings = settings
+        self._matched: dict[int, tuple[ProcEntry, str | None]] = {}  # by id(): what each entry matched
+        if isinstance(self.procs, ProcfsSource):  # what it reads again at every read: the engines' trees
+            self.procs.watch(settings.match)
 
     def describe(self) -> str:
         engines = ", ".join(self.settings.engines) or "none"
         return f"engines: {engines} (/proc: {self.procs.describe()})"
+
+    def reads_little(self) -> bool:
+        """Whether the next ``read_procs`` is a short one (only what changed since the last, or
+        the demo's table): one that may run alongside the GPU read. A first read of a /proc opens
+        every process's files, and would hold the interpreter while the GPU read starts its
+        commands."""
+        return not isinstance(self.procs, ProcfsSource) or self.procs.warm
 
     def read_procs(self) -> tuple[ProcTable | None, str | None]:
         """Read /proc now: the table, or ``None`` and why not. With no engine
@@ -55,17 +74,35 @@ class EngineReader:
             return None, str(e)
 
     def reading(self, table: ProcTable | None, error: str | None, snapshot: Snapshot | None) -> EngineReading:
-        return engine_reading(self.settings, table, error, snapshot)
+        """The engines of ``table``. A process /proc was not read again for is the same
+        ``ProcEntry`` as before: what it matched is kept (a match costs ~10 µs a process, the
+        whole read's budget on a node of a thousand)."""
+        kept = self._matched
+        now: dict[int, tuple[ProcEntry, str | None]] = {}
+
+        def match(process: ProcEntry) -> str | None:
+            hit = kept.get(id(process))  # the entry is held in the value: its id is not reused meanwhile
+            engine = hit[1] if hit is not None and hit[0] is process else self.settings.match(process)
+            now[id(process)] = (process, engine)
+            return engine
+
+        reading = engine_reading(self.settings, table, error, snapshot, match)
+        if now:  # a read that matched nothing (not the host's /proc, a failed one) keeps what was known
+            self._matched = now
+        return reading
 
 
 def engine_reading(
-    settings: EngineSettings, table: ProcTable | None, error: str | None, snapshot: Snapshot | None
+    settings: EngineSettings, table: ProcTable | None, error: str | None, snapshot: Snapshot | None,
+    match: Callable[[ProcEntry], str | None] | None = None,
 ) -> EngineReading:
     """Map processes to engines and engines to the memory their trees hold.
 
     ``snapshot`` is ``None`` when the GPU read failed: engines are still
-    counted, but where they are is unknown.
+    counted, but where they are is unknown. ``match``: ``settings.match``, or one
+    that keeps what it found.
     """
+    match = match or settings.match
     engines = settings.engines
     placed = snapshot is not None
     if table is None:
@@ -80,7 +117,7 @@ def engine_reading(
         return EngineReading(engines, True, None, placed, (mismatch,))
 
     procs = table.processes
-    matched = {pid: engine for pid, p in procs.items() if p.alive and (engine := settings.match(p)) is not None}
+    matched = {pid: engine for pid, p in procs.items() if p.alive and (engine := match(p)) is not None}
     children: dict[int, list[int]] = defaultdict(list)
     for p in procs.values():
         if p.ppid != p.pid:

@@ -12,12 +12,17 @@ the scraper, right after the GPUs, for the pids the driver listed:
   passwd file of ``--host.passwd`` (``passwd.py``), else the bare uid;
 
 only where the /proc root is the host's PID namespace, whose pids the driver
-lists, and within what is left of the scrape's budget.
+lists, and within what is left of the scrape's budget. Both are read once for
+each process (its pid and the inode of its ``/proc/PID``, as ``procfs.py``
+tells processes apart) and kept while it runs: a running process rarely
+changes its cgroup or its real uid (docs/hpc.md). Nothing is opened for a pid
+that the /proc listing does not show.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import NO_IDENTITY, CgroupIdentity, parse_cgroup
@@ -25,6 +30,44 @@ from mig_exporter.host.passwd import PasswdFile
 from mig_exporter.host.procfs import ProcError, ProcfsSource, parse_status_uid
 from mig_exporter.model.readings import OwnerReading, ProcessOwner
 from mig_exporter.model.snapshot import Snapshot
+
+T = TypeVar("T")
+
+
+class KeptReads(Generic[T]):
+    """One file of each process, parsed and kept while that process runs (the same pid and
+    /proc/PID inode); what is kept is what the last read asked for. ``read`` gives a pid's
+    file, or ``None`` when it cannot (the process has gone)."""
+
+    def __init__(self, read: Callable[[int], bytes | None], parse: Callable[[bytes], T]) -> None:
+        self._read = read
+        self._parse = parse
+        self._kept: dict[int, tuple[int, T]] = {}
+
+    def read(self, pids: Iterable[int], listing: Mapping[int, int], deadline: Deadline | None = None) -> dict[int, T]:
+        """Each of ``pids`` in ``listing`` (pid: inode) that can be read; once past
+        ``deadline`` only what is kept."""
+        kept = self._kept
+        now: dict[int, tuple[int, T]] = {}
+        for pid in pids:
+            inode = listing.get(pid)
+            if inode is None:  # not running (the listing shows every process): nothing to open
+                continue
+            known = kept.get(pid)
+            if known is None or known[0] != inode:
+                if deadline is not None and deadline.expired:
+                    continue
+                data = self._read(pid)
+                if data is None:
+                    continue
+                known = (inode, self._parse(data))
+            now[pid] = known
+        self._kept = now
+        return {pid: value for pid, (_, value) in now.items()}
+
+
+def cgroup_reads(procs: ProcfsSource) -> KeptReads[CgroupIdentity]:
+    return KeptReads(lambda pid: procs.read_cgroup(pid), parse_cgroup)
 
 
 def owner_reading(
@@ -43,11 +86,13 @@ def owner_reading(
     return OwnerReading(out, tuple(problems))
 
 
-def read_identities(procs: ProcfsSource, pids: Iterable[int],
-                    deadline: Deadline | None = None) -> dict[int, CgroupIdentity] | None:
+def read_identities(procs: ProcfsSource, pids: Iterable[int], deadline: Deadline | None = None,
+                    kept: KeptReads[CgroupIdentity] | None = None,
+                    listing: Mapping[int, int] | None = None) -> dict[int, CgroupIdentity] | None:
     """The cgroup identity of each pid that can still be read, until
     ``deadline``; ``None`` when the /proc root is not the
-    host's PID namespace (its pids are not the driver's: engines report that)."""
+    host's PID namespace (its pids are not the driver's: engines report that).
+    ``kept``: what was read before; ``listing``: the processes (pid: inode) if listed already."""
     wanted = sorted(set(pids))
     if not wanted:
         return {}
@@ -56,14 +101,12 @@ def read_identities(procs: ProcfsSource, pids: Iterable[int],
             return None
     except ProcError:
         return None
-    out = {}
-    for pid in wanted:
-        if deadline is not None and deadline.expired:
-            break
-        data = procs.read_cgroup(pid)
-        if data is not None:
-            out[pid] = parse_cgroup(data)
-    return out
+    if listing is None:
+        try:
+            listing = procs.listing()
+        except ProcError:  # a root that cannot be listed: no process can be read in it either
+            return {}
+    return (kept or cgroup_reads(procs)).read(wanted, listing, deadline)
 
 
 class OwnerReader:
@@ -73,32 +116,36 @@ class OwnerReader:
     def __init__(self, proc_root: str, passwd_path: str | None = None) -> None:
         self.procs = ProcfsSource(proc_root)
         self.passwd = PasswdFile(passwd_path) if passwd_path else None
+        self._cgroups = cgroup_reads(self.procs)
+        self._uids = KeptReads(lambda pid: self.procs.read_status(pid), parse_status_uid)
 
     def describe(self) -> str:
         names = f"user names from {self.passwd.path}" if self.passwd else "users as uids (no --host.passwd)"
         return f"owners: Slurm jobs and systemd units from the cgroups under {self.procs.root}, {names}"
 
-    def identities(self, snapshot: Snapshot, deadline: Deadline | None = None) -> dict[int, CgroupIdentity] | None:
+    def identities(self, snapshot: Snapshot, deadline: Deadline | None = None,
+                   listing: Mapping[int, int] | None = None) -> dict[int, CgroupIdentity] | None:
         """The cgroups of the pids on the GPU lists (see ``read_identities``)."""
-        return read_identities(self.procs, (p.pid for p in snapshot.processes), deadline)
+        return read_identities(self.procs, (p.pid for p in snapshot.processes), deadline, self._cgroups, listing)
 
     def read(self, snapshot: Snapshot, deadline: Deadline | None = None,
-             identities: dict[int, CgroupIdentity] | None = None) -> OwnerReading:
+             identities: dict[int, CgroupIdentity] | None = None,
+             listing: Mapping[int, int] | None = None) -> OwnerReading:
         """Read for the processes of ``snapshot`` by ``deadline``;
-        ``identities``: their cgroups, when already read for this scrape."""
+        ``identities``: their cgroups, when already read for this scrape; ``listing``: the
+        processes (pid: inode), when listed already."""
         if identities is None:
-            identities = self.identities(snapshot, deadline)
+            identities = self.identities(snapshot, deadline, listing)
             if identities is None:
                 return OwnerReading({})
         problems: list[str] = []
-        uids: dict[int, int] = {}
-        for pid in sorted(identities):
-            if deadline is not None and deadline.expired:
-                break
-            data = self.procs.read_status(pid)
-            uid = None if data is None else parse_status_uid(data)
-            if uid is not None:
-                uids[pid] = uid
+        if listing is None and identities:
+            try:
+                listing = self.procs.listing()
+            except ProcError:
+                listing = {}
+        read = self._uids.read(sorted(identities), listing or {}, deadline)
+        uids = {pid: uid for pid, uid in read.items() if uid is not None}
         if deadline is not None and deadline.expired:
             # Some may have exited instead: once out of time, which is not worth finding out.
             missing = len({p.pid for p in snapshot.processes} - set(uids))

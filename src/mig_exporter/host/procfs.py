@@ -7,12 +7,24 @@ mounts the host's). Parsing is pure (bytes in, ``ProcEntry`` out) and apart
 from the file reading, so it is tested on fabricated trees in the real file
 formats. A process that exits while it is being read is skipped, never an
 error: /proc changes under the reader all the time.
+
+``ProcfsSource.read`` keeps what it read of each process and reads again only
+what may have changed (docs/engines.md): a process is known by its pid and the
+inode of its ``/proc/PID`` directory, which the listing gives for free
+(``d_ino``) and which the kernel draws afresh for each process, so a reused pid
+is a new process. The start time would tell them apart as well, but only after
+opening each ``stat``, which is the cost saved. A known process is read again
+when its parent is no longer the one it had (it died: the process was
+re-parented), while it is young (the first ``SETTLE_S`` of its life, when a
+wrapper execs into the program it starts), and at every read while it or an
+ancestor matches ``watch`` (the engines: their threads, states and
+command lines are read fresh). Everything else is as first read.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +38,10 @@ MAX_FILE_BYTES = 1 << 20  # a cmdline is at most a few pages; never buffer more
 # Most of these files are under a page. A read of the whole MAX_FILE_BYTES would
 # allocate (and give back) 1 MiB per file, twice per process, at every scrape.
 _READ_CHUNK = 16 * 1024
+# How long after it starts a process is read at every read: long enough for a wrapper
+# (an entrypoint script, a launcher) to exec into the program it starts.
+SETTLE_S = 120.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 class ProcError(ReadError):
     """The /proc root could not be read at all."""
@@ -105,10 +121,12 @@ class PidNamespace:
 
 @dataclass(frozen=True, slots=True)
 class ProcTable:
-    """Every process under one /proc root, by pid."""
+    """Every process under one /proc root, by pid; ``inodes``: each one's /proc/PID
+    inode (``ProcfsSource.listing``) when read from a /proc tree."""
 
     namespace: PidNamespace
     processes: dict[int, ProcEntry]
+    inodes: dict[int, int] | None = None
 
 
 # --- pure parsing --------------------------------------------------------------------------------
@@ -130,6 +148,14 @@ def parse_stat(data: bytes) -> tuple[int, str, str, int]:
     if len(fields) < 2:
         raise ValueError(f"/proc/{pid}/stat: too few fields after the name")
     return pid, comm, fields[0], int(fields[1])
+
+
+def parse_start_ticks(data: bytes) -> int:
+    """The start time from ``/proc/PID/stat`` (field 22): clock ticks after boot."""
+    fields = data[data.rfind(b")") + 1 :].split()
+    if len(fields) < 20 or not fields[19].isdigit():
+        raise ValueError("/proc/PID/stat: no start time")
+    return int(fields[19])
 
 
 def parse_cmdline(data: bytes) -> tuple[str, ...]:
@@ -193,37 +219,129 @@ class ProcReader(Protocol):
     def read_namespace(self) -> PidNamespace: ...
 
 
-class ProcfsSource:
-    """Reads a /proc tree at each call."""
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a microsecond more a process
+class _Known:
+    """A process as last read: which incarnation (the /proc/PID directory's inode), whose
+    child (its parent's inode then), when it started, and whether ``watch`` matched it.
+    Never changed once made."""
 
-    def __init__(self, root: str = DEFAULT_ROOT) -> None:
+    inode: int
+    parent_inode: int | None
+    started_s: float  # seconds after boot
+    matched: bool
+    entry: ProcEntry
+
+
+class ProcfsSource:
+    """Reads a /proc tree at each call, again only what may have changed (see the module's notes).
+
+    Thread-safe: concurrent reads each read what they need and the last one's knowledge is kept."""
+
+    def __init__(self, root: str = DEFAULT_ROOT, settle_s: float = SETTLE_S) -> None:
         self.root = root
+        self.settle_s = settle_s
+        self._watch: Callable[[ProcEntry], object] | None = None
+        self._known: dict[int, _Known] = {}
+        self._under: frozenset[int] = frozenset()  # pids under a watched process, as last read
+
+    def watch(self, match: Callable[[ProcEntry], object]) -> None:
+        """Read the processes ``match`` is true for, and all under them, at every read."""
+        self._watch = match
+        self._known = {}
 
     def describe(self) -> str:
         return self.root
+
+    @property
+    def warm(self) -> bool:
+        """Whether a read has been made to build on: the next reads only what changed."""
+        return bool(self._known)
 
     def read_namespace(self) -> PidNamespace:
         if not os.path.isdir(self.root):
             raise ProcError(f"cannot read {self.root}: not a directory")
         return PidNamespace(self.root, _readlink(f"{self.root}/self/ns/pid"))
 
+    def listing(self) -> dict[int, int]:
+        """Each process's pid and the inode of its directory, which tells a reused pid's
+        new process from the old one. Raises ``ProcError`` when the root cannot be listed."""
+        try:
+            with os.scandir(self.root) as entries:
+                return {int(e.name): e.inode() for e in entries if e.name.isdigit()}
+        except OSError as e:
+            raise ProcError(f"cannot read {self.root}: {e.strerror or e}") from None
+
     def read(self) -> ProcTable:
         """Every process. Raises ``ProcError`` only when the root itself
         cannot be listed; a single process that cannot be read is skipped."""
+        listing = self.listing()
+        uptime_s = self._uptime_s()
+        settled_before = None if uptime_s is None else uptime_s - self.settle_s
+        known = self._known
+        under = self._under
+        now: dict[int, _Known] = {}
+        moved = False  # whether the tree (or what watch matches in it) changed: what is under it then
+        for pid, inode in listing.items():
+            k = known.get(pid)
+            if (k is None or k.inode != inode or pid in under or settled_before is None
+                    or k.started_s > settled_before or k.parent_inode != listing.get(k.entry.ppid)):
+                # String paths, not pathlib: on a node with thousands of processes
+                # pathlib's joins were a third of the read.
+                read = self._read_one(pid, inode, listing)
+                if read is None:
+                    continue
+                moved = moved or k is None or k.inode != inode or k.entry.ppid != read.entry.ppid \
+                    or k.matched != read.matched
+                k = read
+            now[pid] = k
+        if self._watch is not None and (moved or now.keys() != known.keys()):
+            self._under = self._under_watch(now)
+        self._known = now
+        return ProcTable(self.read_namespace(), {pid: k.entry for pid, k in now.items()}, listing)
+
+    def _read_one(self, pid: int, inode: int, listing: dict[int, int]) -> _Known | None:
+        read = _read_process(f"{self.root}/{pid}")
+        if read is None:
+            return None
+        entry, started_ticks = read
+        matched = self._watch is not None and bool(self._watch(entry))
+        return _Known(inode, listing.get(entry.ppid), started_ticks / _CLOCK_TICKS, matched, entry)
+
+    @staticmethod
+    def _under_watch(known: dict[int, _Known]) -> frozenset[int]:
+        """The pids that ``watch`` matched, or one of whose ancestors it matched."""
+        under: dict[int, bool] = {}
+        for pid in known:
+            path: list[int] = []
+            current: int | None = pid
+            result = False
+            while current is not None:
+                seen = under.get(current)
+                if seen is not None:
+                    result = seen
+                    break
+                k = known.get(current)
+                if k is None:
+                    break
+                if k.matched:
+                    result = True
+                    break
+                under[current] = False  # until the walk ends: a cycle (pids reused mid-read) ends it
+                path.append(current)
+                current = k.entry.ppid if k.entry.ppid != current else None
+            for p in path:
+                under[p] = result
+            if result:
+                under[pid] = True
+        return frozenset(p for p, u in under.items() if u)
+
+    def _uptime_s(self) -> float | None:
+        """Seconds since boot (what start times count from); ``None`` when unreadable,
+        and then every process is read as if young."""
         try:
-            names = os.listdir(self.root)
-        except OSError as e:
-            raise ProcError(f"cannot read {self.root}: {e.strerror or e}") from None
-        processes: dict[int, ProcEntry] = {}
-        for name in names:
-            if not name.isdigit():
-                continue
-            # String paths, not pathlib: on a node with thousands of processes
-            # pathlib's joins were a third of the read.
-            entry = read_process(f"{self.root}/{name}")
-            if entry is not None:
-                processes[entry.pid] = entry
-        return ProcTable(self.read_namespace(), processes)
+            return float(_read(f"{self.root}/uptime").split(maxsplit=1)[0])
+        except (OSError, ValueError, IndexError):
+            return None
 
     def read_cgroup(self, pid: int) -> bytes | None:
         """The contents of ``<root>/PID/cgroup`` (parsed by ``cgroup.py``), or
@@ -244,6 +362,12 @@ class ProcfsSource:
 
 def read_process(directory: str) -> ProcEntry | None:
     """One process (``directory``: ``/proc/PID``), or ``None`` if it vanished or cannot be read."""
+    read = _read_process(directory)
+    return None if read is None else read[0]
+
+
+def _read_process(directory: str) -> tuple[ProcEntry, int] | None:
+    """One process and its start time (clock ticks after boot), or ``None`` if it vanished or cannot be read."""
     try:
         stat = _read(f"{directory}/stat")
         cmdline = _read(f"{directory}/cmdline")
@@ -253,9 +377,9 @@ def read_process(directory: str) -> ProcEntry | None:
         return None
     try:
         entry = parse_process(stat, cmdline, _readlink(f"{directory}/exe"), _thread_ids(directory))
+        return entry, parse_start_ticks(stat)
     except ValueError:
         return None
-    return entry
 
 
 def read_fd(fd: int, limit_bytes: int, chunk_bytes: int = _READ_CHUNK) -> bytes:

@@ -3,8 +3,9 @@ and which pod each device is allocated to (docs/kubernetes.md).
 
 ``pod_reading`` is pure: the GPU snapshot, the processes' cgroup identities,
 the names from the kubelet's log directories and the kubelet's pod-resources
-answer in, a ``PodReading`` out. ``PodReader`` reads those for the scraper,
-right after the GPUs, for the pids the driver listed:
+answer in, a ``PodReading`` out. ``PodReader`` reads those for the scraper:
+the kubelet's part (``read_kubelet``) alongside the GPUs, the rest right after
+them, for the pids the driver listed:
 
 - a process's container id and pod UID come from ``/proc/PID/cgroup``
   (``cgroup.py``), only where the /proc root is the host's PID namespace,
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import CgroupIdentity
-from mig_exporter.host.owners import read_identities
+from mig_exporter.host.owners import cgroup_reads, read_identities
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podlogs import PodName, PodNames, read_pod_names
 from mig_exporter.kubernetes.podresources import PodResources, PodResourcesClient, PodResourcesError
@@ -126,6 +128,19 @@ def pod_reading(
     return PodReading(process_pods(identities, names), allocated, success, tuple(found), tuple(notes))
 
 
+@dataclass(frozen=True, slots=True)
+class KubeletReading:
+    """What the kubelet gave, apart from the GPUs: the log directory's names and why none
+    (``None``: not read), and the pod-resources answer (``listed``, ``None`` when not asked
+    or unanswered)."""
+
+    names: tuple[PodNames, str | None] | None
+    listed: tuple[PodResources, ...] | None
+    asked: bool
+    problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
 class PodReader:
     """Where the Kubernetes read looks: the /proc root, the kubelet's log
     directory and its pod-resources socket (either may be switched off with
@@ -133,6 +148,7 @@ class PodReader:
 
     def __init__(self, proc_root: str, pod_resources: PodResourcesClient | None, log_dir: str | None) -> None:
         self.procs = ProcfsSource(proc_root)
+        self._cgroups = cgroup_reads(self.procs)
         self.pod_resources = pod_resources
         self.log_dir = log_dir
 
@@ -142,21 +158,12 @@ class PodReader:
         parts.append(self.pod_resources.describe() if self.pod_resources else "no allocations")
         return "pods: " + ", ".join(parts)
 
-    def read(self, snapshot: Snapshot, deadline: Deadline | None = None,
-             identities: dict[int, CgroupIdentity] | None = None) -> PodReading:
-        """Read for the processes of ``snapshot``; the kubelet call gets at
-        most what is left until ``deadline`` (the scrape's).
-        ``identities``: their cgroups, when already read for this scrape."""
+    def read_kubelet(self, deadline: Deadline | None = None) -> KubeletReading:
+        """What needs no GPU snapshot: the log directory's names and the kubelet's
+        allocations, the call getting at most what is left until ``deadline``."""
+        names = read_pod_names(self.log_dir) if self.log_dir else None
         problems: list[str] = []
         notes: list[str] = []
-        if identities is None:
-            identities = read_identities(self.procs, (p.pid for p in snapshot.processes)) or {}
-        names = PodNames()
-        if self.log_dir and any(i.container_id or i.pod_uid for i in identities.values()):
-            names, reason = read_pod_names(self.log_dir)
-            if reason:
-                notes.append(f"{reason}: processes in containers get no pod, namespace or container names "
-                             "(mount the kubelet's /var/log/pods and /var/log/containers, see docs/kubernetes.md)")
         listed = None
         asked = False
         client = self.pod_resources
@@ -173,4 +180,25 @@ class PodReader:
                     listed = client.list(None if deadline is None else deadline.left_s())
                 except PodResourcesError as e:
                     problems.append(str(e))
-        return pod_reading(snapshot, identities, names, listed, asked=asked, problems=problems, notes=notes)
+        return KubeletReading(names, listed, asked, tuple(problems), tuple(notes))
+
+    def read(self, snapshot: Snapshot, deadline: Deadline | None = None,
+             identities: dict[int, CgroupIdentity] | None = None,
+             kubelet: KubeletReading | None = None) -> PodReading:
+        """Read for the processes of ``snapshot``; the kubelet call gets at
+        most what is left until ``deadline`` (the scrape's).
+        ``identities``: their cgroups, when already read for this scrape; ``kubelet``: what
+        ``read_kubelet`` gave for this scrape, when read alongside the GPUs."""
+        if identities is None:
+            identities = read_identities(self.procs, (p.pid for p in snapshot.processes), None, self._cgroups) or {}
+        if kubelet is None:
+            kubelet = self.read_kubelet(deadline)
+        notes: list[str] = []
+        names = PodNames()
+        if kubelet.names is not None and any(i.container_id or i.pod_uid for i in identities.values()):
+            names, reason = kubelet.names
+            if reason:
+                notes.append(f"{reason}: processes in containers get no pod, namespace or container names "
+                             "(mount the kubelet's /var/log/pods and /var/log/containers, see docs/kubernetes.md)")
+        return pod_reading(snapshot, identities, names, kubelet.listed, asked=kubelet.asked,
+                           problems=kubelet.problems, notes=(*notes, *kubelet.notes))

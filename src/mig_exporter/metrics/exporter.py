@@ -132,7 +132,7 @@ class Exporter:
 
     def _failed(self, reason: str, started: float) -> Answer:
         """A failed read, with the newest /proc reading if it is no older than ``timeout_s`` (one
-        scrape's budget: the scrape in flight took it as it began, before the GPU read)."""
+        scrape's budget: the scrape in flight takes it alongside its GPU read)."""
         outcome, families = self.scraper.failed_scrape(reason, started,
                                                        procs_since=time.monotonic() - self.timeout_s)
         return self._answer(outcome, families)

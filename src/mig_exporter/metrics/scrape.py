@@ -3,21 +3,31 @@ the collector what to map.
 
 A failed read is data, not an exception: the scrape still answers, with
 ``mig_exporter_read_success 0``, and the reason goes to the log as one line.
-With engines watched, /proc is read in the same read, just before the GPUs,
-so every engine process seen existed when the driver was asked. With pods
-watched, the cgroups of the processes the driver listed, the kubelet's log
-directory names and its pod-resources answer are read just after the GPUs,
-by the read's deadline. With owners watched, the same cgroups (read once for
-both) and the processes' uids give their Slurm jobs, systemd units and users.
+With engines watched, /proc is read in a worker thread alongside the GPUs (it
+needs nothing from them, and took as long as them on a busy node), and waited
+for by the read's deadline; only its first read, of every process, is made
+before the GPUs, since it holds the interpreter while the GPU read starts. So a
+process started while the driver is asked may be in one reading and not the
+other: a new engine may show 0 bytes for one read (as if on the CPU), and what
+the driver lists for a process /proc did not show yet goes to no engine until
+the next read. With pods watched, the kubelet's log
+directory names and its pod-resources answer are read alongside the GPUs too,
+and the cgroups of the processes the driver listed just after them, by the
+read's deadline. With owners watched, the same cgroups (read once for both) and
+the processes' uids give their Slurm jobs, systemd units and users, read only
+for the processes the /proc listing shows (the engines', when taken by then).
 With a Slurm job-map directory, it is read last, by the same deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from prometheus_client.core import Metric
@@ -25,12 +35,13 @@ from prometheus_client.core import Metric
 from mig_exporter import __version__
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
+from mig_exporter.core.workers import WORKERS
 from mig_exporter.engines.attribution import EngineReader
 from mig_exporter.host.cgroup import CgroupIdentity
 from mig_exporter.host.jobmap import SlurmJobMap
 from mig_exporter.host.owners import OwnerReader
 from mig_exporter.host.procfs import ProcTable
-from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.kubernetes.pods import KubeletReading, PodReader
 from mig_exporter.metrics.families import (
     allocation_families,
     engine_families,
@@ -45,9 +56,10 @@ from mig_exporter.sources.base import Source
 
 log = logging.getLogger("mig_exporter")
 
-# What the GPU read still gets when reading /proc took the whole budget: enough to
+# What the GPU read still gets when the scrape's budget is spent before it starts: enough to
 # fail as a timeout of its own, not so much that the answer comes late.
 _MIN_READ_S = 0.05
+_Procs = tuple[ProcTable | None, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,22 +117,25 @@ class Scraper:
         this read's answer (``None``: always). A shared read asks its flight (``core/flight.py``):
         False when every caller has answered late already, each answer counting itself."""
         started = time.monotonic()
-        procs = self._read_procs()
-        if procs is not None:  # before the GPU read, which may hang: for a failed read made meanwhile
-            with self._lock:
-                self._newest_procs = (time.monotonic(), procs)
+        reading = self._start_procs()
+        kubelet = self._start_kubelet(deadline)
         try:
-            # The /proc read comes out of the scrape's budget: the answer is due at its deadline.
             snapshot = self.source.read(None if deadline is None else max(deadline, Deadline.after(_MIN_READ_S)))
         except ReadError as e:
-            return self._failed(started, str(e), self._engines(procs, None), answered)
+            return self._failed(started, str(e), self._engines(self._procs(reading, deadline), None), answered)
         except Exception as e:  # a bug must not take the scrape down; say where
             self._log_bug(f"read from {self.name} failed unexpectedly", e)
-            return self._failed(started, f"unexpected {type(e).__name__}: {e}", self._engines(procs, None), answered)
+            engines = self._engines(self._procs(reading, deadline), None)
+            return self._failed(started, f"unexpected {type(e).__name__}: {e}", engines, answered)
+        procs = self._procs(reading, deadline)
         engines = self._engines(procs, snapshot)
-        identities = self._identities(snapshot, deadline)
-        owners = self._owners(snapshot, deadline, identities)
-        pods = self._pods(snapshot, deadline, identities)
+        listing = procs[0].inodes if procs is not None and procs[0] is not None else None
+        if listing is not None and self.owners is not None and procs is not None and procs[0] is not None \
+                and procs[0].namespace.root != self.owners.procs.root:
+            listing = None  # another /proc's pids
+        identities = self._identities(snapshot, deadline, listing)
+        owners = self._owners(snapshot, deadline, identities, listing)
+        pods = self._pods(snapshot, deadline, identities, kubelet)
         job_map = self._job_map(snapshot, deadline)
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
@@ -144,43 +159,100 @@ class Scraper:
             self._log_bug("reading the slurm job map failed unexpectedly", e)
             return SlurmJobMapReading((), False, (f"slurm job map: unexpected {type(e).__name__}: {e}",))
 
-    def _identities(self, snapshot: Snapshot, deadline: Deadline | None) -> dict[int, CgroupIdentity] | None:
+    def _identities(self, snapshot: Snapshot, deadline: Deadline | None,
+                    listing: dict[int, int] | None) -> dict[int, CgroupIdentity] | None:
         """The GPU processes' cgroups, read once for owners and pods; ``None``
         leaves each reader to read its own (no owners read), or to find
         that /proc is not the host's."""
         if self.owners is None:
             return None
         try:
-            return self.owners.identities(snapshot, deadline)
+            return self.owners.identities(snapshot, deadline, listing)
         except Exception as e:  # a bug here costs the attribution, not the scrape
             self._log_bug("reading the GPU processes' cgroups failed unexpectedly", e)
             return None
 
     def _owners(self, snapshot: Snapshot, deadline: Deadline | None,
-                identities: dict[int, CgroupIdentity] | None) -> OwnerReading | None:
+                identities: dict[int, CgroupIdentity] | None, listing: dict[int, int] | None) -> OwnerReading | None:
         if self.owners is None:
             return None
         if identities is None:
             return OwnerReading({})  # not the host's PID namespace: its pids are not the driver's
         try:
-            return self.owners.read(snapshot, deadline, identities)
+            return self.owners.read(snapshot, deadline, identities, listing)
         except Exception as e:  # a bug here costs the owner labels, not the scrape
             self._log_bug("attributing processes to Slurm jobs, units and users failed unexpectedly", e)
             return OwnerReading({}, (f"owner attribution failed: unexpected {type(e).__name__}: {e}",))
 
     def _pods(self, snapshot: Snapshot, deadline: Deadline | None,
-              identities: dict[int, CgroupIdentity] | None = None) -> PodReading | None:
+              identities: dict[int, CgroupIdentity] | None = None,
+              kubelet: Future[KubeletReading] | None = None) -> PodReading | None:
         if self.pods is None:
             return None
         try:
-            return self.pods.read(snapshot, deadline, identities)
+            answer = None
+            if kubelet is not None:
+                # Out of time, pods.read asks again: it says so without asking.
+                with contextlib.suppress(FutureTimeout):
+                    answer = kubelet.result(None if deadline is None else deadline.left_s())
+            return self.pods.read(snapshot, deadline, identities, answer)
         except Exception as e:  # a bug here costs the pod labels, not the scrape
             self._log_bug("attributing processes to pods failed unexpectedly", e)
             return PodReading({}, None, None, (f"pod attribution failed: unexpected {type(e).__name__}: {e}",))
 
-    def _read_procs(self) -> tuple[ProcTable | None, str | None] | None:
+    def _start_procs(self) -> Future[_Procs] | None:
+        """Start reading /proc in a worker (``None``: engines are not watched); the newest
+        reading is kept as it comes, for a failed read made meanwhile (``failed_scrape``)."""
         if self.engines is None:
             return None
+        reading: Future[_Procs] = Future()
+
+        def read() -> None:
+            procs = self._read_procs()
+            with self._lock:
+                self._newest_procs = (time.monotonic(), procs)
+            reading.set_result(procs)
+
+        if not self.engines.reads_little():  # a first read, of everything: before the GPUs, as it holds the
+            read()  # interpreter (the GPU read's commands would start late, and a signal could miss them)
+            return reading
+        try:
+            WORKERS.start(read, "mig-exporter-procs")
+        except RuntimeError:  # no thread to be had (a pids limit): read here, before the GPUs
+            read()
+        return reading
+
+    def _start_kubelet(self, deadline: Deadline | None) -> Future[KubeletReading] | None:
+        """Start asking the kubelet (its allocations, its log directory's names) in a worker,
+        alongside the GPU read; ``None`` when pods are not watched, or nothing is to be asked."""
+        pods = self.pods
+        if pods is None or (pods.pod_resources is None and not pods.log_dir):
+            return None
+        answer: Future[KubeletReading] = Future()
+
+        def read() -> None:
+            try:
+                answer.set_result(pods.read_kubelet(deadline))
+            except Exception as e:  # _pods logs it, once
+                answer.set_exception(e)
+
+        try:
+            WORKERS.start(read, "mig-exporter-kubelet")
+        except RuntimeError:  # no thread to be had: ask after the GPUs, as pods.read does
+            return None
+        return answer
+
+    def _procs(self, reading: Future[_Procs] | None, deadline: Deadline | None) -> _Procs | None:
+        """The /proc reading, waited for until ``deadline``."""
+        if reading is None:
+            return None
+        try:
+            return reading.result(None if deadline is None else max(deadline.left_s(), 0.0))
+        except FutureTimeout:
+            return None, "reading processes took longer than the scrape's budget"
+
+    def _read_procs(self) -> _Procs:
+        assert self.engines is not None
         try:
             return self.engines.read_procs()
         except Exception as e:  # a bug in the /proc read costs the engine metrics, not the scrape
@@ -270,7 +342,7 @@ class Scraper:
         """A read begun at ``started`` (``time.monotonic()``) that failed for ``reason``,
         counted and logged as one, and its families. With ``procs_since`` (``time.monotonic()``)
         and engines watched, it carries the newest /proc reading if taken since then (a scrape
-        still in flight took it as it began): the engine families of a failed read, without
+        still in flight takes it alongside its GPU read): the engine families of a failed read, without
         reading /proc again."""
         outcome = self._failed(started, reason, self._engines(self._procs_since(procs_since), None))
         return outcome, list(self.families_for(outcome))
