@@ -342,6 +342,48 @@ def test_kill_running_takes_down_commands_in_flight(tmp_path: Path) -> None:
     assert left == [] and zombies == []
 
 
+def test_kill_running_waits_for_a_command_forked_but_not_yet_recorded(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """A signal can land between a command's fork and its start returning (the child already
+    runs: it wrote its pid): shutdown waits for the start to be recorded and kills it too, or
+    the command would outlive us in its own session."""
+    import subprocess
+    import threading
+
+    from mig_exporter.sources import command
+    from mig_exporter.sources.command import kill_running
+
+    forked, release = threading.Event(), threading.Event()
+
+    class SlowToReturn(subprocess.Popen):  # type: ignore[type-arg]
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            forked.set()
+            release.wait(10)
+
+    monkeypatch.setattr(command.subprocess, "Popen", SlowToReturn)
+    pidfile = tmp_path / "pid"
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            run_command(["sh", "-c", f"echo $$ > {shlex.quote(str(pidfile))}; exec sleep 600"], Deadline.after(30))
+        except CommandError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    pgid = group_leader(pidfile)
+    assert forked.wait(10)
+    threading.Timer(0.2, release.set).start()  # the start returns while kill_running waits
+    assert kill_running() == 1
+    worker.join(5)
+    assert not worker.is_alive()
+    assert len(errors) == 1 and "killed by signal 9" in str(errors[0])
+    left, zombies = wait_until_clean(pgid)
+    assert left == [] and zombies == []
+
+
 # --- several commands side by side (run_commands) ----------------------------------------------
 
 def test_commands_run_side_by_side_and_start_no_thread_once_one_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -78,6 +78,8 @@ _starting = 0
 # The tokens of the commands still running (by pid), which their descendants carry.
 _running: dict[int, str] = {}
 _lock = threading.RLock()
+_started = threading.Condition(_lock)  # notified as each start ends (``_starting`` lowered)
+_START_WAIT_S = 1.0  # how long kill_running waits for starts under way to be recorded
 _reaping = 0
 _serial = itertools.count(1)
 TOKEN_VARIABLE = "MIG_EXPORTER_COMMAND"
@@ -316,9 +318,12 @@ def kill_running() -> int:
     For shutdown: a read in flight when the exporter is stopped must not leave
     nvidia-smi (or a wrapper's children) behind. Reaping (``reaping()``, PID 1),
     it then kills and reaps the orphans, escaped grandchildren included, until
-    none is left (or a second has passed).
+    none is left (or a second has passed). A command forked but not yet recorded (its
+    start still returning in another thread) is waited for up to a second and killed
+    too: it may already be running, and would outlive us in its own session.
     """
     with _lock:
+        _started.wait_for(lambda: _starting == 0, _START_WAIT_S)
         procs = [proc for proc in _children.values() if proc.returncode is None]
         for proc in procs:
             _signal_group(proc)
@@ -396,6 +401,7 @@ def _spawn(argv: tuple[str, ...]) -> subprocess.Popen[bytes]:
     finally:
         with _lock:
             _starting -= 1
+            _started.notify_all()
     return proc
 
 
