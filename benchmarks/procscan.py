@@ -203,12 +203,12 @@ def measure_scrapes(big: Path, small: Path, reps: int, warmup: int) -> ScrapeFig
 
 
 def measure(quick: bool) -> Results:
-    reps = 3 if quick else 30
+    reps = 3 if quick else 20
     with tempfile.TemporaryDirectory(prefix="mig-bench-proc-") as tmp:
         big = make_tree(Path(tmp) / "big" / "proc", BIG_TREE)
         small = make_tree(Path(tmp) / "small" / "proc", SMALL_TREE)
         # The scrapes first: the reads' churn changes the big tree (its size stays).
-        scrape = measure_scrapes(big, small, 3 if quick else 150, 1 if quick else 5)
+        scrape = measure_scrapes(big, small, 3 if quick else 100, 1 if quick else 5)
         read = measure_reads(big, BIG_TREE, reps)
     return Results(read, scrape)
 
