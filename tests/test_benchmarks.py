@@ -146,13 +146,15 @@ def test_the_benchmark_runs_in_quick_mode_and_prints_every_table(tmp_path):
         "overhead p50, big-mig", "server CPU per scrape, big-mig", "overhead p50, big-whole", "overhead p50, single",
         "peak RSS of the serving process", "smi total slope per process", "smi total slope per MIG instance",
         "/proc scan of 5000, warm p50", "/proc 5000 vs 50: scrape p50 added",
-        "NVML via C library: overhead, big-mig", "NVML via C library: / nvitop update",
+        "NVML via C library: CPU per scrape, big-mig", "NVML via C library: / nvitop update CPU",
     ]
     assert [r[2] for r in rows] == ["<= 8 ms", "<= 9 ms", "<= 7 ms", "<= 1.5 ms", "<= 40 MiB", "<= 8 us", "<= 25 us",
                                     "<= 10 ms", "<= 1 ms", "<= 3 ms", "<= 0.2 x"]
     for row in rows[:9]:  # measured in every run
         assert re.fullmatch(r"-?\d+\.\d+", row[1]) and row[3] in ("PASS", "MISS"), row
-    if not has_nvml_lib:
+    if has_nvml_lib:
+        assert all(re.fullmatch(r"\d+\.\d+", r[1]) and r[3] in ("PASS", "MISS") for r in rows[9:]), rows[9:]
+    else:
         assert [r[1:] for r in rows[9:]] == [["n/a", "<= 3 ms", "not measured"], ["n/a", "<= 0.2 x", "not measured"]]
 
     # --json: the same figures, for benchmarks/plot.py
