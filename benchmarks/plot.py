@@ -84,7 +84,7 @@ def draw(figures: dict, output: Path) -> None:
                     label=s.legend)
         ax.set_title(f"Scrape cost {title}", fontsize=11)
         ax.set_xlabel(f"{per} on the machine")
-        ax.set_ylabel("ms per scrape (p50, in process)")
+        ax.set_ylabel("ms of CPU per scrape (p50, in process)")
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)

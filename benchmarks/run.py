@@ -515,7 +515,9 @@ class NvmlBench:
 
 
 def measure_scaling(shapes: Iterable[Shape], nvml: NvmlBench, s: Settings) -> list[ScalingRow]:
-    """Round robin over the shapes, so a busy moment of the machine falls on all of them alike."""
+    """Round robin over the shapes, so a busy moment of the machine falls on all of them alike; this
+    process's CPU time (every thread of it, NVML's read included), which other work on the machine
+    stretches far less than wall time, so the slopes hold on a busy machine."""
     shapes = list(shapes)
     inputs = []
     for shape in shapes:
@@ -529,16 +531,16 @@ def measure_scaling(shapes: Iterable[Shape], nvml: NvmlBench, s: Settings) -> li
     nvml_ns: list[list[int]] = [[] for _ in shapes]
     for rep in range(s.reps_scaling + 1):  # the first round warms up
         for i, (shape, (xml, listing, snapshot, fake_scenario)) in enumerate(zip(shapes, inputs, strict=True)):
-            t = time.perf_counter_ns()
+            t = time.process_time_ns()
             snapshot_from_smi(xml, listing)
-            t1 = time.perf_counter_ns()
+            t1 = time.process_time_ns()
             render(families_of(snapshot), PROMETHEUS_ACCEPT)
-            t2 = time.perf_counter_ns()
+            t2 = time.process_time_ns()
             nvml.fake.set_scenario(fake_scenario)
             scrape, _ = nvml.ours(shape)
-            t3 = time.perf_counter_ns()
+            t3 = time.process_time_ns()
             scrape()
-            t4 = time.perf_counter_ns()
+            t4 = time.process_time_ns()
             if rep:
                 parse[i].append(t1 - t)
                 rendering[i].append(t2 - t1)
@@ -700,7 +702,7 @@ def report(results: Results, s: Settings, started: float) -> str:
                  else "scaling with instances (no processes)")
         shown = "device" if unit == "instance" else unit
         out.append("")
-        out.append(f"{title} (ms, p50; per {shown} = smi total / {per}, us)")
+        out.append(f"{title} (ms of this process's CPU, p50; per {shown} = smi total / {per}, us)")
         body = []
         for row in rows:
             total = row.parse_ms + row.render_ms
