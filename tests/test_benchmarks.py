@@ -5,6 +5,7 @@ figures are checked by the benchmark itself, on a quiet machine."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -15,8 +16,9 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO))
-from benchmarks import podresources, scenarios
-from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING
+from benchmarks import plot, podresources, procscan, scenarios
+from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING, Results, SmiResult, runs_table, targets
+from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podresources import parse_list_response
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.nvidia_smi.query_xml import parse_query_xml
@@ -87,10 +89,13 @@ def _rows(text: str, title: str) -> list[list[str]]:
     return rows
 
 
-def test_the_benchmark_runs_in_quick_mode_and_prints_every_table():
+# About 30 s alone; several times that while other suites share the 2 cores.
+@pytest.mark.timeout(320)
+def test_the_benchmark_runs_in_quick_mode_and_prints_every_table(tmp_path):
+    figures_path = tmp_path / "figures.json"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ),
+        [sys.executable, "-m", "benchmarks", "--quick", "--json", str(figures_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=310, env=dict(os.environ),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
@@ -129,10 +134,88 @@ def test_the_benchmark_runs_in_quick_mode_and_prints_every_table():
         assert all(bool(re.fullmatch(r"\d+\.\d+", row[i])) == has_before for i in before_cells), row
     assert re.search(r"protobuf = protobuf [\d.]+, backend (upb|cpp|python)", out)
 
-    targets = _rows(out, "targets (issue 8)")
-    assert [r[0] for r in targets] == [
-        "overhead p50, big-mig", "overhead p50, single", "peak RSS of the serving process",
-        "NVML scrape / nvitop update, big-mig",
+    reads = _rows(out, "/proc scan of a fabricated tree")
+    assert [r[0].split(" (")[0] for r in reads] == ["cold", "warm", "churn"]
+    assert all(re.fullmatch(r"\d+\.\d+", cell) for r in reads for cell in r[1:]), reads
+    scrapes = _rows(out, "/proc scan on the scrape's path")
+    assert [(r[0], r[1]) for r in scrapes] == [("small tree", "50"), ("big tree", "5000"), ("difference", "4950")]
+    assert all(re.fullmatch(r"-?\d+\.\d+", cell) for r in scrapes for cell in r[2:]), scrapes
+    has_nvml_lib = (REPO / "benchmarks" / "nvml_lib.py").exists()
+    assert ("benchmarks/nvml_lib.py is absent" in out) != has_nvml_lib
+
+    rows = _rows(out, "targets (issue 17)")
+    assert [r[0] for r in rows] == [t.name for t in targets(Results())] == [
+        "overhead p50, big-mig", "server CPU per scrape, big-mig", "overhead p50, big-whole", "overhead p50, single",
+        "peak RSS of the serving process", "smi total slope per process", "smi total slope per MIG instance",
+        "/proc scan of 5000, warm p50", "/proc 5000 vs 50: scrape p50 added",
+        "NVML via C library: CPU per scrape, big-mig", "NVML via C library: / nvitop update CPU",
     ]
-    assert all(r[3] in ("PASS", "MISS", "n/a") for r in targets)
-    assert targets[2][3] in ("PASS", "MISS")  # peak RSS is read in every run
+    assert [r[2] for r in rows] == ["<= 8 ms", "<= 9 ms", "<= 7 ms", "<= 1.5 ms", "<= 40 MiB", "<= 8 us", "<= 25 us",
+                                    "<= 10 ms", "<= 1 ms", "<= 3 ms", "<= 0.2 x"]
+    for row in rows[:9]:  # measured in every run
+        assert re.fullmatch(r"-?\d+\.\d+", row[1]) and row[3] in ("PASS", "MISS"), row
+    if has_nvml_lib:
+        assert all(re.fullmatch(r"\d+\.\d+", r[1]) and r[3] in ("PASS", "MISS") for r in rows[9:]), rows[9:]
+    else:
+        assert [r[1:] for r in rows[9:]] == [["n/a", "<= 3 ms", "not measured"], ["n/a", "<= 0.2 x", "not measured"]]
+
+    # --json: the same figures, for benchmarks/plot.py
+    figures = json.loads(figures_path.read_text())
+    assert figures["quick"] is True
+    assert [t["verdict"] for t in figures["targets"]] == [r[3] for r in rows]
+    assert [p["processes"] for p in figures["process_scaling"]["points"]] == [112, 224, 448, 896, 1792]
+    assert [p["devices"] for p in figures["instance_scaling"]["points"]] == [7, 14, 28, 56]
+    slope = figures["process_scaling"]["fits"]["smi total"]["slope_us"]
+    assert f"{slope:.2f}" == rows[5][1]
+    assert figures["procscan"]["read"]["processes"] == 5000
+    assert figures["procscan"]["scrape"]["big_processes"] == 5000
+    lines = plot.series(figures, "process_scaling")
+    assert [s.label for s in lines][:4] == [m[1] for m in plot.MEASURES]
+    total = lines[2]
+    assert total.xs == (112, 224, 448, 896, 1792)
+    assert abs(total.slope * 1000 - slope) < 1e-6  # the plot's line is the benchmark's line
+    assert len(plot.series(figures, "instance_scaling")[0].xs) == 4
+
+
+def test_the_least_squares_line_goes_through_points_on_a_line():
+    assert plot.least_squares([1, 2, 4], [3, 5, 9]) == (2.0, 1.0)
+
+
+def test_a_fabricated_proc_tree_is_read_whole_and_churn_replaces_a_tenth(tmp_path):
+    root = procscan.make_tree(tmp_path / "proc", 40)
+    source = ProcfsSource(str(root))
+    first = source.read()
+    assert first.namespace.is_host
+    pids = sorted(p for p in first.processes if p >= procscan.FIRST_PID)
+    assert len(pids) == 40 and len(first.processes) == 43  # and init, kthreadd, the exporter
+    assert first.processes[pids[0]].thread_ids == (pids[0], pids[0] + 1, pids[0] + 2)
+    assert {first.processes[p].comm for p in pids} == {k[0] for k in procscan._KINDS}
+    alive, next_pid = procscan.churn(root, pids, pids[-1] + 30)
+    assert len(alive) == 40 and alive[:36] == pids[4:] and min(alive[36:]) == pids[-1] + 30
+    again = source.read()  # the same source: whatever it keeps, it sees the new processes and not the gone
+    assert sorted(p for p in again.processes if p >= procscan.FIRST_PID) == alive
+    assert next_pid == pids[-1] + 30 + 4 * procscan.PID_STEP
+
+
+def _smi(name: str, overhead: float, cpu: float, rss: float) -> SmiResult:
+    shape = next(s for s in scenarios.MAIN_SHAPES if s.name == name)
+    return SmiResult(shape, 1.0, 1.0, 1.0, 1.0, overhead_ms=overhead, server_cpu_ms=cpu, peak_rss_mib=rss)
+
+
+def test_runs_are_judged_on_their_median_and_an_unmeasured_target_is_no_pass():
+    runs = []
+    for n, (overhead, load) in enumerate([(9.0, 3.5), (7.0, 0.4), (7.5, 1.0)]):
+        r = Results(load_before=load, load_after=load + 0.25)
+        r.smi = {"big-mig": _smi("big-mig", overhead, 8.0 + n, 39.0), "single": _smi("single", 1.0, 2.0, 35.0)}
+        runs.append(r)
+    text, judged = runs_table(runs)
+    by_name = {t.name: t for t in judged}
+    assert (by_name["overhead p50, big-mig"].value, by_name["overhead p50, big-mig"].verdict) == (7.5, "PASS")
+    assert by_name["server CPU per scrape, big-mig"].value == 9.0
+    assert by_name["overhead p50, big-whole"].verdict == "not measured"
+    assert by_name["/proc scan of 5000, warm p50"].verdict == "not measured"
+    lines = text.splitlines()
+    assert [c.strip() for c in lines[0].split("|")[2:6]] == ["run 1", "run 2", "run 3", "median"]
+    assert [c.strip() for c in lines[2].split("|")[2:5]] == ["3.50/3.75", "0.40/0.65", "1.00/1.25"]
+    assert [c.strip() for c in lines[3].split("|")[1:-1]] == [
+        "overhead p50, big-mig", "9.00", "7.00", "7.50", "7.50", "<= 8 ms", "PASS"]

@@ -1,8 +1,9 @@
-"""The README's pictures: committed, whole PNGs of a sensible size, shown by the README.
+"""The pictures: committed, whole PNGs of a sensible size, shown by the page they belong to.
 
 dashboards/grafana/render.py draws the dashboards' (a real Prometheus, headless Chromium),
-scripts/screenshot-landing the landing page's; they are scripts to rerun when the
-dashboards or the page change, not tests. This checks what they left behind: each PNG
+scripts/screenshot-landing the landing page's, benchmarks/plot.py the benchmark's scaling
+(docs/performance.md); they are scripts to rerun when the dashboards, the page or the code
+change, not tests. This checks what they left behind: each PNG
 parses (signature, chunks and their CRCs, IHDR, the image data inflating to exactly its
 rows), is neither tiny nor huge nor blank, and the README points at it; and that every
 panel render.py draws is still in the dashboards under its title.
@@ -23,7 +24,10 @@ from test_dashboards import _dashboards
 
 RENDER = REPO / "dashboards" / "grafana" / "render.py"
 # The dashboards' pictures (render.py) and the landing page's (scripts/screenshot-landing).
-PICTURES = ["docs/images/overview.png", "docs/images/node.png", "docs/images/landing.png"]
+README_PICTURES = ["docs/images/overview.png", "docs/images/node.png", "docs/images/landing.png"]
+# The benchmark's (python -m benchmarks --json F; python -m benchmarks.plot F PNG), in docs/performance.md.
+PERFORMANCE_PICTURES = ["docs/images/scaling.png"]
+PICTURES = README_PICTURES + PERFORMANCE_PICTURES
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
 
@@ -77,7 +81,7 @@ def test_render_draws_panels_the_dashboards_have():
                 assert panel["title"] == title and panel["type"] in ("stat", "timeseries")
                 drawn.append((name, title))
     assert sorted(f"docs/images/{png}" for png in render.PICTURES) == sorted(
-        p for p in PICTURES if p != "docs/images/landing.png")
+        p for p in README_PICTURES if p != "docs/images/landing.png")
     assert len(drawn) == len(set(drawn)) >= 10, drawn
     with pytest.raises(RuntimeError, match="no stat or time series panel titled 'No such panel'"):
         render.find_panel(dashboards["overview.json"], "No such panel", "overview.json")
@@ -103,5 +107,12 @@ def test_png_reader_refuses_a_damaged_file():
 def test_readme_shows_every_picture_and_how_to_redraw_them():
     readme = (REPO / "README.md").read_text()
     shown = set(re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", readme))
-    assert set(PICTURES) <= shown, f"README shows {sorted(shown)}"
+    assert set(README_PICTURES) <= shown, f"README shows {sorted(shown)}"
     assert "python dashboards/grafana/render.py" in readme
+
+
+def test_performance_page_shows_the_scaling_picture_and_how_to_redraw_it():
+    page = (REPO / "docs" / "performance.md").read_text()
+    shown = {f"docs/{p}" for p in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page)}
+    assert set(PERFORMANCE_PICTURES) <= shown, f"docs/performance.md shows {sorted(shown)}"
+    assert "python -m benchmarks.plot" in page and "--json" in page
