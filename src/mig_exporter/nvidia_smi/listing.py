@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mig_exporter.core.errors import ParseError
-from mig_exporter.model.snapshot import CardReading, MigInstance
+from mig_exporter.model.snapshot import CardReading
 
 _GPU_LINE = re.compile(r"^GPU\s+(\d+):\s*(.*?)\s*\(UUID:\s*([^)\s]+)\s*\)\s*$")
 _MIG_LINE = re.compile(r"^\s+MIG\s+(\S+)\s+Device\s+(\d+):\s*\(UUID:\s*([^)\s]+)\s*\)\s*$")
@@ -120,7 +120,6 @@ def apply_listing(
                                 "profile and UUID unknown")
                 instances.append(inst)
             else:
-                instances.append(MigInstance(inst.mig_index, inst.gpu_instance_id, inst.compute_instance_id,
-                                             inst.memory, profile=m.profile, uuid=m.uuid))
+                instances.append(inst._replace(profile=m.profile, uuid=m.uuid))
         out.append(dataclasses.replace(card, instances=tuple(instances)))
     return tuple(out), tuple(problems)
