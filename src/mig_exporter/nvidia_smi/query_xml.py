@@ -65,7 +65,7 @@ _XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 # The fast reading of <processes> (see the module's docstring).
 _SECTION_OPEN, _SECTION_CLOSE = b"<processes>", b"</processes>"
-# Marks where a section was taken out; a report that already holds it is parsed whole.
+# Marks where a section was taken out (a report that already holds it is parsed whole).
 _MARK = "mig-exporter-section"
 _MARK_BYTES = _MARK.encode()
 _DECLARATION = re.compile(rb"(?:\xef\xbb\xbf)?<\?xml[^<>?]*\?>")
@@ -96,6 +96,17 @@ _ROW = re.compile(
     re.S,
 )
 _Row = tuple[str, str, str, str, str, str, str]
+
+# <supported_clocks>, some 110 clocks a card and half its elements, is never read: where it
+# holds only clocks as nvidia-smi writes them ("<n> MHz", ASCII: no check of the characters
+# needed), it is left out, as an empty element in its place.
+_CLOCKS_OPEN, _CLOCKS_CLOSE, _CLOCKS_EMPTY = b"<supported_clocks>", b"</supported_clocks>", b"<supported_clocks/>"
+_CLOCK_BLANK = rb"[ \t\n]*"
+_CLOCKS = re.compile(
+    _CLOCK_BLANK + rb"(?:<supported_mem_clock>" + _CLOCK_BLANK + rb"<value>[0-9]{1,9} MHz</value>" + _CLOCK_BLANK
+    + rb"(?:<supported_graphics_clock>[0-9]{1,9} MHz</supported_graphics_clock>" + _CLOCK_BLANK
+    + rb")*</supported_mem_clock>" + _CLOCK_BLANK + rb")*"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +148,7 @@ def parse_query_xml(data: bytes) -> QueryReport:
     if fast is not None:
         root, sections = fast
         return _report(root, sections, [])
-    sections = []
+    sections = None  # a mark the report itself carries means nothing
     problems: list[str] = []
     try:
         root = _parse(data)
@@ -156,7 +167,7 @@ def parse_query_xml(data: bytes) -> QueryReport:
     return _report(root, sections, problems)
 
 
-def _report(root: etree._Element | None, sections: list[list[_Row]], problems: list[str]) -> QueryReport:
+def _report(root: etree._Element | None, sections: list[list[_Row]] | None, problems: list[str]) -> QueryReport:
     if root is None or root.tag != "nvidia_smi_log":
         tag = getattr(root, "tag", None)
         raise ParseError(f"nvidia-smi -q -x output has root <{tag}>, expected <nvidia_smi_log>")
@@ -186,18 +197,21 @@ def _parse(data: bytes) -> etree._Element:
 
 
 def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
-    """The report parsed with each plain ``<processes>`` section read apart, or ``None``
-    where the report or a section is not plain: the caller then parses it whole.
+    """The report parsed with each plain ``<processes>`` section read apart and each plain
+    ``<supported_clocks>`` left out, or ``None`` where the report or a ``<processes>``
+    section is not plain: the caller then parses it whole.
 
     Why this reads the same: with no comment, CDATA section, processing instruction or
     internal subset, every ``<processes>`` in the bytes is a start tag; a section of
     ``_ROW`` rows is well-formed XML that lxml would build as elements whose text is the
     captured value; and the placeholders are found where the sections were, each once, as
     ``<processes>`` children of a ``<gpu>`` of the root (where the whole parse reads them),
-    so the rest parsing well-formed means the whole report does."""
-    if data.find(_SECTION_OPEN) < 0 or _MARK_BYTES in data or not _is_plain(data):
+    so the rest parsing well-formed means the whole report does. A ``<supported_clocks>``
+    matching ``_CLOCKS`` is well-formed likewise, and left as an empty element in its
+    place: only what is inside it differs, and nothing read is (its tag is on no path read)."""
+    if not _is_plain(data):
         return None
-    parts: list[bytes] = []
+    cuts: list[tuple[int, int, bytes]] = []
     sections: list[list[_Row]] = []
     start = end = 0
     while (start := data.find(_SECTION_OPEN, end)) >= 0:
@@ -207,17 +221,35 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
         rows = _plain_rows(data[start + len(_SECTION_OPEN):close])
         if rows is None:
             return None
-        parts += (data[end:start], b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections)))
-        sections.append(rows)
         end = close + len(_SECTION_CLOSE)
-    if not sections:
+        cuts.append((start, end, b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections))))
+        sections.append(rows)
+    start = end = 0
+    while (start := data.find(_CLOCKS_OPEN, end)) >= 0:
+        close = data.find(_CLOCKS_CLOSE, start)
+        if close < 0:
+            break  # the parse says why
+        end = close + len(_CLOCKS_CLOSE)
+        if close - start < _MOST_TEXT and _CLOCKS.fullmatch(data, start + len(_CLOCKS_OPEN), close):
+            cuts.append((start, end, _CLOCKS_EMPTY))
+    if not cuts:
         return None  # nothing to gain
+    cuts.sort()
+    parts: list[bytes] = []
+    end = 0
+    for start, close, placeholder in cuts:
+        if start < end:
+            return None  # one inside another
+        parts += (data[end:start], placeholder)
+        end = close
     parts.append(data[end:])
     try:
         root = etree.fromstring(b"".join(parts), _parser())
     except (etree.LxmlError, ValueError):
         return None  # the whole parse says why
-    found = [section.get(_MARK) for gpu in root.iterfind("gpu") for section in gpu.iterfind("processes")]
+    # Each placeholder once, in order, and no other element a card's section reads as one.
+    found = [mark for gpu in root.iterfind("gpu") for section in gpu.iterfind("processes")
+             if (mark := section.get(_MARK)) is not None]
     if root.tag != "nvidia_smi_log" or found != [str(i) for i in range(len(sections))]:
         return None
     return root, sections
@@ -256,10 +288,9 @@ def _markup_starts(data: bytes, char: bytes) -> list[int]:
     return found
 
 
-def _plain_rows(section: bytes) -> list[_Row] | None:
-    """The rows of a section's content, or ``None`` where it holds anything else, is not
-    UTF-8, has a character or sequence XML forbids in text, or is as long as a text node
-    libxml2 refuses."""
+def _plain_text(section: bytes) -> str | None:
+    """A section's content as text, or ``None`` where it is not UTF-8, has a character or
+    sequence XML forbids in text, or is as long as a text node libxml2 refuses."""
     if len(section) >= _MOST_TEXT or section.translate(None, _TEXT_BYTES) or (
             b"\xef" in section and any(c in section for c in _NONCHARACTERS)):
         return None
@@ -267,7 +298,14 @@ def _plain_rows(section: bytes) -> list[_Row] | None:
         text = section.decode("utf-8").rstrip(" \t\r\n")
     except UnicodeDecodeError:
         return None
-    if "]]>" in text:
+    return None if "]]>" in text else text
+
+
+def _plain_rows(section: bytes) -> list[_Row] | None:
+    """The rows of a section's content, or ``None`` where it holds anything else or is
+    not plain text (``_plain_text``)."""
+    text = _plain_text(section)
+    if text is None:
         return None
     rows: list[_Row] = _ROW.findall(text)
     if any(map(_junk, rows)):
@@ -295,28 +333,37 @@ def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     return _PROCESS_NAME.sub(repair, data), changed
 
 
-def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]], problems: list[str]) -> CardReading:
+def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]] | None,
+               problems: list[str]) -> CardReading:
     values = _Values(problems)
     card = _Children(gpu)
     mig_current = values.flag(card, "mig_mode/current_mig")
     mig_pending = values.flag(card, "mig_mode/pending_mig")
     instances: list[MigInstance] = []
     for el in gpu.iterfind("mig_devices/mig_device"):
-        fields = _Children(el)
-        mig_index = values.integer_field(fields.text("index"), "index")
+        # One pass: each child's text by tag (the first of a repeated tag, as find gives) and
+        # the first memory block; a MIG device has few children, all but one read here.
+        texts: dict[object, str | None] = {}
+        block = None
+        for child in el:
+            tag = child.tag
+            if tag not in texts:
+                texts[tag] = child.text
+                if tag == "fb_memory_usage":
+                    block = child
+        mig_index = values.integer_field(texts.get("index"), "index")
         if mig_index is None:
             problems.append("a MIG device without a readable index; skipped")
             continue
         instances.append(MigInstance(
-            mig_index=mig_index,
-            gpu_instance_id=values.integer_field(fields.text("gpu_instance_id"), "gpu_instance_id"),
-            compute_instance_id=values.integer_field(fields.text("compute_instance_id"), "compute_instance_id"),
-            memory=values.memory(fields, "fb_memory_usage"),
+            mig_index,
+            values.integer_field(texts.get("gpu_instance_id"), "gpu_instance_id"),
+            values.integer_field(texts.get("compute_instance_id"), "compute_instance_id"),
+            Memory() if block is None else values.memory_of(_child_texts(block), "fb_memory_usage"),
         ))
     processes: list[ProcessReading] = []
     for section in gpu.iterfind("processes"):
-        mark = section.get(_MARK)
-        if mark is not None:
+        if sections is not None and (mark := section.get(_MARK)) is not None:
             _add_rows(processes, values, sections[int(mark)])
             continue
         for el in section.iterfind("process_info"):
@@ -489,7 +536,10 @@ class _Values:
         block = el.find(path)
         if block is None:
             return Memory()
-        fields = _child_texts(block)
+        return self.memory_of(_child_texts(block), path)
+
+    def memory_of(self, fields: dict[str, str | None], path: str) -> Memory:
+        """A memory block's sizes, from its children's texts by tag."""
         return Memory(*[self._size_in(fields.get(name), path, name) for name in _MEMORY_FIELDS])
 
     def _size_in(self, raw: str | None, block: str, name: str) -> int | None:
