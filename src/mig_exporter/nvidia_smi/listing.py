@@ -18,9 +18,10 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mig_exporter.core.errors import ParseError
-from mig_exporter.model.snapshot import CardReading
+from mig_exporter.model.snapshot import CardReading, MigInstance
 
 _GPU_LINE = re.compile(r"^GPU\s+(\d+):\s*(.*?)\s*\(UUID:\s*([^)\s]+)\s*\)\s*$")
 _MIG_LINE = re.compile(r"^\s+MIG\s+(\S+)\s+Device\s+(\d+):\s*\(UUID:\s*([^)\s]+)\s*\)\s*$")
@@ -28,8 +29,9 @@ _MIG_LINE = re.compile(r"^\s+MIG\s+(\S+)\s+Device\s+(\d+):\s*\(UUID:\s*([^)\s]+)
 _NOTHING_FOUND = re.compile(r"^(No devices were found|No devices found)\.?$", re.IGNORECASE)
 
 
-@dataclass(frozen=True, slots=True)
-class ListedMig:
+class ListedMig(NamedTuple):
+    """A MIG line: a few dozen a listing, so a named tuple (built several times faster)."""
+
     index: int
     profile: str
     uuid: str
@@ -65,15 +67,17 @@ def parse_list(text: str | bytes) -> Listing:
     gpus: list[tuple[re.Match[str], list[ListedMig]]] = []
     skipped: list[str] = []
     for number, line in enumerate(text.splitlines(), start=1):
+        # Most lines are MIG lines; no MIG line is blank, a GPU line or "No devices found".
+        mig = _MIG_LINE.match(line)
+        if mig and gpus:
+            profile, mig_index, uuid = mig.groups()
+            gpus[-1][1].append(ListedMig(int(mig_index), profile, uuid))
+            continue
         if not line.strip() or _NOTHING_FOUND.match(line.strip()):
             continue
         gpu = _GPU_LINE.match(line)
         if gpu:
             gpus.append((gpu, []))
-            continue
-        mig = _MIG_LINE.match(line)
-        if mig and gpus:
-            gpus[-1][1].append(ListedMig(int(mig.group(2)), mig.group(1), mig.group(3)))
             continue
         skipped.append(f"nvidia-smi -L line {number} is not a GPU or MIG line: {line.strip()[:80]!r}")
     if skipped and not gpus:
@@ -120,6 +124,7 @@ def apply_listing(
                                 "profile and UUID unknown")
                 instances.append(inst)
             else:
-                instances.append(inst._replace(profile=m.profile, uuid=m.uuid))
+                instances.append(MigInstance(inst.mig_index, inst.gpu_instance_id, inst.compute_instance_id,
+                                             inst.memory, m.profile, m.uuid))
         out.append(dataclasses.replace(card, instances=tuple(instances)))
     return tuple(out), tuple(problems)
