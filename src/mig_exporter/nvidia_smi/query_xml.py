@@ -24,9 +24,10 @@ same; anything else is parsed whole, as before (tests/test_parse_expectations.py
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import cast
+from typing import NamedTuple, cast
 
 from lxml import etree
 
@@ -108,6 +109,53 @@ _CLOCKS = re.compile(
     + rb")*</supported_mem_clock>" + _CLOCK_BLANK + rb")*"
 )
 
+# <mig_devices> read apart likewise, where each <mig_device> is laid out as nvidia-smi writes
+# it (R450 to R550 at least): the ids, then the blocks below with tags without attributes,
+# and values of printable ASCII without markup (no "&", "<" or ">": no reference, no "]]>"),
+# so the bytes are the text lxml reads, with no check of their characters. Anything else
+# in a section (captured last) leaves it to lxml.
+_MIG_OPEN, _MIG_CLOSE = b"<mig_devices>", b"</mig_devices>"
+_MIG_BLANK = "[ \t\n]*"
+_MIG_TEXT = "[ -%'-;=?-~]*"
+_MIG_PLAIN = re.compile(f"[ -%'-;=?-~\t\n]*")  # a section of text alone ("None": no MIG)
+
+
+def _mig_element(tag: str) -> str:
+    return f"<{tag}>({_MIG_TEXT})</{tag}>{_MIG_BLANK}"
+
+
+def _mig_leaf(group: str) -> str:
+    return f"<(?P<{group}>[a-z_]+)>{_MIG_TEXT}</(?P={group})>{_MIG_BLANK}"
+
+
+def _mig_block(tag: str, inner: str) -> str:
+    return f"(?:<{tag}>{_MIG_BLANK}{inner}</{tag}>{_MIG_BLANK})?"
+
+
+_MIG_ROW = re.compile(
+    f"{_MIG_BLANK}(?:<mig_device>{_MIG_BLANK}"
+    f"{_mig_element('index')}{_mig_element('gpu_instance_id')}{_mig_element('compute_instance_id')}"
+    + _mig_block("device_attributes", _mig_block("shared", f"(?:{_mig_leaf('shared')})*"))
+    + _mig_block("ecc_error_count",
+                 f"(?:<(?P<count>[a-z_]+)>{_MIG_BLANK}(?:{_mig_leaf('error')})*</(?P=count)>{_MIG_BLANK})*")
+    + f"<fb_memory_usage>{_MIG_BLANK}{_mig_element('total')}(?:{_mig_element('reserved')})?"
+    f"{_mig_element('used')}{_mig_element('free')}</fb_memory_usage>{_MIG_BLANK}"
+    + _mig_block("bar1_memory_usage", f"(?:{_mig_leaf('bar1')})*")
+    + "</mig_device>|(.))",
+    re.S,
+)
+# index, gpu_instance_id, compute_instance_id; total, used, free, reserved (Memory's order).
+_mig_values = itemgetter(0, 1, 2, 6, 8, 9, 7)
+_mig_junk = itemgetter(11)
+_MigRow = tuple[str, str, str, str, str, str, str]
+
+
+class _Sections(NamedTuple):
+    """The sections read apart, by the number their placeholder carries."""
+
+    processes: list[list[_Row]]
+    mig_devices: list[list[_MigRow]]
+
 
 @dataclass(frozen=True, slots=True)
 class QueryReport:
@@ -146,8 +194,8 @@ def parse_query_xml(data: bytes) -> QueryReport:
     data = bytes(data)
     fast = _parse_fast(data)
     if fast is not None:
-        root, sections = fast
-        return _report(root, sections, [])
+        root, read_apart = fast
+        return _report(root, read_apart, [])
     sections = None  # a mark the report itself carries means nothing
     problems: list[str] = []
     try:
@@ -167,7 +215,7 @@ def parse_query_xml(data: bytes) -> QueryReport:
     return _report(root, sections, problems)
 
 
-def _report(root: etree._Element | None, sections: list[list[_Row]] | None, problems: list[str]) -> QueryReport:
+def _report(root: etree._Element | None, sections: _Sections | None, problems: list[str]) -> QueryReport:
     if root is None or root.tag != "nvidia_smi_log":
         tag = getattr(root, "tag", None)
         raise ParseError(f"nvidia-smi -q -x output has root <{tag}>, expected <nvidia_smi_log>")
@@ -196,10 +244,11 @@ def _parse(data: bytes) -> etree._Element:
         raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
 
 
-def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
+def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
     """The report parsed with each plain ``<processes>`` section read apart and each plain
     ``<supported_clocks>`` left out, or ``None`` where the report or a ``<processes>``
-    section is not plain: the caller then parses it whole.
+    section is not plain: the caller then parses it whole. Each ``<mig_devices>`` of rows
+    as ``_MIG_ROW`` reads them is read apart as well (any other is left to lxml).
 
     Why this reads the same: with no comment, CDATA section, processing instruction or
     internal subset, every ``<processes>`` in the bytes is a start tag; a section of
@@ -213,6 +262,7 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
         return None
     cuts: list[tuple[int, int, bytes]] = []
     sections: list[list[_Row]] = []
+    migs: list[list[_MigRow]] = []
     start = end = 0
     while (start := data.find(_SECTION_OPEN, end)) >= 0:
         close = data.find(_SECTION_CLOSE, start)
@@ -232,6 +282,16 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
         end = close + len(_CLOCKS_CLOSE)
         if close - start < _MOST_TEXT and _CLOCKS.fullmatch(data, start + len(_CLOCKS_OPEN), close):
             cuts.append((start, end, _CLOCKS_EMPTY))
+    start = end = 0
+    while (start := data.find(_MIG_OPEN, end)) >= 0:
+        close = data.find(_MIG_CLOSE, start)
+        if close < 0:
+            break  # the parse says why
+        end = close + len(_MIG_CLOSE)
+        devices = _plain_mig_rows(data, start + len(_MIG_OPEN), close)
+        if devices is not None:
+            cuts.append((start, end, b'<mig_devices %s="%d"/>' % (_MARK_BYTES, len(migs))))
+            migs.append(devices)
     if not cuts:
         return None  # nothing to gain
     cuts.sort()
@@ -248,11 +308,14 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
     except (etree.LxmlError, ValueError):
         return None  # the whole parse says why
     # Each placeholder once, in order, and no other element a card's section reads as one.
-    found = [mark for gpu in root.iterfind("gpu") for section in gpu.iterfind("processes")
-             if (mark := section.get(_MARK)) is not None]
-    if root.tag != "nvidia_smi_log" or found != [str(i) for i in range(len(sections))]:
+    if root.tag != "nvidia_smi_log":
         return None
-    return root, sections
+    for tag, count in (("processes", len(sections)), ("mig_devices", len(migs))):
+        found = [mark for gpu in root.iterfind("gpu") for section in gpu.iterfind(tag)
+                 if (mark := section.get(_MARK)) is not None]
+        if found != [str(i) for i in range(count)]:
+            return None
+    return root, _Sections(sections, migs)
 
 
 def _is_plain(data: bytes) -> bool:
@@ -316,6 +379,21 @@ def _plain_rows(section: bytes) -> list[_Row] | None:
 _junk = itemgetter(6)
 
 
+def _plain_mig_rows(data: bytes, start: int, end: int) -> list[_MigRow] | None:
+    """The MIG devices of ``data[start:end]``, a section's content (none where it is text
+    alone, as nvidia-smi writes "None" on a card without MIG), or ``None`` where it holds
+    anything else. The grammar admits ASCII alone, so Latin-1 reads it as UTF-8 would."""
+    if end - start >= _MOST_TEXT:
+        return None
+    text = data[start:end].decode("latin-1").rstrip(" \t\n")
+    if "<" not in text:
+        return [] if _MIG_PLAIN.fullmatch(text) else None
+    rows = _MIG_ROW.findall(text)
+    if any(map(_mig_junk, rows)):
+        return None
+    return list(map(_mig_values, rows))
+
+
 def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     """Process names decoded leniently, stripped of characters XML forbids and
     escaped again; returns the document and how many names changed."""
@@ -333,38 +411,35 @@ def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     return _PROCESS_NAME.sub(repair, data), changed
 
 
-def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]] | None,
-               problems: list[str]) -> CardReading:
+def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, problems: list[str]) -> CardReading:
     values = _Values(problems)
     card = _Children(gpu)
     mig_current = values.flag(card, "mig_mode/current_mig")
     mig_pending = values.flag(card, "mig_mode/pending_mig")
     instances: list[MigInstance] = []
-    for el in gpu.iterfind("mig_devices/mig_device"):
-        # One pass: each child's text by tag (the first of a repeated tag, as find gives) and
-        # the first memory block; a MIG device has few children, all but one read here.
-        texts: dict[object, str | None] = {}
-        block = None
-        for child in el:
-            tag = child.tag
-            if tag not in texts:
-                texts[tag] = child.text
-                if tag == "fb_memory_usage":
-                    block = child
-        mig_index = values.integer_field(texts.get("index"), "index")
-        if mig_index is None:
-            problems.append("a MIG device without a readable index; skipped")
+    for devices in gpu.iterfind("mig_devices"):
+        if sections is not None and (mark := devices.get(_MARK)) is not None:
+            for row in sections.mig_devices[int(mark)]:
+                _add_instance(instances, values, row[0], row[1], row[2], row[3:])
             continue
-        instances.append(MigInstance(
-            mig_index,
-            values.integer_field(texts.get("gpu_instance_id"), "gpu_instance_id"),
-            values.integer_field(texts.get("compute_instance_id"), "compute_instance_id"),
-            Memory() if block is None else values.memory_of(_child_texts(block), "fb_memory_usage"),
-        ))
+        for el in devices.iterfind("mig_device"):
+            # One pass: each child's text by tag (the first of a repeated tag, as find gives)
+            # and the first memory block; a MIG device has few children, all but one read here.
+            texts: dict[object, str | None] = {}
+            block = None
+            for child in el:
+                tag = child.tag
+                if tag not in texts:
+                    texts[tag] = child.text
+                    if tag == "fb_memory_usage":
+                        block = child
+            sizes = None if block is None else list(map(_child_texts(block).get, _MEMORY_FIELDS))
+            _add_instance(instances, values, texts.get("index"), texts.get("gpu_instance_id"),
+                          texts.get("compute_instance_id"), sizes)
     processes: list[ProcessReading] = []
     for section in gpu.iterfind("processes"):
         if sections is not None and (mark := section.get(_MARK)) is not None:
-            _add_rows(processes, values, sections[int(mark)])
+            _add_rows(processes, values, sections.processes[int(mark)])
             continue
         for el in section.iterfind("process_info"):
             texts = _child_texts(el)
@@ -384,6 +459,23 @@ def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]] | Non
         instances=tuple(instances),
         processes=tuple(processes),
     )
+
+
+def _add_instance(instances: list[MigInstance], values: _Values, index: str | None, gi: str | None,
+                  ci: str | None, sizes: Sequence[str | None] | None) -> None:
+    """A ``<mig_device>``'s untrimmed texts read into an instance, or a problem line;
+    ``sizes``: its fb_memory_usage's in Memory's order (``None`` without the block)."""
+    mig_index = values.integer_field(index, "index")
+    if mig_index is None:
+        values.problems.append("a MIG device without a readable index; skipped")
+        return
+    instances.append(MigInstance(
+        mig_index,
+        values.integer_field(gi, "gpu_instance_id"),
+        values.integer_field(ci, "compute_instance_id"),
+        Memory() if sizes is None else Memory(*[
+            values.size_in(raw, "fb_memory_usage", name) for raw, name in zip(sizes, _MEMORY_FIELDS, strict=True)]),
+    ))
 
 
 def _add_process(processes: list[ProcessReading], values: _Values, pid_raw: str | None, kind: str | None,
@@ -536,13 +628,10 @@ class _Values:
         block = el.find(path)
         if block is None:
             return Memory()
-        return self.memory_of(_child_texts(block), path)
+        fields = _child_texts(block)
+        return Memory(*[self.size_in(fields.get(name), path, name) for name in _MEMORY_FIELDS])
 
-    def memory_of(self, fields: dict[str, str | None], path: str) -> Memory:
-        """A memory block's sizes, from its children's texts by tag."""
-        return Memory(*[self._size_in(fields.get(name), path, name) for name in _MEMORY_FIELDS])
-
-    def _size_in(self, raw: str | None, block: str, name: str) -> int | None:
+    def size_in(self, raw: str | None, block: str, name: str) -> int | None:
         """``size_field`` of a block's field; its path is only spelled out for a problem line."""
         if raw is not None and raw.endswith(" MiB") and raw[:-4].isdecimal():
             return int(float(raw[:-4]) * MIB)
