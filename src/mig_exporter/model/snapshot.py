@@ -1,6 +1,6 @@
 """The snapshot: one read of the driver as frozen dataclasses, and named tuples for
-what a read holds many of (the per-process rows, hundreds a read; the devices, their
-MIG instances and memory blocks): a tuple is built several times faster than a frozen
+what a read holds many of (the per-process rows, hundreds a read; MIG instances and
+memory blocks): a tuple is built several times faster than a frozen
 dataclass, and read by the same attribute names.
 
 Both read paths (nvidia-smi and NVML) end here, and the collector starts here.
@@ -112,7 +112,8 @@ class Card:
     error: str | None = None
 
 
-class Device(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Device:
     """What a workload runs on: a whole card, or one MIG instance of a card.
 
     ``index`` is the placement index: the card's nvidia-smi index for a whole

@@ -117,7 +117,7 @@ _CLOCKS = re.compile(
 _MIG_OPEN, _MIG_CLOSE = b"<mig_devices>", b"</mig_devices>"
 _MIG_BLANK = "[ \t\n]*"
 _MIG_TEXT = "[ -%'-;=?-~]*"
-_MIG_PLAIN = re.compile(f"[ -%'-;=?-~\t\n]*")  # a section of text alone ("None": no MIG)
+_MIG_PLAIN = re.compile("[ -%'-;=?-~\t\n]*")  # a section of text alone ("None": no MIG)
 
 
 def _mig_element(tag: str) -> str:
@@ -425,17 +425,17 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
         for el in devices.iterfind("mig_device"):
             # One pass: each child's text by tag (the first of a repeated tag, as find gives)
             # and the first memory block; a MIG device has few children, all but one read here.
-            texts: dict[object, str | None] = {}
+            fields: dict[object, str | None] = {}
             block = None
             for child in el:
                 tag = child.tag
-                if tag not in texts:
-                    texts[tag] = child.text
+                if tag not in fields:
+                    fields[tag] = child.text
                     if tag == "fb_memory_usage":
                         block = child
             sizes = None if block is None else list(map(_child_texts(block).get, _MEMORY_FIELDS))
-            _add_instance(instances, values, texts.get("index"), texts.get("gpu_instance_id"),
-                          texts.get("compute_instance_id"), sizes)
+            _add_instance(instances, values, fields.get("index"), fields.get("gpu_instance_id"),
+                          fields.get("compute_instance_id"), sizes)
     processes: list[ProcessReading] = []
     for section in gpu.iterfind("processes"):
         if sections is not None and (mark := section.get(_MARK)) is not None:
