@@ -65,7 +65,7 @@ def test_compare_tolerates_mib_rounding_but_not_a_moved_process():
 
     a = scenario("h100-mig-processes")
     b = dataclasses.replace(a, devices=tuple(
-        dataclasses.replace(d, memory=dataclasses.replace(d.memory, total_bytes=d.memory.total_bytes + 512 * 1024))
+        dataclasses.replace(d, memory=d.memory._replace(total_bytes=d.memory.total_bytes + 512 * 1024))
         for d in a.devices))
     assert compare(a, b) == []
     moved = dataclasses.replace(a, processes=tuple(

@@ -157,3 +157,88 @@ def test_a_name_longer_than_libxml2_takes_fails_as_the_whole_parse_fails():
     assert query_xml._parse_fast(bent) is None
     with pytest.raises(ParseError):
         parse_query_xml(bent)
+
+
+# <mig_devices> and <supported_clocks>: read apart (or left out) where plain, else left to lxml.
+_MIG_SECTION = re.compile(rb"<mig_devices>.*?</mig_devices>", re.S)
+_CLOCKS_SECTION = re.compile(rb"<supported_clocks>.*?</supported_clocks>", re.S)
+MIG_USUAL = {"index": lambda rng: str(rng.randrange(8)), "gpu_instance_id": lambda rng: str(rng.randrange(15)),
+             "compute_instance_id": lambda rng: str(rng.randrange(4)),
+             "total": lambda rng: f"{rng.randrange(99999)} MiB", "reserved": lambda rng: "0 MiB",
+             "used": lambda rng: f"{rng.randrange(99999)} MiB", "free": lambda rng: f"{rng.randrange(99999)} MiB"}
+MIG_BLOCKS = ["<device_attributes><shared><multiprocessor_count>16</multiprocessor_count><ofa_count>0</ofa_count>"
+              "</shared></device_attributes>",
+              "<ecc_error_count><volatile_count><sram_uncorrectable>0</sram_uncorrectable></volatile_count>"
+              "</ecc_error_count>",
+              "<bar1_memory_usage><total>12369 MiB</total><used>0 MiB</used></bar1_memory_usage>"]
+
+
+def _mig_device(rng: random.Random, odd: float) -> str:
+    def value(tag: str) -> str:
+        return escape(_value(rng) if rng.random() < odd else MIG_USUAL[tag](rng))
+
+    sep = rng.choice(["", "\n", "\n\t\t\t\t", " \t"])
+    memory_tags = ["total", "reserved", "used", "free"] if rng.random() < 0.7 else ["total", "used", "free"]
+    if rng.random() < odd / 3:
+        rng.shuffle(memory_tags)
+    memory = "".join(f"{sep}<{tag}>{value(tag)}</{tag}>" for tag in memory_tags)
+    ids = [f"{sep}<{tag}>{value(tag)}</{tag}>" for tag in ("index", "gpu_instance_id", "compute_instance_id")]
+    blocks = [sep + b for b in MIG_BLOCKS if rng.random() < 0.8]
+    parts = [*ids, *blocks[:2], f"{sep}<fb_memory_usage>{memory}{sep}</fb_memory_usage>", *blocks[2:]]
+    if rng.random() < odd / 3:  # not as nvidia-smi lays it out: left to lxml
+        rng.shuffle(parts)
+    return f"<mig_device>{''.join(parts)}{sep}</mig_device>"
+
+
+def mig_report(rng: random.Random) -> bytes:
+    """A fixture with its <mig_devices> sections made up, and its clocks at times bent."""
+    data = BASES[rng.choice(sorted(BASES))]
+    odd = rng.choice([0.0, 0.02, 0.1, 0.5])
+    parts = _MIG_SECTION.split(data)
+    sections = []
+    for _ in parts[1:]:
+        devices = [_mig_device(rng, odd) for _ in range(rng.randrange(5))]
+        # nvidia-smi writes "None" in a section without devices.
+        end = rng.choice(["\n", ""]) if devices else rng.choice(["\n\t\t\tNone\n\t\t", "", "\n"])
+        sections.append(("<mig_devices>" + "\n".join(devices) + end + "</mig_devices>").encode())
+    data = b"".join(p + s for p, s in zip(parts, [*sections, b""], strict=True))
+    if rng.random() < 0.3:
+        bent = rng.choice([b"N/A", b"<supported_mem_clock><value>1 MHz</value></supported_mem_clock>junk",
+                           b"<supported_mem_clock><value>1\r MHz</value></supported_mem_clock>",
+                           b"<supported_mem_clock a='1'><value>1 MHz</value></supported_mem_clock>"])
+        data = _CLOCKS_SECTION.sub(lambda _: b"<supported_clocks>" + bent + b"</supported_clocks>", data)
+    return data
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_mig_sections_read_apart_read_as_the_whole_parse_reads_them(seed):
+    data = mig_report(random.Random(seed))
+    assert _read(data) == _read(data + NOT_PLAIN)
+
+
+def test_the_generated_mig_sections_are_mostly_read_apart():
+    # Else the comparison above would compare the whole parse with itself.
+    reports = [mig_report(random.Random(seed)) for seed in range(300)]
+    fast = [query_xml._parse_fast(data) for data in reports]
+    assert sum(f is not None and any(f[1].mig_devices) for f in fast) > 50
+    assert sum(len(parse_query_xml(data).cards[0].instances) for data in reports) > 200
+
+
+def test_plain_clocks_are_left_out_and_the_rest_reads_the_same():
+    data = BASES["h100-mig-processes"]
+    fast = query_xml._parse_fast(data)
+    assert fast is not None
+    clocks = fast[0].find("gpu/supported_clocks")
+    assert clocks is not None and len(clocks) == 0
+    assert query_xml.etree.fromstring(data).find("gpu/supported_clocks") is not None
+    assert _read(data) == _read(data + NOT_PLAIN)
+
+
+def test_a_section_mark_the_report_itself_carries_reads_as_any_element():
+    # The whole parse ignores the marks: such a report reads its own rows, as before marks existed.
+    data = BASES["h100-mig-processes"]
+    bent = data.replace(b"<processes>", b'<processes mig-exporter-section="0">', 1)
+    plain = parse_query_xml(data)
+    assert parse_query_xml(bent) == plain and parse_query_xml(bent + NOT_PLAIN) == plain
+    bent = data.replace(b"<mig_devices>", b'<mig_devices mig-exporter-section="0">', 1)
+    assert parse_query_xml(bent) == plain and plain.cards[0].instances

@@ -1,6 +1,7 @@
 """The snapshot: one read of the driver as frozen dataclasses, and named tuples for
-the per-process rows (hundreds a read: a tuple is built several times faster than a
-frozen dataclass, and read by the same attribute names).
+what a read holds many of (the per-process rows, hundreds a read; MIG instances and
+memory blocks): a tuple is built several times faster than a frozen
+dataclass, and read by the same attribute names.
 
 Both read paths (nvidia-smi and NVML) end here, and the collector starts here.
 Sizes are ints in bytes, temperatures in degrees Celsius, power in watts and
@@ -16,8 +17,7 @@ from typing import NamedTuple
 MIB = 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Memory:
+class Memory(NamedTuple):
     """A framebuffer's memory, as nvidia-smi's ``fb_memory_usage`` reports it."""
 
     total_bytes: int | None = None
@@ -26,8 +26,7 @@ class Memory:
     reserved_bytes: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class MigInstance:
+class MigInstance(NamedTuple):
     """One MIG device of a card, as read (before placement).
 
     ``profile`` and ``uuid`` come from ``nvidia-smi -L`` on the nvidia-smi path

@@ -65,15 +65,17 @@ def parse_list(text: str | bytes) -> Listing:
     gpus: list[tuple[re.Match[str], list[ListedMig]]] = []
     skipped: list[str] = []
     for number, line in enumerate(text.splitlines(), start=1):
+        # Most lines are MIG lines; no MIG line is blank, a GPU line or "No devices found".
+        mig = _MIG_LINE.match(line)
+        if mig and gpus:
+            profile, mig_index, uuid = mig.groups()
+            gpus[-1][1].append(ListedMig(int(mig_index), profile, uuid))
+            continue
         if not line.strip() or _NOTHING_FOUND.match(line.strip()):
             continue
         gpu = _GPU_LINE.match(line)
         if gpu:
             gpus.append((gpu, []))
-            continue
-        mig = _MIG_LINE.match(line)
-        if mig and gpus:
-            gpus[-1][1].append(ListedMig(int(mig.group(2)), mig.group(1), mig.group(3)))
             continue
         skipped.append(f"nvidia-smi -L line {number} is not a GPU or MIG line: {line.strip()[:80]!r}")
     if skipped and not gpus:
@@ -121,6 +123,6 @@ def apply_listing(
                 instances.append(inst)
             else:
                 instances.append(MigInstance(inst.mig_index, inst.gpu_instance_id, inst.compute_instance_id,
-                                             inst.memory, profile=m.profile, uuid=m.uuid))
+                                             inst.memory, m.profile, m.uuid))
         out.append(dataclasses.replace(card, instances=tuple(instances)))
     return tuple(out), tuple(problems)

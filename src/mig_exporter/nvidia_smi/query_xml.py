@@ -24,9 +24,10 @@ same; anything else is parsed whole, as before (tests/test_parse_expectations.py
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import cast
+from typing import NamedTuple, cast
 
 from lxml import etree
 
@@ -58,7 +59,6 @@ UNKNOWN_TEXTS = frozenset({
 
 _UNITS_TO_BYTES = {"b": 1, "kib": 1024, "mib": MIB, "gib": 1024 * MIB}
 _NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z%/()]*)\s*$")
-_ENTITY_DECLARATION = re.compile(rb"<!ENTITY", re.IGNORECASE)
 _DIGITS = re.compile(r"^[0-9]{1,10}$")
 _PROCESS_NAME = re.compile(rb"(<process_name>)(.*?)(</process_name>)", re.S)
 # Characters XML 1.0 forbids, which a process name may still carry.
@@ -66,7 +66,7 @@ _XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 # The fast reading of <processes> (see the module's docstring).
 _SECTION_OPEN, _SECTION_CLOSE = b"<processes>", b"</processes>"
-# Marks where a section was taken out; a report that already holds it is parsed whole.
+# Marks where a section was taken out (a report that already holds it is parsed whole).
 _MARK = "mig-exporter-section"
 _MARK_BYTES = _MARK.encode()
 _DECLARATION = re.compile(rb"(?:\xef\xbb\xbf)?<\?xml[^<>?]*\?>")
@@ -97,6 +97,64 @@ _ROW = re.compile(
     re.S,
 )
 _Row = tuple[str, str, str, str, str, str, str]
+
+# <supported_clocks>, some 110 clocks a card and half its elements, is never read: where it
+# holds only clocks as nvidia-smi writes them ("<n> MHz", ASCII: no check of the characters
+# needed), it is left out, as an empty element in its place.
+_CLOCKS_OPEN, _CLOCKS_CLOSE, _CLOCKS_EMPTY = b"<supported_clocks>", b"</supported_clocks>", b"<supported_clocks/>"
+_CLOCK_BLANK = rb"[ \t\n]*"
+_CLOCKS = re.compile(
+    _CLOCK_BLANK + rb"(?:<supported_mem_clock>" + _CLOCK_BLANK + rb"<value>[0-9]{1,9} MHz</value>" + _CLOCK_BLANK
+    + rb"(?:<supported_graphics_clock>[0-9]{1,9} MHz</supported_graphics_clock>" + _CLOCK_BLANK
+    + rb")*</supported_mem_clock>" + _CLOCK_BLANK + rb")*"
+)
+
+# <mig_devices> read apart likewise, where each <mig_device> is laid out as nvidia-smi writes
+# it (R450 to R550 at least): the ids, then the blocks below with tags without attributes,
+# and values of printable ASCII without markup (no "&", "<" or ">": no reference, no "]]>"),
+# so the bytes are the text lxml reads, with no check of their characters. Anything else
+# in a section (captured last) leaves it to lxml.
+_MIG_OPEN, _MIG_CLOSE = b"<mig_devices>", b"</mig_devices>"
+_MIG_BLANK = "[ \t\n]*"
+_MIG_TEXT = "[ -%'-;=?-~]*"
+_MIG_PLAIN = re.compile("[ -%'-;=?-~\t\n]*")  # a section of text alone ("None": no MIG)
+
+
+def _mig_element(tag: str) -> str:
+    return f"<{tag}>({_MIG_TEXT})</{tag}>{_MIG_BLANK}"
+
+
+def _mig_leaf(group: str) -> str:
+    return f"<(?P<{group}>[a-z_]+)>{_MIG_TEXT}</(?P={group})>{_MIG_BLANK}"
+
+
+def _mig_block(tag: str, inner: str) -> str:
+    return f"(?:<{tag}>{_MIG_BLANK}{inner}</{tag}>{_MIG_BLANK})?"
+
+
+_MIG_ROW = re.compile(
+    f"{_MIG_BLANK}(?:<mig_device>{_MIG_BLANK}"
+    f"{_mig_element('index')}{_mig_element('gpu_instance_id')}{_mig_element('compute_instance_id')}"
+    + _mig_block("device_attributes", _mig_block("shared", f"(?:{_mig_leaf('shared')})*"))
+    + _mig_block("ecc_error_count",
+                 f"(?:<(?P<count>[a-z_]+)>{_MIG_BLANK}(?:{_mig_leaf('error')})*</(?P=count)>{_MIG_BLANK})*")
+    + f"<fb_memory_usage>{_MIG_BLANK}{_mig_element('total')}(?:{_mig_element('reserved')})?"
+    f"{_mig_element('used')}{_mig_element('free')}</fb_memory_usage>{_MIG_BLANK}"
+    + _mig_block("bar1_memory_usage", f"(?:{_mig_leaf('bar1')})*")
+    + "</mig_device>|(.))",
+    re.S,
+)
+# index, gpu_instance_id, compute_instance_id; total, used, free, reserved (Memory's order).
+_mig_values = itemgetter(0, 1, 2, 6, 8, 9, 7)
+_mig_junk = itemgetter(11)
+_MigRow = tuple[str, str, str, str, str, str, str]
+
+
+class _Sections(NamedTuple):
+    """The sections read apart, by the number their placeholder carries."""
+
+    processes: list[list[_Row]]
+    mig_devices: list[list[_MigRow]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +189,14 @@ def parse_query_xml(data: bytes) -> QueryReport:
         # UTF-16/32: nvidia-smi writes ASCII; such input would also slip past
         # the byte-level entity check below.
         raise ParseError("nvidia-smi -q -x output is not UTF-8 (NUL bytes)")
-    if _ENTITY_DECLARATION.search(data):
+    if _declares_entities(data):
         raise ParseError("nvidia-smi -q -x output declares XML entities; refused (nvidia-smi never does)")
     data = bytes(data)
     fast = _parse_fast(data)
     if fast is not None:
-        root, sections = fast
-        return _report(root, sections, [])
-    sections = []
+        root, read_apart = fast
+        return _report(root, read_apart, [])
+    sections = None  # a mark the report itself carries means nothing
     problems: list[str] = []
     try:
         root = _parse(data)
@@ -157,7 +215,7 @@ def parse_query_xml(data: bytes) -> QueryReport:
     return _report(root, sections, problems)
 
 
-def _report(root: etree._Element | None, sections: list[list[_Row]], problems: list[str]) -> QueryReport:
+def _report(root: etree._Element | None, sections: _Sections | None, problems: list[str]) -> QueryReport:
     if root is None or root.tag != "nvidia_smi_log":
         tag = getattr(root, "tag", None)
         raise ParseError(f"nvidia-smi -q -x output has root <{tag}>, expected <nvidia_smi_log>")
@@ -186,20 +244,25 @@ def _parse(data: bytes) -> etree._Element:
         raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
 
 
-def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
-    """The report parsed with each plain ``<processes>`` section read apart, or ``None``
-    where the report or a section is not plain: the caller then parses it whole.
+def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
+    """The report parsed with each plain ``<processes>`` section read apart and each plain
+    ``<supported_clocks>`` left out, or ``None`` where the report or a ``<processes>``
+    section is not plain: the caller then parses it whole. Each ``<mig_devices>`` of rows
+    as ``_MIG_ROW`` reads them is read apart as well (any other is left to lxml).
 
     Why this reads the same: with no comment, CDATA section, processing instruction or
     internal subset, every ``<processes>`` in the bytes is a start tag; a section of
     ``_ROW`` rows is well-formed XML that lxml would build as elements whose text is the
     captured value; and the placeholders are found where the sections were, each once, as
     ``<processes>`` children of a ``<gpu>`` of the root (where the whole parse reads them),
-    so the rest parsing well-formed means the whole report does."""
-    if data.find(_SECTION_OPEN) < 0 or _MARK_BYTES in data or not _is_plain(data):
+    so the rest parsing well-formed means the whole report does. A ``<supported_clocks>``
+    matching ``_CLOCKS`` is well-formed likewise, and left as an empty element in its
+    place: only what is inside it differs, and nothing read is (its tag is on no path read)."""
+    if not _is_plain(data):
         return None
-    parts: list[bytes] = []
+    cuts: list[tuple[int, int, bytes]] = []
     sections: list[list[_Row]] = []
+    migs: list[list[_MigRow]] = []
     start = end = 0
     while (start := data.find(_SECTION_OPEN, end)) >= 0:
         close = data.find(_SECTION_CLOSE, start)
@@ -208,20 +271,51 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, list[list[_Row]]] | None:
         rows = _plain_rows(data[start + len(_SECTION_OPEN):close])
         if rows is None:
             return None
-        parts += (data[end:start], b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections)))
-        sections.append(rows)
         end = close + len(_SECTION_CLOSE)
-    if not sections:
+        cuts.append((start, end, b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections))))
+        sections.append(rows)
+    start = end = 0
+    while (start := data.find(_CLOCKS_OPEN, end)) >= 0:
+        close = data.find(_CLOCKS_CLOSE, start)
+        if close < 0:
+            break  # the parse says why
+        end = close + len(_CLOCKS_CLOSE)
+        if close - start < _MOST_TEXT and _CLOCKS.fullmatch(data, start + len(_CLOCKS_OPEN), close):
+            cuts.append((start, end, _CLOCKS_EMPTY))
+    start = end = 0
+    while (start := data.find(_MIG_OPEN, end)) >= 0:
+        close = data.find(_MIG_CLOSE, start)
+        if close < 0:
+            break  # the parse says why
+        end = close + len(_MIG_CLOSE)
+        devices = _plain_mig_rows(data, start + len(_MIG_OPEN), close)
+        if devices is not None:
+            cuts.append((start, end, b'<mig_devices %s="%d"/>' % (_MARK_BYTES, len(migs))))
+            migs.append(devices)
+    if not cuts:
         return None  # nothing to gain
+    cuts.sort()
+    parts: list[bytes] = []
+    end = 0
+    for start, close, placeholder in cuts:
+        if start < end:
+            return None  # one inside another
+        parts += (data[end:start], placeholder)
+        end = close
     parts.append(data[end:])
     try:
         root = etree.fromstring(b"".join(parts), _parser())
     except (etree.LxmlError, ValueError):
         return None  # the whole parse says why
-    found = [section.get(_MARK) for gpu in root.iterfind("gpu") for section in gpu.iterfind("processes")]
-    if root.tag != "nvidia_smi_log" or found != [str(i) for i in range(len(sections))]:
+    # Each placeholder once, in order, and no other element a card's section reads as one.
+    if root.tag != "nvidia_smi_log":
         return None
-    return root, sections
+    for tag, count in (("processes", len(sections)), ("mig_devices", len(migs))):
+        found = [mark for gpu in root.iterfind("gpu") for section in gpu.iterfind(tag)
+                 if (mark := section.get(_MARK)) is not None]
+        if found != [str(i) for i in range(count)]:
+            return None
+    return root, _Sections(sections, migs)
 
 
 def _is_plain(data: bytes) -> bool:
@@ -239,6 +333,12 @@ def _is_plain(data: bytes) -> bool:
     return not bangs or (len(bangs) == 1 and _PLAIN_DOCTYPE.match(data, bangs[0]) is not None)
 
 
+def _declares_entities(data: bytes) -> bool:
+    """Whether ``<!ENTITY`` occurs, in any case: looked for from the rare ``!`` (a
+    case-blind search of the whole report costs more than the rest of its checks)."""
+    return any(data[at + 2:at + 8].lower() == b"entity" for at in _markup_starts(data, b"!"))
+
+
 def _markup_starts(data: bytes, char: bytes) -> list[int]:
     """Where ``<`` + ``char`` occurs. By the rare second character: ``find`` of
     ``<?`` stops at every ``<`` of the report."""
@@ -251,10 +351,9 @@ def _markup_starts(data: bytes, char: bytes) -> list[int]:
     return found
 
 
-def _plain_rows(section: bytes) -> list[_Row] | None:
-    """The rows of a section's content, or ``None`` where it holds anything else, is not
-    UTF-8, has a character or sequence XML forbids in text, or is as long as a text node
-    libxml2 refuses."""
+def _plain_text(section: bytes) -> str | None:
+    """A section's content as text, or ``None`` where it is not UTF-8, has a character or
+    sequence XML forbids in text, or is as long as a text node libxml2 refuses."""
     if len(section) >= _MOST_TEXT or section.translate(None, _TEXT_BYTES) or (
             b"\xef" in section and any(c in section for c in _NONCHARACTERS)):
         return None
@@ -262,7 +361,14 @@ def _plain_rows(section: bytes) -> list[_Row] | None:
         text = section.decode("utf-8").rstrip(" \t\r\n")
     except UnicodeDecodeError:
         return None
-    if "]]>" in text:
+    return None if "]]>" in text else text
+
+
+def _plain_rows(section: bytes) -> list[_Row] | None:
+    """The rows of a section's content, or ``None`` where it holds anything else or is
+    not plain text (``_plain_text``)."""
+    text = _plain_text(section)
+    if text is None:
         return None
     rows: list[_Row] = _ROW.findall(text)
     if any(map(_junk, rows)):
@@ -271,6 +377,21 @@ def _plain_rows(section: bytes) -> list[_Row] | None:
 
 
 _junk = itemgetter(6)
+
+
+def _plain_mig_rows(data: bytes, start: int, end: int) -> list[_MigRow] | None:
+    """The MIG devices of ``data[start:end]``, a section's content (none where it is text
+    alone, as nvidia-smi writes "None" on a card without MIG), or ``None`` where it holds
+    anything else. The grammar admits ASCII alone, so Latin-1 reads it as UTF-8 would."""
+    if end - start >= _MOST_TEXT:
+        return None
+    text = data[start:end].decode("latin-1").rstrip(" \t\n")
+    if "<" not in text:
+        return [] if _MIG_PLAIN.fullmatch(text) else None
+    rows = _MIG_ROW.findall(text)
+    if any(map(_mig_junk, rows)):
+        return None
+    return list(map(_mig_values, rows))
 
 
 def _repair_process_names(data: bytes) -> tuple[bytes, int]:
@@ -290,29 +411,35 @@ def _repair_process_names(data: bytes) -> tuple[bytes, int]:
     return _PROCESS_NAME.sub(repair, data), changed
 
 
-def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]], problems: list[str]) -> CardReading:
+def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, problems: list[str]) -> CardReading:
     values = _Values(problems)
     card = _Children(gpu)
     mig_current = values.flag(card, "mig_mode/current_mig")
     mig_pending = values.flag(card, "mig_mode/pending_mig")
     instances: list[MigInstance] = []
-    for el in gpu.iterfind("mig_devices/mig_device"):
-        fields = _Children(el)
-        mig_index = values.integer_field(fields.text("index"), "index")
-        if mig_index is None:
-            problems.append("a MIG device without a readable index; skipped")
+    for devices in gpu.iterfind("mig_devices"):
+        if sections is not None and (mark := devices.get(_MARK)) is not None:
+            for row in sections.mig_devices[int(mark)]:
+                _add_instance(instances, values, row[0], row[1], row[2], row[3:])
             continue
-        instances.append(MigInstance(
-            mig_index=mig_index,
-            gpu_instance_id=values.integer_field(fields.text("gpu_instance_id"), "gpu_instance_id"),
-            compute_instance_id=values.integer_field(fields.text("compute_instance_id"), "compute_instance_id"),
-            memory=values.memory(fields, "fb_memory_usage"),
-        ))
+        for el in devices.iterfind("mig_device"):
+            # One pass: each child's text by tag (the first of a repeated tag, as find gives)
+            # and the first memory block; a MIG device has few children, all but one read here.
+            fields: dict[object, str | None] = {}
+            block = None
+            for child in el:
+                tag = child.tag
+                if tag not in fields:
+                    fields[tag] = child.text
+                    if tag == "fb_memory_usage":
+                        block = child
+            sizes = None if block is None else list(map(_child_texts(block).get, _MEMORY_FIELDS))
+            _add_instance(instances, values, fields.get("index"), fields.get("gpu_instance_id"),
+                          fields.get("compute_instance_id"), sizes)
     processes: list[ProcessReading] = []
     for section in gpu.iterfind("processes"):
-        mark = section.get(_MARK)
-        if mark is not None:
-            _add_rows(processes, values, sections[int(mark)])
+        if sections is not None and (mark := section.get(_MARK)) is not None:
+            _add_rows(processes, values, sections.processes[int(mark)])
             continue
         for el in section.iterfind("process_info"):
             texts = _child_texts(el)
@@ -332,6 +459,23 @@ def _read_card(index: int, gpu: etree._Element, sections: list[list[_Row]], prob
         instances=tuple(instances),
         processes=tuple(processes),
     )
+
+
+def _add_instance(instances: list[MigInstance], values: _Values, index: str | None, gi: str | None,
+                  ci: str | None, sizes: Sequence[str | None] | None) -> None:
+    """A ``<mig_device>``'s untrimmed texts read into an instance, or a problem line;
+    ``sizes``: its fb_memory_usage's in Memory's order (``None`` without the block)."""
+    mig_index = values.integer_field(index, "index")
+    if mig_index is None:
+        values.problems.append("a MIG device without a readable index; skipped")
+        return
+    instances.append(MigInstance(
+        mig_index,
+        values.integer_field(gi, "gpu_instance_id"),
+        values.integer_field(ci, "compute_instance_id"),
+        Memory() if sizes is None else Memory(*[
+            values.size_in(raw, "fb_memory_usage", name) for raw, name in zip(sizes, _MEMORY_FIELDS, strict=True)]),
+    ))
 
 
 def _add_process(processes: list[ProcessReading], values: _Values, pid_raw: str | None, kind: str | None,
@@ -485,9 +629,9 @@ class _Values:
         if block is None:
             return Memory()
         fields = _child_texts(block)
-        return Memory(*[self._size_in(fields.get(name), path, name) for name in _MEMORY_FIELDS])
+        return Memory(*[self.size_in(fields.get(name), path, name) for name in _MEMORY_FIELDS])
 
-    def _size_in(self, raw: str | None, block: str, name: str) -> int | None:
+    def size_in(self, raw: str | None, block: str, name: str) -> int | None:
         """``size_field`` of a block's field; its path is only spelled out for a problem line."""
         if raw is not None and raw.endswith(" MiB") and raw[:-4].isdecimal():
             return int(float(raw[:-4]) * MIB)
