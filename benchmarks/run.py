@@ -86,7 +86,7 @@ TARGET_SLOPE_PER_PROCESS_US = 8.0
 TARGET_SLOPE_PER_INSTANCE_US = 25.0
 TARGET_PROC_SCAN_MS = 10.0
 # "Off the critical path": a 5000-process /proc may add at most this to a single-card scrape's p50
-# over a 50-process one.
+# over a 50-process one, behind a fake nvidia-smi whose -q -x takes 100 ms (procscan.QUERY_S).
 TARGET_PROC_SCAN_ADDED_MS = 1.0
 TARGET_NVML_LIB_OVERHEAD_MS = 3.0
 TARGET_NVML_LIB_RATIO = 0.2
@@ -276,15 +276,16 @@ def measure_in_process(shape: Shape, xml: bytes, listing: bytes, s: Settings) ->
 # -- nvidia-smi path: through HTTP -------------------------------------------------
 
 
-def write_fake_nvidia_smi(directory: Path, xml: bytes, listing: bytes) -> Path:
-    """A fake nvidia-smi that only writes the files (tests/conftest.py's, without logging)."""
+def write_fake_nvidia_smi(directory: Path, xml: bytes, listing: bytes, query_s: float = 0.0) -> Path:
+    """A fake nvidia-smi that only writes the files (tests/conftest.py's, without logging);
+    with ``query_s``, ``-q -x`` first takes that long, as the driver's own query does."""
     (directory / "q.xml").write_bytes(xml)
     (directory / "L.txt").write_bytes(listing)
     script = directory / "nvidia-smi"
     script.write_text(
         "#!/bin/sh\n"
         'case "$1" in\n'
-        f"  -q) exec cat {shlex.quote(str(directory / 'q.xml'))} ;;\n"
+        f"  -q) {f'sleep {query_s}; ' if query_s else ''}exec cat {shlex.quote(str(directory / 'q.xml'))} ;;\n"
         f"  -L) exec cat {shlex.quote(str(directory / 'L.txt'))} ;;\n"
         "esac\n"
         "exit 2\n"

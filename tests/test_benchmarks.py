@@ -189,7 +189,7 @@ def test_a_fabricated_proc_tree_is_read_whole_and_churn_replaces_a_tenth(tmp_pat
     pids = sorted(p for p in first.processes if p >= procscan.FIRST_PID)
     assert len(pids) == 40 and len(first.processes) == 43  # and init, kthreadd, the exporter
     assert first.processes[pids[0]].thread_ids == (pids[0], pids[0] + 1, pids[0] + 2)
-    assert {first.processes[p].comm for p in pids} == {k[0] for k in procscan._KINDS}
+    assert {first.processes[p].comm for p in pids} == {k[0] for k in (*procscan._KINDS, procscan._ENGINE)}
     alive, next_pid = procscan.churn(root, pids, pids[-1] + 30)
     assert len(alive) == 40 and alive[:36] == pids[4:] and min(alive[36:]) == pids[-1] + 30
     again = source.read()  # the same source: whatever it keeps, it sees the new processes and not the gone

@@ -20,8 +20,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import bcrypt
-
 from mig_exporter.config.checks import at, kind, mapping
 from mig_exporter.core.logs import shown
 
@@ -89,10 +87,10 @@ class BasicAuth:
         failed_cache_size: int = AUTH_FAILED_CACHE_SIZE,
         bcrypt_slots: int = AUTH_BCRYPT_SLOTS,
         peers_tracked: int = AUTH_PEERS_TRACKED,
-        verify: Callable[[bytes, bytes], bool] = bcrypt.checkpw,
+        verify: Callable[[bytes, bytes], bool] | None = None,
     ) -> None:
         self._users = {name.encode("utf-8"): hashed for name, hashed in users.items()}
-        self._verify = verify
+        self._verify = verify or _checkpw
         self._key = os.urandom(32)
         self._lock = threading.Lock()  # the caches and the checks in flight; never held during bcrypt
         self._verified = _Lru(cache_size)
@@ -314,12 +312,22 @@ def _peer_group(peer: object) -> str:
     return str(address)
 
 
+def _checkpw(password: bytes, hashed: bytes) -> bool:
+    # bcrypt is imported where a password is first checked: a server without basic auth
+    # (most) never maps its library (half a MiB of resident memory).
+    import bcrypt
+
+    return bool(bcrypt.checkpw(password, hashed))
+
+
 def _bcrypt_cost(hashed: bytes) -> int:
     return int(hashed[4:6])
 
 
 def _decoy(cost: int) -> bytes:
     """A well-formed bcrypt hash of the given cost that no password matches."""
+    import bcrypt  # see _checkpw
+
     digest = "".join(secrets.choice(_BCRYPT_ALPHABET) for _ in range(31))
     return bcrypt.gensalt(rounds=cost) + digest.encode("ascii")
 
