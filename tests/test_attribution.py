@@ -275,3 +275,32 @@ def test_an_entrypoint_that_execs_into_its_engine_after_a_long_download_is_that_
         EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),)  # a fresh reader sees it
     assert reader.reading(*reader.read_procs(), demo_gpu()).processes == (
         EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),)
+
+
+def test_a_proc_read_hung_for_good_holds_one_thread_not_one_per_scrape(tmp_path):
+    """Review (issue 17): a /proc file that blocks for good (a process stuck in D state holding its
+    mmap lock blocks reads of its cmdline; here a FIFO nobody writes). Before the /proc read moved
+    to a worker, the hung read held the scrape's flight and later scrapes joined it; now each
+    scrape starts a read of its own in a new worker, which hangs on the same file: the threads
+    grow by one a scrape, without bound."""
+    from mig_exporter.core.workers import WORKERS
+
+    root = make_proc(tmp_path / "proc", [Proc(48213, "llama-server", LLAMA, exe="/usr/local/bin/llama-server")])
+    scraper = Scraper(DemoSource(), EngineReader(DEFAULT_SETTINGS, ProcfsSource(str(root))))
+    assert scraper.scrape(Deadline.after(5))[0].success  # the first, cold read: every process, inline
+    write_proc(root, Proc(50000, "stuck", ["stuck"]))
+    (root / "50000" / "cmdline").unlink()
+    os.mkfifo(root / "50000" / "cmdline")
+    hung = []
+    try:
+        before = WORKERS.threads
+        for _ in range(6):
+            outcome, _ = scraper.scrape(Deadline.after(0.2))
+            assert outcome.success  # the GPUs still answer
+        hung = [t for t in threading.enumerate() if t.name == "mig-exporter-procs"]
+        assert WORKERS.threads - before <= 1 and len(hung) <= 1
+    finally:
+        for _ in range(len(hung) + 8):  # a writer at a time lets each blocked open through
+            fd = os.open(root / "50000" / "cmdline", os.O_RDWR | os.O_NONBLOCK)
+            time.sleep(0.05)
+            os.close(fd)
