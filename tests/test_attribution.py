@@ -3,6 +3,7 @@ by the real reader, against the GPU lists of the demo and fixture scenarios."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import replace
@@ -249,3 +250,57 @@ def test_new_settings_match_afresh(tmp_path):
     assert [e.pid for e in reader.reading(*reader.read_procs(), demo_gpu()).processes] == [52040]
     reader.settings = none
     assert reader.reading(*reader.read_procs(), demo_gpu()).processes is None
+
+
+def test_an_entrypoint_that_execs_into_its_engine_after_a_long_download_is_that_engine(tmp_path):
+    """Review (issue 17): `sh -c "huggingface-cli download ... && exec llama-server ..."`, the usual
+    container entrypoint, execs into the engine once the model is down, minutes after it started.
+    Read fresh at each scrape (as before the /proc cache), pid 48213 is the llama.cpp engine
+    holding its 11520 MiB on 1000 from the next read; the cache, which reads an old process again
+    only when re-parented, keeps it as the shell for as long as it runs."""
+    from proc_tree import stat_line
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    started = (86400 - 600) * ticks  # ten minutes before the reads: past SETTLE_S
+    entry = ["/bin/sh", "-c", "huggingface-cli download m && exec llama-server -m /models/q.gguf -ngl 99"]
+    root = make_proc(tmp_path / "proc", [Proc(48213, "sh", entry, exe="/bin/sh", start_ticks=started)])
+    reader = EngineReader(DEFAULT_SETTINGS, ProcfsSource(str(root)))
+    assert reader.reading(*reader.read_procs(), demo_gpu()).processes == ()
+    d = root / "48213"  # the exec: same process, same /proc/PID, new name, command line and executable
+    (d / "stat").write_text(stat_line(48213, "llama-server", "S", 1, 1, started))
+    (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in LLAMA))
+    (d / "exe").unlink()
+    os.symlink("/usr/local/bin/llama-server", d / "exe")
+    assert read(root, demo_gpu()).processes == (
+        EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),)  # a fresh reader sees it
+    assert reader.reading(*reader.read_procs(), demo_gpu()).processes == (
+        EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),)
+
+
+def test_a_proc_read_hung_for_good_holds_one_thread_not_one_per_scrape(tmp_path):
+    """Review (issue 17): a /proc file that blocks for good (a process stuck in D state holding its
+    mmap lock blocks reads of its cmdline; here a FIFO nobody writes). Before the /proc read moved
+    to a worker, the hung read held the scrape's flight and later scrapes joined it; now each
+    scrape starts a read of its own in a new worker, which hangs on the same file: the threads
+    grow by one a scrape, without bound."""
+    from mig_exporter.core.workers import WORKERS
+
+    root = make_proc(tmp_path / "proc", [Proc(48213, "llama-server", LLAMA, exe="/usr/local/bin/llama-server")])
+    scraper = Scraper(DemoSource(), EngineReader(DEFAULT_SETTINGS, ProcfsSource(str(root))))
+    assert scraper.scrape(Deadline.after(5))[0].success  # the first, cold read: every process, inline
+    write_proc(root, Proc(50000, "stuck", ["stuck"]))
+    (root / "50000" / "cmdline").unlink()
+    os.mkfifo(root / "50000" / "cmdline")
+    hung = []
+    try:
+        before = WORKERS.threads
+        for _ in range(6):
+            outcome, _ = scraper.scrape(Deadline.after(0.2))
+            assert outcome.success  # the GPUs still answer
+        hung = [t for t in threading.enumerate() if t.name == "mig-exporter-procs"]
+        assert WORKERS.threads - before <= 1 and len(hung) <= 1
+    finally:
+        for _ in range(len(hung) + 8):  # a writer at a time lets each blocked open through
+            fd = os.open(root / "50000" / "cmdline", os.O_RDWR | os.O_NONBLOCK)
+            time.sleep(0.05)
+            os.close(fd)

@@ -302,3 +302,34 @@ def test_each_process_s_cgroup_and_status_are_read_once_and_again_for_a_new_proc
     again = _owners(scraper.families())
     assert sorted(opened) == ["read_cgroup 48213", "read_status 48213"]
     assert again == {**first, "48213": ("", "", "run-u12.service", "2000")}
+
+
+def test_a_gpu_pid_that_is_a_thread_id_still_gets_its_owner_from_the_real_proc():
+    """Review (issue 17): the driver may list a thread's id (the demo lists 50318, a thread of 50300;
+    test_attribution). /proc/TID is there to open but not in /proc's listing, which holds thread
+    group leaders only. Before the per-incarnation cache the owner was read from /proc/TID's files;
+    now nothing is opened for a pid the listing lacks, so such a process loses its job, unit and user."""
+    import dataclasses
+    import threading
+
+    tid: list[int] = []
+    ready, done = threading.Event(), threading.Event()
+
+    def thread() -> None:
+        tid.append(threading.get_native_id())
+        ready.set()
+        done.wait(10)
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    try:
+        ready.wait(10)
+        assert tid[0] != os.getpid() and os.path.exists(f"/proc/{tid[0]}/status")
+        assert tid[0] not in {int(n) for n in os.listdir("/proc") if n.isdigit()}
+        snapshot = DemoSource().read()
+        snapshot = dataclasses.replace(snapshot, processes=(snapshot.processes[0]._replace(pid=tid[0]),))
+        owners = OwnerReader("/proc").read(snapshot, Deadline.after(5)).processes
+        assert owners[tid[0]].user == str(os.getuid())  # as 3fd01ef read it: /proc/TID/status
+    finally:
+        done.set()
+        worker.join()

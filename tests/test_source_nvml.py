@@ -418,3 +418,13 @@ def test_names_are_kept_only_in_the_host_pid_namespace_whose_pids_the_driver_lis
     assert host_pid_sample(str(container)) is None
     assert host_pid_sample(str(tmp_path / "unreadable")) is None
     assert isinstance(host_pid_sample(str(host)), PidSample)
+
+
+def test_a_process_that_renames_itself_shows_its_new_name(fake_nvml_lib):
+    # Review (issue 17): the pid is not handed out again, yet the process's name changes under it, as
+    # setproctitle (Ray's "ray::IDLE" -> "ray::Trainer.train", gunicorn, celery) or an exec does:
+    # nvidia-smi and the NVML read before the name cache show the new name at the next read.
+    fake, nv, names = _names_over(fake_nvml_lib, {7001: "ray::IDLE"}, [_sample(8000), _sample(8000)])
+    assert names.resolve(nv, [7001]) == {7001: "ray::IDLE"}
+    fake.set_scenario(dataclasses.replace(fake.scenario, process_names={7001: "ray::Trainer.train"}))
+    assert names.resolve(nv, [7001]) == {7001: "ray::Trainer.train"}

@@ -104,6 +104,9 @@ class Scraper:
         self._known_problems: dict[str, frozenset[str]] = {}
         self._logged_bugs: set[str] = set()
         self._newest_procs: tuple[float, tuple[ProcTable | None, str | None]] | None = None
+        # The /proc read still running, if any: a read hung for good (a process in D state) is
+        # waited for by the scrapes after it, not started again in a new thread at each one.
+        self._procs_running: Future[_Procs] | None = None
 
     @property
     def errors_total(self) -> int:
@@ -205,10 +208,19 @@ class Scraper:
         reading is kept as it comes, for a failed read made meanwhile (``failed_scrape``)."""
         if self.engines is None:
             return None
-        reading: Future[_Procs] = Future()
+        with self._lock:
+            running = self._procs_running
+            if running is not None and not running.done():
+                return running
+            reading: Future[_Procs] = Future()
+            self._procs_running = reading
 
         def read() -> None:
-            procs = self._read_procs()
+            try:
+                procs = self._read_procs()
+            except BaseException:  # never left running for the scrapes after it to wait on
+                reading.set_result((None, "reading processes was interrupted"))
+                raise
             with self._lock:
                 self._newest_procs = (time.monotonic(), procs)
             reading.set_result(procs)
