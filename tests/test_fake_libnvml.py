@@ -225,7 +225,7 @@ def test_serve_source_nvml_maps_our_library_and_answers_as_read_does(fake_libnvm
 
 
 def test_every_later_scrape_through_the_library_lists_the_processes_as_one_read_does(fake_libnvml_env, serve):
-    # Later reads keep names and process readings from earlier ones: they must never differ.
+    # Later reads keep process readings from earlier ones: they must never differ.
     env = fake_libnvml_env(bench.nvml_scenario(BENCH_SHAPES["big-mig"]))
 
     def processes(text: str) -> list[str]:

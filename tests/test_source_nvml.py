@@ -10,8 +10,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -31,8 +29,8 @@ from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoProcs, DemoSource
-from mig_exporter.sources.nvml import NvmlSource, PidSample, ProcessNames, host_pid_sample
-from mig_exporter.sources.nvml_gateway import Nvml, NvmlUnavailable
+from mig_exporter.sources.nvml import NvmlSource
+from mig_exporter.sources.nvml_gateway import NvmlUnavailable
 
 FIXTURE_SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved",
                      "a100-mig-pending", "na-memory"]
@@ -299,92 +297,6 @@ def test_a_hung_readiness_check_answers_at_its_deadline(fake_nvml_lib):
 # -- what a read keeps from the last one ------------------------------------------------------
 
 
-def _sample(last_pid, forks=1000, threads=400, pid_max=32768):
-    return PidSample(last_pid=last_pid, forks_before=forks, forks_after=forks, threads=threads, pid_max=pid_max)
-
-
-def test_the_pids_the_allocator_may_have_handed_out_again_are_those_it_crossed():
-    def crossed(earlier, later):
-        window = earlier.window(later)
-        if window is None:
-            return "all"
-        inside, safe_inside = window
-        return sorted(pid for pid in (299, 301, 5000, 5001, 5100, 5101, 32767) if (pid in inside) != safe_inside)
-
-    assert crossed(_sample(5000), _sample(5000)) == []
-    assert crossed(_sample(5000), _sample(5100)) == [5001, 5100]
-    # It went past pid_max and started again above the reserved pids: all but (5000, 5100] were crossed.
-    assert crossed(_sample(5100, forks=1000), _sample(5000, forks=1200)) == [299, 301, 5000, 5101, 32767]
-    # Enough forks to go all the way round, or another pid_max: no pid can be vouched for.
-    assert crossed(_sample(5100, forks=1000, threads=400), _sample(5000, forks=17035, threads=400)) == "all"
-    assert crossed(_sample(5100, forks=1000, threads=400), _sample(5000, forks=17033, threads=400)) == [
-        299, 301, 5000, 5101, 32767]
-    assert crossed(_sample(5000), _sample(5100, pid_max=4194304)) == "all"
-    # More tasks created than positions crossed: some pid was chosen (clone3's set_tid, a restore).
-    assert crossed(_sample(5000, forks=1000), _sample(5100, forks=1101)) == "all"
-    assert crossed(_sample(32700, forks=1000), _sample(310, forks=1078)) == [299, 301, 32767]
-    assert crossed(_sample(32700, forks=1000), _sample(310, forks=1079)) == "all"
-
-
-def test_the_kernel_sample_sees_a_new_process_in_the_window():
-    before = PidSample.now()
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    after = PidSample.now()
-    assert before is not None and after is not None
-    assert after.forks_before > before.forks_after and after.pid_max == before.pid_max
-    inside, safe_inside = before.window(after)
-    assert (int(child.stdout) in inside) != safe_inside  # its pid is one the allocator crossed
-
-
-def _names_over(fake_nvml_lib, names, samples):
-    fake = fake_nvml_lib(dataclasses.replace(SCENARIOS["demo"](), process_names=names))
-    nv = Nvml()
-    nv.ensure()
-    queue = list(samples)
-    return fake, nv, ProcessNames(sample=lambda: queue.pop(0))
-
-
-def test_a_name_is_asked_once_while_the_allocator_passes_its_pid_by(fake_nvml_lib):
-    fake, nv, names = _names_over(fake_nvml_lib, {7001: "trainer", 9001: "server"},
-                                  [_sample(8000), _sample(8000), _sample(8500)])
-    assert names.resolve(nv, [7001, 9001, 7001]) == {7001: "trainer", 9001: "server"}
-    assert fake.called("nvmlSystemGetProcessName") == 2
-    assert names.resolve(nv, [9001, 7001]) == {7001: "trainer", 9001: "server"}
-    assert fake.called("nvmlSystemGetProcessName") == 2
-    # 8000 -> 8500 crossed neither pid.
-    assert names.resolve(nv, [7001, 9001]) == {7001: "trainer", 9001: "server"}
-    assert fake.called("nvmlSystemGetProcessName") == 2
-
-
-def test_a_pid_handed_out_again_is_asked_again_and_shows_its_new_process(fake_nvml_lib):
-    fake, nv, names = _names_over(fake_nvml_lib, {7001: "trainer", 9001: "server"},
-                                  [_sample(8000), _sample(9500)])
-    assert names.resolve(nv, [7001, 9001]) == {7001: "trainer", 9001: "server"}
-    # 9001 exited and the kernel gave its pid to another process, which the allocator crossing 9001 tells.
-    fake.set_scenario(dataclasses.replace(fake.scenario, process_names={7001: "trainer", 9001: "miner"}))
-    assert names.resolve(nv, [7001, 9001]) == {7001: "trainer", 9001: "miner"}
-    assert [c.args[0] for c in fake.calls if c.function == "nvmlSystemGetProcessName"] == [7001, 9001, 9001]
-
-
-def test_a_pid_missing_from_one_read_or_without_a_kernel_sample_is_asked_again(fake_nvml_lib):
-    fake, nv, names = _names_over(fake_nvml_lib, {7001: "trainer", 9001: "server"},
-                                  [_sample(8000), _sample(8000), _sample(8000), None, _sample(8000)])
-    names.resolve(nv, [7001, 9001])
-    names.resolve(nv, [7001])  # 9001 not listed: forgotten
-    names.resolve(nv, [7001, 9001])
-    names.resolve(nv, [7001, 9001])  # /proc could not tell: both asked
-    names.resolve(nv, [7001, 9001])  # no earlier sample to compare with: both asked
-    asked = [c.args[0] for c in fake.calls if c.function == "nvmlSystemGetProcessName"]
-    assert asked == [7001, 9001, 9001, 7001, 9001, 7001, 9001]
-
-
-def test_a_name_nvml_cannot_give_is_empty_and_asked_again(fake_nvml_lib):
-    fake, nv, names = _names_over(fake_nvml_lib, {7001: "trainer"}, [_sample(8000), _sample(8000)])
-    assert names.resolve(nv, [7001, 7002]) == {7001: "trainer", 7002: ""}
-    fake.set_scenario(dataclasses.replace(fake.scenario, process_names={7001: "trainer", 7002: "late"}))
-    assert names.resolve(nv, [7001, 7002]) == {7001: "trainer", 7002: "late"}
-
-
 @pytest.mark.parametrize("name", FIXTURE_SCENARIOS)
 def test_every_later_read_equals_the_nvidia_smi_snapshot_too(fake_nvml_lib, name):
     fake = fake_nvml_lib(name)
@@ -411,20 +323,16 @@ def test_a_later_read_shows_what_changed_in_a_process_list(fake_nvml_lib):
         (21180, "C", 4096 * MIB), (21181, "C+G", 1272 * MIB), (21198, "C", 7484 * MIB)]
 
 
-def test_names_are_kept_only_in_the_host_pid_namespace_whose_pids_the_driver_lists(tmp_path):
-    host, container = tmp_path / "host", tmp_path / "container"
-    host.symlink_to("pid:[4026531836]")
-    container.symlink_to("pid:[4026532513]")
-    assert host_pid_sample(str(container)) is None
-    assert host_pid_sample(str(tmp_path / "unreadable")) is None
-    assert isinstance(host_pid_sample(str(host)), PidSample)
-
-
 def test_a_process_that_renames_itself_shows_its_new_name(fake_nvml_lib):
-    # Review (issue 17): the pid is not handed out again, yet the process's name changes under it, as
-    # setproctitle (Ray's "ray::IDLE" -> "ray::Trainer.train", gunicorn, celery) or an exec does:
-    # nvidia-smi and the NVML read before the name cache show the new name at the next read.
-    fake, nv, names = _names_over(fake_nvml_lib, {7001: "ray::IDLE"}, [_sample(8000), _sample(8000)])
-    assert names.resolve(nv, [7001]) == {7001: "ray::IDLE"}
-    fake.set_scenario(dataclasses.replace(fake.scenario, process_names={7001: "ray::Trainer.train"}))
-    assert names.resolve(nv, [7001]) == {7001: "ray::Trainer.train"}
+    # The pid is not handed out again, yet the process's name changes under it, as setproctitle
+    # (Ray's "ray::IDLE" -> "ray::_MapWorker", gunicorn, celery) or an exec does: nvidia-smi shows
+    # the new name at the next read, and so does a later NVML read.
+    base = SCENARIOS["h100-mig-processes"]()
+    fake = fake_nvml_lib(dataclasses.replace(base, process_names={**base.process_names, 21198: "ray::IDLE"}))
+    source = NvmlSource()
+    assert [(p.pid, p.name) for p in source.read().processes][-1] == (21198, "ray::IDLE")
+    renamed = {**base.process_names, 21198: "ray::_MapWorker"}
+    fake.set_scenario(dataclasses.replace(fake.scenario, process_names=renamed))
+    assert [(p.pid, p.name) for p in source.read().processes] == [
+        (21180, "/root/tools/memhog"), (21181, "/root/tools/memhog"), (21198, "ray::_MapWorker")]
+    assert [c.args[0] for c in fake.calls if c.function == "nvmlSystemGetProcessName"] == [21180, 21181, 21198] * 2

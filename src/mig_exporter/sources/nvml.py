@@ -18,30 +18,10 @@ What a read costs: a big host lists hundreds of processes a read, so the per-pro
 kept off pynvml's per-entry Python objects, keeping its ctypes layer. The process lists are
 read through the library's own C functions (pynvml's lookup, its ``c_nvmlProcessInfo_*``
 Structure classes and its size-query protocol) and unpacked in one pass from the struct
-array's bytes, at the offsets of pynvml's Structure fields. Names (``nvmlSystemGetProcessName``)
-are asked once per pid and kept while the pid provably still names the same process:
-
-- an entry lives only while reads keep listing its pid: one read that does not list it drops it;
-  a pid NVML gave no name for has none: it is asked again at the next read;
-- a pid is reused only when the kernel allocates it again. Linux allocates pids cyclically
-  (``/proc/sys/kernel/ns_last_pid`` is the last one handed out), so between two samples of it
-  only the pids in the cyclic interval it crossed can have been handed out again, unless the
-  allocator went all the way round: each position it passes is either allocated then or held
-  by a task alive in the window, so a full round needs ``2 * forks + threads >= pid_max - 300``
-  (tasks created between the samples from ``/proc/stat``'s ``processes``, read on both sides
-  of ``ns_last_pid`` to bound it from above and below; tasks at the first sample from
-  ``/proc/loadavg``). Every task takes a pid in the host's namespace, each at the cursor or
-  later, so more forks than positions crossed means a pid was chosen instead
-  (clone3's ``set_tid``, a checkpoint restore writing ``ns_last_pid``): nothing is kept then.
-  What this cannot see is such a chosen pid hidden among enough ordinary forks in one window:
-  a privileged restore into the very pid a listed process left since the last read;
-- each read samples that after listing every device and before asking any name, so a name
-  asked in one read and a listing in the next are always inside the sampled window. An entry
-  whose pid lies in the crossed interval, or every entry after a possible full round, or when
-  any of those files cannot be read, is asked again;
-- the driver lists host pids: names are kept only where the exporter runs in the host's PID
-  namespace (``/proc/self/ns/pid``, as for engines), where that cursor is the host's. Elsewhere
-  every name is asked at every read.
+array's bytes, at the offsets of pynvml's Structure fields. Each listed pid's name
+(``nvmlSystemGetProcessName``) is asked once at every read, never kept: a process can rename
+itself (setproctitle, exec) under the same pid, and nvidia-smi shows its current name. A
+process listed as in the last read, under the same name, keeps its reading.
 """
 
 from __future__ import annotations
@@ -49,11 +29,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import operator
-import os
 import re
 import struct
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import pynvml
@@ -61,7 +39,6 @@ import pynvml
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.flight import Flights
-from mig_exporter.host.procfs import HOST_PID_NAMESPACE
 from mig_exporter.model.placement import place
 from mig_exporter.model.snapshot import (
     CardReading,
@@ -84,7 +61,6 @@ _NAME_BUFFER_BYTES = 1024  # what pynvml's nvmlSystemGetProcessName allocates
 _NAME_BYTES = pynvml.NVML_DEVICE_NAME_V2_BUFFER_SIZE
 _UUID_BYTES = pynvml.NVML_DEVICE_UUID_V2_BUFFER_SIZE
 _UNKNOWN_MEMORY = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value  # pynvml makes it None
-_RESERVED_PIDS = 300  # the kernel's cyclic allocation restarts above these
 _USED = operator.itemgetter(1)
 _MEMORY_V2 = ("total", "reserved", "free", "used")
 _ENTRY_V3 = getattr(pynvml, "c_nvmlProcessInfo_v3_t", pynvml.c_nvmlProcessInfo_v2_t)
@@ -114,8 +90,7 @@ class NvmlSource:
         # would only make the answer late, hence no grace here.
         self._reads: Flights[str, Snapshot] = Flights("nvml-read", ends_at_deadline=False)
         self._checks: Flights[str, tuple[bool, str]] = Flights("nvml-ready", ends_at_deadline=False)
-        self._names = ProcessNames()
-        self._readings: dict[_Row, ProcessReading] = {}
+        self._readings: dict[tuple[_Row, str], ProcessReading] = {}
 
     def ready(self) -> tuple[bool, str]:
         def late() -> tuple[bool, str]:
@@ -153,12 +128,12 @@ class NvmlSource:
         cuda = _cuda_version(nv.optional(pynvml.nvmlSystemGetCudaDriverVersion))
         count = nv.call(pynvml.nvmlDeviceGetCount)
         problems: list[str] = []
-        # Every card's lists first, then the names of every pid listed (see the module's docstring).
         read = [self._read_card(index, problems) for index in range(count)]
-        names = self._names.resolve(nv, [row[0] for card in read if not isinstance(card, CardReading)
-                                         for row in card[1]])
+        asker: _NameAsker | None = None
+        names: dict[int, str] = {}
         # A process listed as in the last read, under the same name, is the same immutable
         # reading: kept rather than built again (most of a big host's processes, most reads).
+        # Keyed by its row and its name, so a renamed process gets a new reading.
         earlier, readings = self._readings, {}
         cards: list[CardReading] = []
         for card in read:
@@ -167,10 +142,15 @@ class NvmlSource:
                 continue
             processes = []
             for row in card[1]:
-                reading = earlier.get(row)
-                if reading is None or reading.name != names[row[0]]:
-                    reading = ProcessReading(row[0], row[1], names[row[0]], *row[2:])
-                readings[row] = reading
+                name = names.get(row[0])
+                if name is None:
+                    asker = asker or _NameAsker(nv)
+                    names[row[0]] = name = asker.name(row[0])
+                key = (row, name)
+                reading = earlier.get(key)
+                if reading is None:
+                    reading = ProcessReading(row[0], row[1], name, *row[2:])
+                readings[key] = reading
                 processes.append(reading)
             cards.append(CardReading(processes=tuple(processes), **card[0]))
         self._readings = readings
@@ -334,44 +314,13 @@ class NvmlSource:
 _Row = tuple[int, str, "int | None", "int | None", "int | None"]
 
 
-class ProcessNames:
-    """``nvmlSystemGetProcessName`` per pid, kept while the pid still names the process it
-    was asked for (the rules are in the module's docstring)."""
-
-    def __init__(self, sample: Callable[[], PidSample | None] | None = None) -> None:
-        self._sample_now = sample or host_pid_sample
-        self._names: dict[int, str] = {}
-        self._sample: PidSample | None = None
-
-    def resolve(self, nv: Nvml, pids: Sequence[int]) -> dict[int, str]:
-        """The name of each pid, "" where NVML has none (exited since it was listed, or not
-        ours to see). Call after listing every device, before showing any name."""
-        sample = self._sample_now()
-        earlier, kept = self._sample, self._names
-        window = None if sample is None or earlier is None else earlier.window(sample)
-        names: dict[int, str] = {}
-        if window is not None:
-            safe, inside = window
-            names = {pid: name for pid in pids if (name := kept.get(pid)) is not None and (pid in safe) == inside}
-        asker: _NameAsker | None = None
-        unnamed = False
-        for pid in pids:
-            if pid not in names:
-                asker = asker or _NameAsker(nv)
-                names[pid] = name = asker.name(pid)
-                unnamed = unnamed or not name
-        # No name is not kept: NVML may give one next time.
-        self._names = {pid: name for pid, name in names.items() if name} if unnamed else names
-        self._sample = sample
-        return names
-
-
 class _NameAsker:
     """``nvmlSystemGetProcessName`` through the C function, one buffer for a read's calls."""
 
     def __init__(self, nv: Nvml) -> None:
         self._nv = nv
         self._buffer = ctypes.create_string_buffer(_NAME_BUFFER_BYTES)
+        self._decoded: dict[bytes, str] = {}  # many processes share a name
         try:
             self._function: Any = nv.c_function("nvmlSystemGetProcessName")
         except NvmlCallError:
@@ -380,77 +329,18 @@ class _NameAsker:
     def name(self, pid: int) -> str:
         if self._function is None:
             return ""
-        code = self._function(ctypes.c_uint(pid), self._buffer, ctypes.c_uint(_NAME_BUFFER_BYTES))
+        # Plain ints go as C ints: pids (at most PID_MAX_LIMIT) and the size fit an unsigned int's bits.
+        code = self._function(pid, self._buffer, _NAME_BUFFER_BYTES)
         if code != pynvml.NVML_SUCCESS:
             try:
                 self._nv.check("nvmlSystemGetProcessName", code)  # a driver-level error still marks re-init
             except NvmlCallError:
                 return ""  # exited since it was listed, or not ours to see
-        return _text(self._buffer.value) or ""
-
-
-class PidSample:
-    """Where the kernel's pid allocation stood: enough to tell which pids it may have handed
-    out again since an earlier sample."""
-
-    __slots__ = ("forks_after", "forks_before", "last_pid", "pid_max", "threads")
-
-    def __init__(self, last_pid: int, forks_before: int, forks_after: int, threads: int, pid_max: int) -> None:
-        self.last_pid, self.threads, self.pid_max = last_pid, threads, pid_max
-        # The fork counter read just before and just after ``last_pid``: it bounds the tasks
-        # created between two samples' ``last_pid`` from below and from above.
-        self.forks_before, self.forks_after = forks_before, forks_after
-
-    @classmethod
-    def now(cls) -> PidSample | None:
-        """``None`` where /proc cannot tell (not Linux, a file missing or odd)."""
-        try:
-            threads = int(_read_proc("/proc/loadavg").split()[3].split(b"/")[1])
-            pid_max = int(_read_proc("/proc/sys/kernel/pid_max"))
-            forks_before = _forks()
-            last_pid = int(_read_proc("/proc/sys/kernel/ns_last_pid"))
-            forks_after = _forks()
-        except (OSError, ValueError, IndexError):
-            return None
-        return cls(last_pid, forks_before, forks_after, threads, pid_max)
-
-    def window(self, later: PidSample) -> tuple[range, bool] | None:
-        """The pids that cannot have been handed out between this sample and ``later``: those in
-        the range (``True``) or those outside it (``False``); ``None`` when that may be none."""
-        span = later.pid_max - _RESERVED_PIDS
-        if later.pid_max != self.pid_max or 2 * (later.forks_after - self.forks_before) + self.threads >= span:
-            return None  # the allocator may have gone all the way round
-        start, end = self.last_pid, later.last_pid
-        crossed = end - start if start <= end else later.pid_max - start + end - _RESERVED_PIDS
-        if later.forks_before - self.forks_after > crossed:
-            return None  # some pid was not handed out at the cursor (clone3's set_tid, a restore)
-        if start <= end:
-            return range(start + 1, end + 1), False  # it crossed (start, end]
-        return range(end + 1, start + 1), True  # it wrapped: it crossed all but (end, start]
-
-
-def host_pid_sample(namespace_link: str = "/proc/self/ns/pid") -> PidSample | None:
-    """A sample where we run in the host's PID namespace (that of the pids NVML lists), else ``None``."""
-    try:
-        if os.readlink(namespace_link) != HOST_PID_NAMESPACE:
-            return None
-    except OSError:
-        return None
-    return PidSample.now()
-
-
-def _forks() -> int:
-    """Tasks created since boot (``processes`` in /proc/stat)."""
-    stat = _read_proc("/proc/stat")
-    return int(stat[stat.index(b"\nprocesses ") + 11:].split(None, 1)[0])
-
-
-def _read_proc(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.read(fd, 1 << 16)
-    finally:
-        os.close(fd)
+        value = self._buffer.value
+        name = self._decoded.get(value)
+        if name is None:
+            self._decoded[value] = name = _text(value) or ""
+        return name
 
 
 @functools.cache
@@ -498,4 +388,4 @@ def _cuda_version(value: int | None) -> str | None:
     return f"{value // 1000}.{value % 1000 // 10}"
 
 
-__all__ = ["NvmlSource", "NvmlUnavailable", "PidSample", "ProcessNames", "host_pid_sample"]
+__all__ = ["NvmlSource", "NvmlUnavailable"]
