@@ -14,7 +14,7 @@ from mig_exporter.config.engines import parse_engines
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.engines.attribution import EngineReader, engine_reading
 from mig_exporter.engines.rules import DEFAULT_SETTINGS
-from mig_exporter.host.procfs import ProcfsSource
+from mig_exporter.host.procfs import REVISIT_READS, ProcfsSource
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.readings import EngineProcess, EngineReading
 from mig_exporter.sources.demo import DemoProcs, DemoSource
@@ -215,7 +215,8 @@ def test_a_hung_proc_read_costs_the_engines_not_the_deadline():
 
 def test_a_process_not_read_again_is_not_matched_again(tmp_path, monkeypatch):
     """What an unchanged process matched is kept (a match is ~10 µs: 50 ms a scrape on a node of
-    5 000); the engines' trees, read at every read, and new processes are matched afresh."""
+    5 000), also when it is read again (the engines' trees at every read, the old processes in
+    their turn); new processes and changed ones are matched afresh."""
     from mig_exporter.engines.rules import EngineSettings
 
     matched: list[int] = []
@@ -231,11 +232,12 @@ def test_a_process_not_read_again_is_not_matched_again(tmp_path, monkeypatch):
     matched.clear()
     again = reader.reading(*reader.read_procs(), demo_gpu())
     assert again == first and [e.pid for e in again.processes] == [48213]
-    assert sorted(set(matched)) == [48213, 48300]  # read again (an engine's tree), so matched again
+    assert matched == []  # 48213 and 48300 read again (an engine's tree), and init in its turn: unchanged
     write_proc(root, Proc(60001, "llama-server", LLAMA))
+    (root / "48300" / "task" / "48301").mkdir()  # a thread starts: 48300 has changed
     matched.clear()
     third = reader.reading(*reader.read_procs(), demo_gpu())
-    assert sorted(set(matched)) == [48213, 48300, 60001]
+    assert sorted(set(matched)) == [48300, 60001]
     assert [e.pid for e in third.processes] == [48213, 60001]
 
 
@@ -256,12 +258,12 @@ def test_an_entrypoint_that_execs_into_its_engine_after_a_long_download_is_that_
     """Review (issue 17): `sh -c "huggingface-cli download ... && exec llama-server ..."`, the usual
     container entrypoint, execs into the engine once the model is down, minutes after it started.
     Read fresh at each scrape (as before the /proc cache), pid 48213 is the llama.cpp engine
-    holding its 11520 MiB on 1000 from the next read; the cache, which reads an old process again
-    only when re-parented, keeps it as the shell for as long as it runs."""
+    holding its 11520 MiB on 1000 from the next read. The cache reads an old process again in
+    turn, once every REVISIT_READS reads: it is the engine within as many reads, and stays one."""
     from proc_tree import stat_line
 
     ticks = os.sysconf("SC_CLK_TCK")
-    started = (86400 - 600) * ticks  # ten minutes before the reads: past SETTLE_S
+    started = (86400 - 3600) * ticks  # an hour before the reads: past SETTLE_S
     entry = ["/bin/sh", "-c", "huggingface-cli download m && exec llama-server -m /models/q.gguf -ngl 99"]
     root = make_proc(tmp_path / "proc", [Proc(48213, "sh", entry, exe="/bin/sh", start_ticks=started)])
     reader = EngineReader(DEFAULT_SETTINGS, ProcfsSource(str(root)))
@@ -271,10 +273,10 @@ def test_an_entrypoint_that_execs_into_its_engine_after_a_long_download_is_that_
     (d / "cmdline").write_bytes(b"".join(a.encode() + b"\0" for a in LLAMA))
     (d / "exe").unlink()
     os.symlink("/usr/local/bin/llama-server", d / "exe")
-    assert read(root, demo_gpu()).processes == (
-        EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),)  # a fresh reader sees it
-    assert reader.reading(*reader.read_procs(), demo_gpu()).processes == (
-        EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),)
+    engine = (EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),)
+    assert read(root, demo_gpu()).processes == engine  # a fresh reader sees it
+    seen = [reader.reading(*reader.read_procs(), demo_gpu()).processes for _ in range(REVISIT_READS + 2)]
+    assert seen[REVISIT_READS - 1:] == [engine] * 3
 
 
 def test_a_proc_read_hung_for_good_holds_one_thread_not_one_per_scrape(tmp_path):

@@ -240,8 +240,8 @@ def test_a_reused_pid_is_read_as_the_new_process(tmp_path):
 
 
 def test_a_known_process_is_not_read_again_unless_its_parent_died(tmp_path):
-    """An old process's files are not opened again: what it changes (an exec, threads) is not
-    seen; its parent dying (it is re-parented) is."""
+    """An old process's files are not opened again at the next read (only in its turn, below):
+    what it changes (an exec, threads) is not seen yet; its parent dying (it is re-parented) is."""
     root = make_proc(tmp_path / "proc", [Proc(500, "sh", ["sh", "run.sh"]),
                                          Proc(600, "worker", ["worker"], ppid=500, threads=[601])])
     source = _source(root)
@@ -254,6 +254,24 @@ def test_a_known_process_is_not_read_again_unless_its_parent_died(tmp_path):
     assert 500 not in table.processes
     assert table.processes[600] == ProcfsSource(str(root)).read().processes[600]
     assert table.processes[600].ppid == 1
+
+
+def test_every_old_process_is_read_again_in_its_turn(tmp_path):
+    """Each read reads again the old processes whose pid is its number modulo revisit_reads: an
+    exec (into an engine or not) or a thread started by any of them is seen within that many
+    reads, whatever its pid."""
+    old = [Proc(pid, "sh", ["sh", "-c", "download && exec engine"], ppid=1, threads=[pid + 50])
+           for pid in range(300, 320)]
+    root = make_proc(tmp_path / "proc", old)
+    source = ProcfsSource(str(root), revisit_reads=4)
+    source.watch(_engine)
+    source.read()
+    for p in old:
+        _rewrite(root, Proc(p.pid, "engine" if p.pid % 2 else "python3", ["x"], ppid=1, threads=[p.pid + 60]))
+    fresh = _source(root).read()
+    reads = [source.read() for _ in range(4)]
+    assert reads[0] != fresh  # not all at once
+    assert reads[-1] == fresh
 
 
 def test_a_young_process_is_read_again_and_so_is_everything_under_an_engine(tmp_path):

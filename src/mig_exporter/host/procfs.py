@@ -16,9 +16,13 @@ is a new process. The start time would tell them apart as well, but only after
 opening each ``stat``, which is the cost saved. A known process is read again
 when its parent is no longer the one it had (it died: the process was
 re-parented), while it is young (the first ``SETTLE_S`` of its life, when a
-wrapper execs into the program it starts), and at every read while it or an
-ancestor matches ``watch`` (the engines: their threads, states and
-command lines are read fresh). Everything else is as first read.
+wrapper execs into the program it starts: a container's entrypoint downloads
+its model first), at every read while it or an ancestor matches ``watch`` (the
+engines: their threads, states and command lines are read fresh), and in turn:
+at each read the processes whose pid is the read's number modulo
+``REVISIT_READS``, so that every process is read again at least once every
+``REVISIT_READS`` reads and an old process that execs into an engine is seen
+within as many. Everything else is as last read.
 """
 
 from __future__ import annotations
@@ -39,8 +43,13 @@ MAX_FILE_BYTES = 1 << 20  # a cmdline is at most a few pages; never buffer more
 # allocate (and give back) 1 MiB per file, twice per process, at every scrape.
 _READ_CHUNK = 16 * 1024
 # How long after it starts a process is read at every read: long enough for a wrapper
-# (an entrypoint script, a launcher) to exec into the program it starts.
-SETTLE_S = 120.0
+# (an entrypoint script, a launcher) to exec into the program it starts, after the
+# minutes a model's download takes.
+SETTLE_S = 600.0
+# Every process is read again at least once in this many reads (a 64th of them at each):
+# an old process's exec is seen within as many. A 64th of a node of 5000 processes is
+# about 80 processes' files, a few ms (benchmarks/procscan.py's warm read).
+REVISIT_READS = 64
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 class ProcError(ReadError):
@@ -237,9 +246,12 @@ class ProcfsSource:
 
     Thread-safe: concurrent reads each read what they need and the last one's knowledge is kept."""
 
-    def __init__(self, root: str = DEFAULT_ROOT, settle_s: float = SETTLE_S) -> None:
+    def __init__(self, root: str = DEFAULT_ROOT, settle_s: float = SETTLE_S,
+                 revisit_reads: int = REVISIT_READS) -> None:
         self.root = root
         self.settle_s = settle_s
+        self.revisit_reads = revisit_reads
+        self._reads = 0  # how many reads were made: whose turn it is to be read again
         self._watch: Callable[[ProcEntry], object] | None = None
         self._known: dict[int, _Known] = {}
         self._under: frozenset[int] = frozenset()  # pids under a watched process, as last read
@@ -279,15 +291,18 @@ class ProcfsSource:
         settled_before = None if uptime_s is None else uptime_s - self.settle_s
         known = self._known
         under = self._under
+        revisit = self.revisit_reads
+        turn = self._reads % revisit
+        self._reads += 1
         now: dict[int, _Known] = {}
         moved = False  # whether the tree (or what watch matches in it) changed: what is under it then
         for pid, inode in listing.items():
             k = known.get(pid)
-            if (k is None or k.inode != inode or pid in under or settled_before is None
+            if (k is None or k.inode != inode or pid in under or settled_before is None or pid % revisit == turn
                     or k.started_s > settled_before or k.parent_inode != listing.get(k.entry.ppid)):
                 # String paths, not pathlib: on a node with thousands of processes
                 # pathlib's joins were a third of the read.
-                read = self._read_one(pid, inode, listing)
+                read = self._read_one(pid, inode, listing, k)
                 if read is None:
                     continue
                 moved = moved or k is None or k.inode != inode or k.entry.ppid != read.entry.ppid \
@@ -299,13 +314,18 @@ class ProcfsSource:
         self._known = now
         return ProcTable(self.read_namespace(), {pid: k.entry for pid, k in now.items()}, listing)
 
-    def _read_one(self, pid: int, inode: int, listing: dict[int, int]) -> _Known | None:
+    def _read_one(self, pid: int, inode: int, listing: dict[int, int], kept: _Known | None) -> _Known | None:
         read = _read_process(f"{self.root}/{pid}")
         if read is None:
             return None
         entry, started_ticks = read
+        parent_inode = listing.get(entry.ppid)
+        if kept is not None and kept.inode == inode and kept.parent_inode == parent_inode and kept.entry == entry:
+            # Unchanged (most of those read in their turn, and of the engines' trees): what
+            # watch made of it holds, and the kept objects are not churned for the collector.
+            return kept
         matched = self._watch is not None and bool(self._watch(entry))
-        return _Known(inode, listing.get(entry.ppid), started_ticks / _CLOCK_TICKS, matched, entry)
+        return _Known(inode, parent_inode, started_ticks / _CLOCK_TICKS, matched, entry)
 
     @staticmethod
     def _under_watch(known: dict[int, _Known]) -> frozenset[int]:
