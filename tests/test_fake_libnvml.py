@@ -329,7 +329,7 @@ def test_a_device_call_hung_for_good_fails_every_later_read_at_its_deadline_whil
     status, first, _ = served.get("/metrics")  # the two cards' power: the calls the hang allows
     assert status == 200 and _sample(first, 'mig_exporter_read_success{source="nvml"}') == "1.0"
     threads = []
-    for n in range(1, 5):
+    for n in range(1, 7):
         status, body, took = served.get("/metrics")
         assert status == 200
         assert 0.9 < took < 3.0, took
@@ -339,7 +339,9 @@ def test_a_device_call_hung_for_good_fails_every_later_read_at_its_deadline_whil
         ready, text, ready_took = served.get("/-/ready")
         assert ready == 200 and "2 device(s)" in text and ready_took < 0.5
         threads.append(_threads(served.proc.pid))
-    assert threads[0] == threads[-1]  # later reads join the hung one: no thread per scrape
+    # Later reads join the hung one: no thread per scrape (6 scrapes would add 5). The kept
+    # workers may grow by one where a scrape's call comes while every kept one is still busy.
+    assert threads[-1] - threads[0] <= 1, threads
     assert "nvml read did not finish within 1.0s" in served.stop()
 
 
