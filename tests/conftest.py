@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import stat
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,30 @@ def calls(fake: Path) -> list[tuple[int, str]]:
 def escaped(fake: Path) -> list[int]:
     """The pids of the grandchildren the fake's ``escape`` runs left, from their pid files."""
     return sorted(int(f.read_text()) for f in fake.parent.glob("escaped.*") if not f.name.endswith(".tmp"))
+
+
+@contextlib.contextmanager
+def a_thread() -> Iterator[int]:
+    """A thread of this process while the block runs: its id, which opens as /proc/TID but is
+    not in /proc's listing (thread group leaders only)."""
+    native: list[int] = []
+    started, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        native.append(threading.get_native_id())
+        started.set()
+        done.wait(30)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    try:
+        assert started.wait(10)
+        assert native[0] != os.getpid() and os.path.exists(f"/proc/{native[0]}/status")
+        assert native[0] not in {int(n) for n in os.listdir("/proc") if n.isdigit()}
+        yield native[0]
+    finally:
+        done.set()
+        worker.join(10)
 
 
 def running(pid: int) -> bool:

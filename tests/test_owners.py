@@ -5,6 +5,7 @@ engine and a login session."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import MIB, SAMPLES, sample_value, samples_of
+from conftest import MIB, SAMPLES, a_thread, sample_value, samples_of
 from kube_node import BY_PID, LLAMA, make_kubelet_logs
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import CgroupIdentity
@@ -279,8 +280,8 @@ def test_the_flag_names_the_users_too(fake_nvidia_smi, tmp_path):
 
 
 def test_each_process_s_cgroup_and_status_are_read_once_and_again_for_a_new_process(tmp_path, monkeypatch):
-    """Read once for a running process (its pid and /proc/PID inode), never for a pid the /proc
-    listing lacks, and again when the pid is another process's."""
+    """Read once for a running process (its pid and /proc/PID inode), never for a pid that is not
+    in /proc, and again when the pid is another process's."""
     opened: list[str] = []
     for name in ("read_cgroup", "read_status"):
         real = getattr(ProcfsSource, name)
@@ -304,32 +305,27 @@ def test_each_process_s_cgroup_and_status_are_read_once_and_again_for_a_new_proc
     assert again == {**first, "48213": ("", "", "run-u12.service", "2000")}
 
 
-def test_a_gpu_pid_that_is_a_thread_id_still_gets_its_owner_from_the_real_proc():
+def test_a_gpu_pid_that_is_a_thread_id_still_gets_its_owner_from_the_real_proc(monkeypatch):
     """Review (issue 17): the driver may list a thread's id (the demo lists 50318, a thread of 50300;
     test_attribution). /proc/TID is there to open but not in /proc's listing, which holds thread
-    group leaders only. Before the per-incarnation cache the owner was read from /proc/TID's files;
-    now nothing is opened for a pid the listing lacks, so such a process loses its job, unit and user."""
-    import dataclasses
-    import threading
-
-    tid: list[int] = []
-    ready, done = threading.Event(), threading.Event()
-
-    def thread() -> None:
-        tid.append(threading.get_native_id())
-        ready.set()
-        done.wait(10)
-
-    worker = threading.Thread(target=thread)
-    worker.start()
-    try:
-        ready.wait(10)
-        assert tid[0] != os.getpid() and os.path.exists(f"/proc/{tid[0]}/status")
-        assert tid[0] not in {int(n) for n in os.listdir("/proc") if n.isdigit()}
+    group leaders only: its owner is read from /proc/TID's files, as 3fd01ef did, and kept like a
+    process's (by its /proc/TID inode) while a pid that is not there at all opens nothing."""
+    opened: list[str] = []
+    for name in ("read_cgroup", "read_status"):
+        real = getattr(ProcfsSource, name)
+        monkeypatch.setattr(ProcfsSource, name,
+                            lambda self, pid, real=real, name=name: opened.append(f"{name} {pid}") or real(self, pid))
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+    with a_thread() as tid:
         snapshot = DemoSource().read()
-        snapshot = dataclasses.replace(snapshot, processes=(snapshot.processes[0]._replace(pid=tid[0]),))
-        owners = OwnerReader("/proc").read(snapshot, Deadline.after(5)).processes
-        assert owners[tid[0]].user == str(os.getuid())  # as 3fd01ef read it: /proc/TID/status
-    finally:
-        done.set()
-        worker.join()
+        snapshot = dataclasses.replace(snapshot, processes=(snapshot.processes[0]._replace(pid=tid),
+                                                            snapshot.processes[1]._replace(pid=gone)))
+        reader = OwnerReader("/proc")
+        owners = reader.read(snapshot, Deadline.after(5)).processes
+        assert owners[tid].user == str(os.getuid())  # as 3fd01ef read it: /proc/TID/status
+        assert gone not in owners
+        assert sorted(opened) == [f"read_cgroup {tid}", f"read_status {tid}"]
+        opened.clear()
+        listing = reader.procs.listing()  # as the engines' /proc read hands it on
+        assert reader.read(snapshot, Deadline.after(5), listing=listing).processes == owners
+        assert opened == []

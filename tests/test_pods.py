@@ -5,6 +5,7 @@ kubelet's log directories, a fake kubelet on a unix socket)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kube_node
-from conftest import MIB, SAMPLES, sample_value, samples_of
+from conftest import MIB, SAMPLES, a_thread, sample_value, samples_of
 from fake_kubelet import Container, Pod
 from kube_node import BY_PID, LLAMA, NOTEBOOK, PODS, TRAINER, VK_LLAMA, VLLM, make_kubelet_logs
 from mig_exporter.core.deadline import Deadline
-from mig_exporter.host.cgroup import CgroupIdentity
+from mig_exporter.host.cgroup import CgroupIdentity, parse_cgroup
 from mig_exporter.kubernetes.podlogs import (
     PodName,
     parse_container_link,
@@ -269,6 +270,19 @@ def test_outside_the_host_pid_namespace_no_process_is_attributed(tmp_path, fake_
     assert {s.labels["pod"] for s in samples_of(families, "mig_exporter_process_info")} == {""}
     assert samples_of(families, "mig_exporter_pod_memory_used_bytes") == []
     assert len(samples_of(families, "mig_exporter_device_allocation_info")) == 4  # allocations need no pids
+
+
+def test_a_gpu_pid_that_is_a_thread_id_has_its_cgroup_read_from_the_real_proc():
+    """As for owners (test_owners): a thread's id is not in /proc's listing, yet /proc/TID/cgroup is
+    the thread's to read, and pods read it when no owners read it for them; a pid that is not
+    there at all has none."""
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+    with a_thread() as tid:
+        snapshot = DemoSource().read()
+        snapshot = dataclasses.replace(snapshot, processes=(snapshot.processes[0]._replace(pid=tid),
+                                                            snapshot.processes[1]._replace(pid=gone)))
+        identities = PodReader("/proc", None, None).identities(snapshot)
+        assert identities == {tid: parse_cgroup(Path(f"/proc/{tid}/cgroup").read_bytes())}
 
 
 def test_a_failed_gpu_read_reads_no_pods(tmp_path, fake_kubelet):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import a_thread
 from mig_exporter.host.procfs import (
     HOST_PID_NAMESPACE,
     MAX_FILE_BYTES,
@@ -195,6 +196,19 @@ def test_reads_this_process_and_its_threads_from_the_real_proc():
     assert me.cmdline == tuple(Path("/proc/self/cmdline").read_bytes().decode().split("\0")[:-1])
     assert os.getpid() in me.thread_ids and native[0] in me.thread_ids
     assert table.processes[os.getppid()].pid == os.getppid()
+
+
+def test_a_thread_s_id_is_not_listed_but_located_by_its_own_directory_s_inode():
+    """The listing holds thread group leaders only; ``inodes`` finds a thread's /proc/TID (not its
+    leader's, nor /proc/PID/task/TID's) and nothing for a pid that is not there."""
+    source = ProcfsSource("/proc")
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+    with a_thread() as tid:
+        assert tid not in source.listing()
+        found = source.inodes([tid, gone, os.getpid()])
+        assert found == {tid: os.stat(f"/proc/{tid}").st_ino, os.getpid(): source.listing()[os.getpid()]}
+        assert found[tid] != os.stat(f"/proc/{os.getpid()}/task/{tid}").st_ino
+    assert source.inodes([gone]) == {}
 
 
 # --- reading again: only what may have changed ------------------------------------------------------

@@ -15,8 +15,10 @@ only where the /proc root is the host's PID namespace, whose pids the driver
 lists, and within what is left of the scrape's budget. Both are read once for
 each process (its pid and the inode of its ``/proc/PID``, as ``procfs.py``
 tells processes apart) and kept while it runs: a running process rarely
-changes its cgroup or its real uid (docs/hpc.md). Nothing is opened for a pid
-that the /proc listing does not show.
+changes its cgroup or its real uid (docs/hpc.md). A pid that the /proc listing
+does not show is looked up by itself, once each read: it may be a thread's id (the
+listing holds thread group leaders only), kept by its own ``/proc/TID`` inode; one that
+is not there at all costs one ``access`` and nothing is opened for it.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ T = TypeVar("T")
 class KeptReads(Generic[T]):
     """One file of each process, parsed and kept while that process runs (the same pid and
     /proc/PID inode); what is kept is what the last read asked for. ``read`` gives a pid's
-    file, or ``None`` when it cannot (the process has gone)."""
+    file, or ``None`` when it cannot (the process has gone); ``locate`` the inodes of those
+    of some pids the listing lacks that are there all the same (threads' ids)."""
 
-    def __init__(self, read: Callable[[int], bytes | None], parse: Callable[[bytes], T]) -> None:
+    def __init__(self, read: Callable[[int], bytes | None], parse: Callable[[bytes], T],
+                 locate: Callable[[Iterable[int]], Mapping[int, int]]) -> None:
         self._read = read
         self._parse = parse
+        self._locate = locate
         self._kept: dict[int, tuple[int, T]] = {}
 
     def read(self, pids: Iterable[int], listing: Mapping[int, int], deadline: Deadline | None = None) -> dict[int, T]:
@@ -49,10 +54,15 @@ class KeptReads(Generic[T]):
         ``deadline`` only what is kept."""
         kept = self._kept
         now: dict[int, tuple[int, T]] = {}
+        pids = list(pids)
+        unlisted = [pid for pid in pids if pid not in listing]  # no thread group leader: threads, or gone
+        threads = self._locate(unlisted) if unlisted else {}
         for pid in pids:
             inode = listing.get(pid)
-            if inode is None:  # not running (the listing shows every process): nothing to open
-                continue
+            if inode is None:
+                inode = threads.get(pid)
+                if inode is None:
+                    continue
             known = kept.get(pid)
             if known is None or known[0] != inode:
                 if deadline is not None and deadline.expired:
@@ -67,7 +77,7 @@ class KeptReads(Generic[T]):
 
 
 def cgroup_reads(procs: ProcfsSource) -> KeptReads[CgroupIdentity]:
-    return KeptReads(lambda pid: procs.read_cgroup(pid), parse_cgroup)
+    return KeptReads(lambda pid: procs.read_cgroup(pid), parse_cgroup, lambda pids: procs.inodes(pids))
 
 
 def owner_reading(
@@ -117,7 +127,8 @@ class OwnerReader:
         self.procs = ProcfsSource(proc_root)
         self.passwd = PasswdFile(passwd_path) if passwd_path else None
         self._cgroups = cgroup_reads(self.procs)
-        self._uids = KeptReads(lambda pid: self.procs.read_status(pid), parse_status_uid)
+        self._uids = KeptReads(lambda pid: self.procs.read_status(pid), parse_status_uid,
+                               lambda pids: self.procs.inodes(pids))
 
     def describe(self) -> str:
         names = f"user names from {self.passwd.path}" if self.passwd else "users as uids (no --host.passwd)"

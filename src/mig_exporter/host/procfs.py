@@ -27,6 +27,7 @@ within as many. Everything else is as last read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -282,6 +283,22 @@ class ProcfsSource:
                 return {int(e.name): e.inode() for e in entries if e.name.isdigit()}
         except OSError as e:
             raise ProcError(f"cannot read {self.root}: {e.strerror or e}") from None
+
+    def inodes(self, pids: Iterable[int]) -> dict[int, int]:
+        """The inode of ``<root>/PID`` for each of ``pids`` that the listing lacks and that is
+        there all the same: a thread's id (the listing holds thread group leaders only, yet
+        ``<root>/TID`` opens), whose inode tells that thread from a later one of the same id."""
+        found: dict[int, int] = {}
+        root = self.root
+        access, exists = os.access, os.F_OK
+        for pid in pids:
+            path = f"{root}/{pid}"
+            # Nearly every such pid is gone rather than a thread: access says so without the
+            # exception a failing stat raises (0.8 against 1.3 µs).
+            if access(path, exists):
+                with contextlib.suppress(OSError):  # ended in between
+                    found[pid] = os.stat(path).st_ino
+        return found
 
     def read(self) -> ProcTable:
         """Every process. Raises ``ProcError`` only when the root itself

@@ -182,6 +182,10 @@ class PodReader:
                     problems.append(str(e))
         return KubeletReading(names, listed, asked, tuple(problems), tuple(notes))
 
+    def identities(self, snapshot: Snapshot) -> dict[int, CgroupIdentity] | None:
+        """The cgroups of the pids on the GPU lists, when owners did not read them (``read_identities``)."""
+        return read_identities(self.procs, (p.pid for p in snapshot.processes), None, self._cgroups)
+
     def read(self, snapshot: Snapshot, deadline: Deadline | None = None,
              identities: dict[int, CgroupIdentity] | None = None,
              kubelet: KubeletReading | None = None) -> PodReading:
@@ -190,7 +194,7 @@ class PodReader:
         ``identities``: their cgroups, when already read for this scrape; ``kubelet``: what
         ``read_kubelet`` gave for this scrape, when read alongside the GPUs."""
         if identities is None:
-            identities = read_identities(self.procs, (p.pid for p in snapshot.processes), None, self._cgroups) or {}
+            identities = self.identities(snapshot) or {}
         if kubelet is None:
             kubelet = self.read_kubelet(deadline)
         notes: list[str] = []

@@ -15,7 +15,8 @@ directory names and its pod-resources answer are read alongside the GPUs too,
 and the cgroups of the processes the driver listed just after them, by the
 read's deadline. With owners watched, the same cgroups (read once for both) and
 the processes' uids give their Slurm jobs, systemd units and users, read only
-for the processes the /proc listing shows (the engines', when taken by then).
+for the processes in /proc: those its listing shows (the engines', when taken by
+then), and a thread's id (no leader, not listed) found by itself.
 With a Slurm job-map directory, it is read last, by the same deadline.
 """
 
