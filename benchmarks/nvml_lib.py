@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import mig_exporter
-from benchmarks import scenarios
+from benchmarks import run, scenarios
 from benchmarks.scenarios import BIG_MIG, BIG_WHOLE, SINGLE, Shape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,11 +99,6 @@ print(json.dumps({"read_cpu_ms": statistics.median(cpu) / 1e6}))
 """
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _python_env(env: dict[str, str]) -> dict[str, str]:
     env = dict(env)
     roots = (str(Path(mig_exporter.__file__).resolve().parent.parent), str(REPO))
@@ -111,45 +106,8 @@ def _python_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _serve(env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mig_exporter", "serve", "--source", "nvml", "--web.listen-address",
-         f"127.0.0.1:{port}", "--log-level", "error"],
-        env=_python_env(env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited: {proc.stderr.read().decode(errors='replace') if proc.stderr else ''}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/-/healthy")
-            if conn.getresponse().status == 200:
-                conn.close()
-                return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("serve did not answer /-/healthy within 30s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    if proc.stderr:
-        proc.stderr.close()
-
-
 def measure_ours(shape: Shape, env: dict[str, str], library: Path, reps: int, warmup: int) -> dict[str, float]:
-    proc, port = _serve(env)
+    proc, port = run.start_serve(["--source", "nvml", "--log-level", "error"], env, within_s=30)
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
@@ -164,12 +122,12 @@ def measure_ours(shape: Shape, env: dict[str, str], library: Path, reps: int, wa
         for _ in range(warmup):
             scrape()
         walls = []
-        cpu_before = _cpu_seconds(proc.pid)
+        cpu_before = run.cpu_seconds(proc.pid)
         for _ in range(reps):
             t = time.perf_counter_ns()
             last = scrape()
             walls.append(time.perf_counter_ns() - t)
-        cpu_s = _cpu_seconds(proc.pid) - cpu_before
+        cpu_s = run.cpu_seconds(proc.pid) - cpu_before
         conn.close()
         body = gzip.decompress(last)
         if b'mig_exporter_read_success{source="nvml"} 1' not in body:
@@ -180,7 +138,7 @@ def measure_ours(shape: Shape, env: dict[str, str], library: Path, reps: int, wa
         if str(library / SONAME) not in Path(f"/proc/{proc.pid}/maps").read_text():
             raise RuntimeError("the serving process did not map our libnvidia-ml")
     finally:
-        _stop(proc)
+        run.stop_server(proc)
     return {"scrape_p50_ms": statistics.median(walls) / 1e6, "cpu_per_scrape_ms": cpu_s * 1000 / reps}
 
 

@@ -316,18 +316,23 @@ def start_server(fake: Path, proc_root: Path | None = None) -> tuple[subprocess.
     """``mig-exporter serve`` on the fake, as it runs with no options but these: every engine preset
     on, Kubernetes on (the kubelet's default socket and log directory), owners read from the cgroups
     of ``proc_root`` (this machine's /proc when None)."""
+    extra = [] if proc_root is None else ["--proc.root", str(proc_root)]
+    return start_serve(["--source", "nvidia-smi", "--nvidia-smi", str(fake), "--log-level", "warning", *extra])
+
+
+def start_serve(options: list[str], env: dict[str, str] | None = None,
+                within_s: float = 20.0) -> tuple[subprocess.Popen, int]:
+    """``mig-exporter serve`` with ``options`` on a free port of 127.0.0.1, in ``env`` (this
+    process's by default), running the same mig_exporter as this process; once /-/healthy answers."""
     port = free_port()
-    env = dict(os.environ)
-    # The serving process runs the same mig_exporter as this one.
+    env = dict(os.environ if env is None else env)
     package_root = str(Path(mig_exporter.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    extra = [] if proc_root is None else ["--proc.root", str(proc_root)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mig_exporter", "serve", "--source", "nvidia-smi", "--nvidia-smi", str(fake),
-         "--web.listen-address", f"127.0.0.1:{port}", "--log-level", "warning", *extra],
+        [sys.executable, "-m", "mig_exporter", "serve", *options, "--web.listen-address", f"127.0.0.1:{port}"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
     )
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"mig-exporter serve exited: {proc.stderr.read().decode(errors='replace')[-2000:]}")
@@ -340,7 +345,7 @@ def start_server(fake: Path, proc_root: Path | None = None) -> tuple[subprocess.
         except OSError:
             time.sleep(0.05)
     stop_server(proc)
-    raise RuntimeError("mig-exporter serve did not answer /-/healthy within 20s")
+    raise RuntimeError(f"mig-exporter serve did not answer /-/healthy within {within_s:.0f}s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
