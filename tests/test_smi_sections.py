@@ -242,3 +242,23 @@ def test_a_section_mark_the_report_itself_carries_reads_as_any_element():
     assert parse_query_xml(bent) == plain and parse_query_xml(bent + NOT_PLAIN) == plain
     bent = data.replace(b"<mig_devices>", b'<mig_devices mig-exporter-section="0">', 1)
     assert parse_query_xml(bent) == plain and plain.cards[0].instances
+
+
+
+_LONG = "a" * 50_001  # libxml2 refuses a longer name than 50,000 characters (without huge_tree)
+
+
+@pytest.mark.parametrize("block, inserted", [
+    ("<shared>", f"<{_LONG}>1</{_LONG}>"),
+    ("<volatile_count>", f"<{_LONG}>0</{_LONG}>"),
+    ("<ecc_error_count>", f"<{_LONG}><sram_uncorrectable>0</sram_uncorrectable></{_LONG}>"),
+    ("<bar1_memory_usage>", f"<{_LONG}>1 MiB</{_LONG}>"),
+])
+def test_a_mig_tag_name_longer_than_libxml2_takes_fails_as_the_whole_parse_fails(block, inserted):
+    # A MIG device's leaf or counter block so named must not be read apart from a report lxml refuses.
+    data = BASES["h100-mig-processes"]
+    assert block.encode() in data
+    bent = data.replace(block.encode(), (block + inserted).encode(), 1)
+    with pytest.raises(ParseError):
+        parse_query_xml(bent)
+    assert _read(bent) == _read(bent + NOT_PLAIN)
