@@ -262,3 +262,14 @@ def test_a_mig_tag_name_longer_than_libxml2_takes_fails_as_the_whole_parse_fails
     with pytest.raises(ParseError):
         parse_query_xml(bent)
     assert _read(bent) == _read(bent + NOT_PLAIN)
+
+
+@pytest.mark.parametrize("tag", ["mig_devices", "processes"])
+def test_a_foreign_mark_on_a_card_with_the_real_section_elsewhere_reads_as_the_whole_parse(tag):
+    # The report's own <tag mig-exporter-section="0"/> on the card, and its real section inside
+    # <pci> (where nothing reads it): the placeholder lands under <pci>, the card's marks look right.
+    data = BASES["h100-mig-processes"]
+    section = re.search(f"<{tag}>.*?</{tag}>".encode(), data, re.S).group()
+    bent = data.replace(section, f'<{tag} {query_xml._MARK}="0"/>'.encode(), 1)
+    bent = bent.replace(b"<pci>", b"<pci>" + section, 1)
+    assert _read(bent) == _read(bent + NOT_PLAIN)
