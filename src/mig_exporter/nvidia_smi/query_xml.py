@@ -118,6 +118,8 @@ _MIG_OPEN, _MIG_CLOSE = b"<mig_devices>", b"</mig_devices>"
 _MIG_BLANK = "[ \t\n]*"
 _MIG_TEXT = "[ -%'-;=?-~]*"
 _MIG_PLAIN = re.compile("[ -%'-;=?-~\t\n]*")  # a section of text alone ("None": no MIG)
+# A tag the grammar takes by any name: a short one (libxml2 refuses a name over 50,000 characters).
+_MIG_NAME = "[a-z_]{1,200}"
 
 
 def _mig_element(tag: str) -> str:
@@ -125,7 +127,7 @@ def _mig_element(tag: str) -> str:
 
 
 def _mig_leaf(group: str) -> str:
-    return f"<(?P<{group}>[a-z_]+)>{_MIG_TEXT}</(?P={group})>{_MIG_BLANK}"
+    return f"<(?P<{group}>{_MIG_NAME})>{_MIG_TEXT}</(?P={group})>{_MIG_BLANK}"
 
 
 def _mig_block(tag: str, inner: str) -> str:
@@ -137,7 +139,7 @@ _MIG_ROW = re.compile(
     f"{_mig_element('index')}{_mig_element('gpu_instance_id')}{_mig_element('compute_instance_id')}"
     + _mig_block("device_attributes", _mig_block("shared", f"(?:{_mig_leaf('shared')})*"))
     + _mig_block("ecc_error_count",
-                 f"(?:<(?P<count>[a-z_]+)>{_MIG_BLANK}(?:{_mig_leaf('error')})*</(?P=count)>{_MIG_BLANK})*")
+                 f"(?:<(?P<count>{_MIG_NAME})>{_MIG_BLANK}(?:{_mig_leaf('error')})*</(?P=count)>{_MIG_BLANK})*")
     + f"<fb_memory_usage>{_MIG_BLANK}{_mig_element('total')}(?:{_mig_element('reserved')})?"
     f"{_mig_element('used')}{_mig_element('free')}</fb_memory_usage>{_MIG_BLANK}"
     + _mig_block("bar1_memory_usage", f"(?:{_mig_leaf('bar1')})*")
