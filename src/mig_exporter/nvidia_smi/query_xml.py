@@ -309,12 +309,19 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
         root = etree.fromstring(b"".join(parts), _parser())
     except (etree.LxmlError, ValueError):
         return None  # the whole parse says why
-    # Each placeholder once, in order, and no other element a card's section reads as one.
+    # Each placeholder once, in order, each where a card's section is read, and no other
+    # element with a mark anywhere (a foreign one on a card could stand for a placeholder
+    # that landed where nothing reads it).
     if root.tag != "nvidia_smi_log":
         return None
     for tag, count in (("processes", len(sections)), ("mig_devices", len(migs))):
-        found = [mark for gpu in root.iterfind("gpu") for section in gpu.iterfind(tag)
-                 if (mark := section.get(_MARK)) is not None]
+        found = []
+        for section in root.iter(tag):
+            if (mark := section.get(_MARK)) is not None:
+                gpu = section.getparent()
+                if gpu is None or gpu.tag != "gpu" or gpu.getparent() is not root:
+                    return None
+                found.append(mark)
         if found != [str(i) for i in range(count)]:
             return None
     return root, _Sections(sections, migs)
