@@ -273,3 +273,14 @@ def test_a_foreign_mark_on_a_card_with_the_real_section_elsewhere_reads_as_the_w
     bent = data.replace(section, f'<{tag} {query_xml._MARK}="0"/>'.encode(), 1)
     bent = bent.replace(b"<pci>", b"<pci>" + section, 1)
     assert _read(bent) == _read(bent + NOT_PLAIN)
+
+
+def test_clocks_nested_as_deep_as_libxml2_refuses_fail_as_the_whole_parse_fails():
+    # libxml2 refuses a document deeper than 256 (without huge_tree): clocks left out must not
+    # make such a report shallow enough to read.
+    data = BASES["h100-mig-processes"]
+    clocks = b"<supported_clocks><supported_mem_clock><value>1 MHz</value></supported_mem_clock></supported_clocks>"
+    bent = data.replace(b"<pci>", b"<pci>" + b"<a>" * 252 + clocks + b"</a>" * 252, 1)
+    with pytest.raises(ParseError):
+        parse_query_xml(bent + NOT_PLAIN)
+    assert _read(bent) == _read(bent + NOT_PLAIN)
