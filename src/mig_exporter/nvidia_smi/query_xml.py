@@ -100,8 +100,8 @@ _Row = tuple[str, str, str, str, str, str, str]
 
 # <supported_clocks>, some 110 clocks a card and half its elements, is never read: where it
 # holds only clocks as nvidia-smi writes them ("<n> MHz", ASCII: no check of the characters
-# needed), it is left out, as an empty element in its place.
-_CLOCKS_OPEN, _CLOCKS_CLOSE, _CLOCKS_EMPTY = b"<supported_clocks>", b"</supported_clocks>", b"<supported_clocks/>"
+# needed), it is left out, as an empty element in its place, marked and checked as the sections are.
+_CLOCKS_OPEN, _CLOCKS_CLOSE = b"<supported_clocks>", b"</supported_clocks>"
 _CLOCK_BLANK = rb"[ \t\n]*"
 _CLOCKS = re.compile(
     _CLOCK_BLANK + rb"(?:<supported_mem_clock>" + _CLOCK_BLANK + rb"<value>[0-9]{1,9} MHz</value>" + _CLOCK_BLANK
@@ -276,14 +276,15 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
         end = close + len(_SECTION_CLOSE)
         cuts.append((start, end, b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections))))
         sections.append(rows)
-    start = end = 0
+    start = end = clocks = 0
     while (start := data.find(_CLOCKS_OPEN, end)) >= 0:
         close = data.find(_CLOCKS_CLOSE, start)
         if close < 0:
             break  # the parse says why
         end = close + len(_CLOCKS_CLOSE)
         if close - start < _MOST_TEXT and _CLOCKS.fullmatch(data, start + len(_CLOCKS_OPEN), close):
-            cuts.append((start, end, _CLOCKS_EMPTY))
+            cuts.append((start, end, b'<supported_clocks %s="%d"/>' % (_MARK_BYTES, clocks)))
+            clocks += 1
     start = end = 0
     while (start := data.find(_MIG_OPEN, end)) >= 0:
         close = data.find(_MIG_CLOSE, start)
@@ -314,7 +315,8 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
     # that landed where nothing reads it).
     if root.tag != "nvidia_smi_log":
         return None
-    for tag, count in (("processes", len(sections)), ("mig_devices", len(migs))):
+    # Clocks too: one left out deep down could make a report libxml2 refuses (depth) shallow enough.
+    for tag, count in (("processes", len(sections)), ("mig_devices", len(migs)), ("supported_clocks", clocks)):
         found = []
         for section in root.iter(tag):
             if (mark := section.get(_MARK)) is not None:
