@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import http.client
 import json
 import os
 import statistics
@@ -47,13 +46,6 @@ from fake_nvml_c import SONAME, build, environment, write_scenario  # noqa: E402
 TARGET_BIG_MIG_SCRAPE_MS = 3.0
 TARGET_RATIO = 0.2
 SHAPES = (BIG_MIG, BIG_WHOLE, SINGLE)
-PROMETHEUS_HEADERS = {
-    "Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-              "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
-    "Accept-Encoding": "gzip",
-    "User-Agent": "Prometheus/2.42.0",
-    "X-Prometheus-Scrape-Timeout-Seconds": "10",
-}
 # nvitop-exporter's update, in a process of its own: prints its figures as JSON.
 _NVITOP_CHILD = """
 import json, statistics, sys, time
@@ -109,26 +101,17 @@ def _python_env(env: dict[str, str]) -> dict[str, str]:
 def measure_ours(shape: Shape, env: dict[str, str], library: Path, reps: int, warmup: int) -> dict[str, float]:
     proc, port = run.start_serve(["--source", "nvml", "--log-level", "error"], env, within_s=30)
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-
-        def scrape() -> bytes:
-            conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
-            response = conn.getresponse()
-            body = response.read()
-            if response.status != 200:
-                raise RuntimeError(f"/metrics answered {response.status}")
-            return body
-
+        scrape = run.Scrape(port)
         for _ in range(warmup):
             scrape()
         walls = []
         cpu_before = run.cpu_seconds(proc.pid)
         for _ in range(reps):
             t = time.perf_counter_ns()
-            last = scrape()
+            last, _ = scrape.raw()
             walls.append(time.perf_counter_ns() - t)
         cpu_s = run.cpu_seconds(proc.pid) - cpu_before
-        conn.close()
+        scrape.close()
         body = gzip.decompress(last)
         if b'mig_exporter_read_success{source="nvml"} 1' not in body:
             raise RuntimeError(f"{shape.name}: the NVML read failed")

@@ -367,12 +367,18 @@ class Scrape:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
 
     def __call__(self) -> bytes:
+        body, gzipped = self.raw()
+        return gzip.decompress(body) if gzipped else body
+
+    def raw(self) -> tuple[bytes, bool]:
+        """The body as sent, and whether it is gzipped: what a timed loop measures (the client's
+        gunzip is not the server's cost)."""
         self.conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
         response = self.conn.getresponse()
         body = response.read()
         if response.status != 200:
             raise RuntimeError(f"/metrics answered {response.status}")
-        return gzip.decompress(body) if response.getheader("Content-Encoding") == "gzip" else body
+        return body, response.getheader("Content-Encoding") == "gzip"
 
     def close(self) -> None:
         self.conn.close()
@@ -384,16 +390,7 @@ def measure_http(result: SmiResult, xml: bytes, listing: bytes, s: Settings) -> 
         fake = write_fake_nvidia_smi(Path(tmp), xml, listing)
         proc, port = start_server(fake)
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-
-            def scrape() -> bytes:
-                conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
-                response = conn.getresponse()
-                body = response.read()
-                if response.status != 200:
-                    raise RuntimeError(f"/metrics answered {response.status}")
-                return gzip.decompress(body) if response.getheader("Content-Encoding") == "gzip" else body
-
+            scrape = Scrape(port)
             for _ in range(s.warmup):
                 run_fake_alone(fake)
                 scrape()
@@ -405,14 +402,10 @@ def measure_http(result: SmiResult, xml: bytes, listing: bytes, s: Settings) -> 
                 run_fake_alone(fake)
                 fake_ns.append(time.perf_counter_ns() - t)
                 t = time.perf_counter_ns()
-                conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
-                response = conn.getresponse()
-                last = response.read()
+                last, _ = scrape.raw()
                 scrape_ns.append(time.perf_counter_ns() - t)
-                if response.status != 200:
-                    raise RuntimeError(f"/metrics answered {response.status}")
             server_cpu_s = cpu_seconds(proc.pid) - cpu_before
-            conn.close()
+            scrape.close()
             body = gzip.decompress(last)
             if b'mig_exporter_read_success{source="nvidia-smi"} 1.0' not in body:
                 raise RuntimeError(f"{shape.name}: the scrape did not read the fake nvidia-smi")

@@ -134,6 +134,30 @@ def a_thread() -> Iterator[int]:
         worker.join(10)
 
 
+@contextlib.contextmanager
+def threads_started() -> Iterator[set[str]]:
+    """The names of the threads that appear while the block runs (watched every 5 ms), filled
+    in when it ends: what a read starts, once the exporter keeps its workers."""
+    seen: set[threading.Thread] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.update(threading.enumerate())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, name="watcher")
+    before = set(threading.enumerate()) | {watcher}
+    started: set[str] = set()
+    watcher.start()
+    try:
+        yield started
+    finally:
+        stop.set()
+        watcher.join()
+        started.update(t.name for t in seen - before)
+
+
 def running(pid: int) -> bool:
     """Whether ``pid`` is a process still running (a zombie is not)."""
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _proc_stats
+from conftest import _proc_stats, threads_started
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import (
     CommandError,
@@ -390,7 +390,6 @@ def test_commands_run_side_by_side_and_start_no_thread_once_one_is_kept(monkeypa
     """Two commands of 0.4 s each take 0.4 s together. The second is started in a kept worker
     and both are read in the calling thread: after the first run, none starts a thread. Each
     gets its own output, in the order given."""
-    import threading
 
     from mig_exporter.core import workers
     from mig_exporter.sources.command import OutputBudget, run_commands
@@ -399,28 +398,14 @@ def test_commands_run_side_by_side_and_start_no_thread_once_one_is_kept(monkeypa
     commands = [(["sh", "-c", "sleep 0.4; echo first"], OutputBudget(MIB)),
                 (["sh", "-c", "sleep 0.4; echo second >&2; echo 2"], OutputBudget(MIB))]
     run_commands([(["true"], OutputBudget(MIB)), (["true"], OutputBudget(MIB))], Deadline.after(10))
-    seen: set[threading.Thread] = set()
-    stop = threading.Event()
-
-    def watch() -> None:  # every thread alive while the commands run
-        while not stop.is_set():
-            seen.update(threading.enumerate())
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch, name="watcher")
-    before = set(threading.enumerate()) | {watcher}
-    watcher.start()
-    started = time.monotonic()
-    try:
+    with threads_started() as started_threads:
+        started = time.monotonic()
         first, second = run_commands(commands, Deadline.after(10))
-    finally:
-        stop.set()
-        watcher.join()
-    elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - started
     assert isinstance(first, CommandResult) and isinstance(second, CommandResult)
     assert (first.stdout, second.stdout, second.stderr) == (b"first\n", b"2\n", b"second\n")
     assert 0.4 <= elapsed < 0.75
-    assert {t.name for t in seen - before} == set()
+    assert started_threads == set()
 
 
 def test_when_the_first_command_fails_the_others_are_cancelled_at_once(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -174,27 +173,13 @@ def test_the_real_proc_namespace_is_the_one_the_kernel_shows():
 
 
 def test_reads_this_process_and_its_threads_from_the_real_proc():
-    started, stop = threading.Event(), threading.Event()
-    native: list[int] = []
-
-    def worker():
-        native.append(threading.get_native_id())
-        started.set()
-        stop.wait(10)
-
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
-    try:
-        assert started.wait(10)
+    with a_thread() as tid:
         table = ProcfsSource("/proc").read()
-    finally:
-        stop.set()
-        thread.join(10)
     me = table.processes[os.getpid()]
     assert me.ppid == os.getppid()
     assert me.exe == os.path.realpath(f"/proc/{os.getpid()}/exe")
     assert me.cmdline == tuple(Path("/proc/self/cmdline").read_bytes().decode().split("\0")[:-1])
-    assert os.getpid() in me.thread_ids and native[0] in me.thread_ids
+    assert os.getpid() in me.thread_ids and tid in me.thread_ids
     assert table.processes[os.getppid()].pid == os.getppid()
 
 

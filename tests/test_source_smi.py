@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind
+from conftest import MIB, FakeSmi, calls, fixture_bytes, left_behind, threads_started
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import (
     CommandFailed,
@@ -407,32 +407,17 @@ def test_a_read_starts_no_thread_once_one_is_kept(fake_nvidia_smi: FakeSmi, monk
     """Both commands are read in the calling thread, and -L is started in a kept worker: after
     the first, a read starts no thread (starting one costs about a millisecond of a 2-core
     machine). Seen from a thread that lists every thread while the second read runs."""
-    import threading
 
     from mig_exporter.core import workers
 
     monkeypatch.setattr(workers, "WORKERS", workers.Workers())  # as serve's: threads kept
     source = NvidiaSmiSource(str(fake_for(fake_nvidia_smi, "h100-mig-processes", delay_s=0.3)), timeout_s=10)
     source.read()
-    seen: set[threading.Thread] = set()
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            seen.update(threading.enumerate())
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch, name="watcher")
-    before = set(threading.enumerate()) | {watcher}
-    watcher.start()
-    try:
+    with threads_started() as started_threads:
         result, _ = timed_read(source)
-    finally:
-        stop.set()
-        watcher.join()
     assert isinstance(result, Snapshot), repr(result)
     assert [d.profile for d in result.devices] == ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]
-    assert {t.name for t in seen - before} == set()
+    assert started_threads == set()
 
 
 def test_describe_names_the_binary_and_timeout() -> None:
