@@ -104,7 +104,7 @@ class Scraper:
         self._errors_total = 0
         self._known_problems: dict[str, frozenset[str]] = {}
         self._logged_bugs: set[str] = set()
-        self._newest_procs: tuple[float, tuple[ProcTable | None, str | None]] | None = None
+        self._newest_procs: tuple[float, _Procs] | None = None
         # The /proc read still running, if any: a read hung for good (a process in D state) is
         # waited for by the scrapes after it, not started again in a new thread at each one.
         self._procs_running: Future[_Procs] | None = None
@@ -133,10 +133,10 @@ class Scraper:
             return self._failed(started, f"unexpected {type(e).__name__}: {e}", engines, answered)
         procs = self._procs(reading, deadline)
         engines = self._engines(procs, snapshot)
-        listing = procs[0].inodes if procs is not None and procs[0] is not None else None
-        if listing is not None and self.owners is not None and procs is not None and procs[0] is not None \
-                and procs[0].namespace.root != self.owners.procs.root:
-            listing = None  # another /proc's pids
+        table = procs[0] if procs is not None else None
+        # The engines' listing of /proc, for the owners' reads; none where it is another /proc's pids.
+        same_proc = table is not None and (self.owners is None or table.namespace.root == self.owners.procs.root)
+        listing = table.inodes if table is not None and same_proc else None
         identities = self._identities(snapshot, deadline, listing)
         owners = self._owners(snapshot, deadline, identities, listing)
         pods = self._pods(snapshot, deadline, identities, kubelet)
@@ -260,7 +260,7 @@ class Scraper:
         if reading is None:
             return None
         try:
-            return reading.result(None if deadline is None else max(deadline.left_s(), 0.0))
+            return reading.result(None if deadline is None else deadline.left_s())
         except FutureTimeout:
             return None, "reading processes took longer than the scrape's budget"
 
@@ -273,7 +273,7 @@ class Scraper:
             return None, f"reading processes failed: unexpected {type(e).__name__}: {e}"
 
     def _engines(
-        self, procs: tuple[ProcTable | None, str | None] | None, snapshot: Snapshot | None
+        self, procs: _Procs | None, snapshot: Snapshot | None
     ) -> EngineReading | None:
         if self.engines is None or procs is None:
             return None
@@ -360,7 +360,7 @@ class Scraper:
         outcome = self._failed(started, reason, self._engines(self._procs_since(procs_since), None))
         return outcome, list(self.families_for(outcome))
 
-    def _procs_since(self, since: float | None) -> tuple[ProcTable | None, str | None] | None:
+    def _procs_since(self, since: float | None) -> _Procs | None:
         with self._lock:
             newest = self._newest_procs
         if since is None or newest is None or newest[0] < since:
