@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mig_exporter.core.errors import ParseError
-from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
 
 _PROCESS = re.compile(rb"<process_info>.*?</process_info>", re.S)
 _FIELD = re.compile(rb"<(pid|type|process_name|used_memory|gpu_instance_id|compute_instance_id)>(.*?)</\1>", re.S)
@@ -173,10 +173,11 @@ def plain(obj: Any) -> Any:
     return obj
 
 
-def outcome(xml: bytes, listing: bytes | None) -> Any:
-    """What ``snapshot_from_smi`` makes of the pair, as JSON-able values: the snapshot, or the error."""
+def outcome(xml: bytes, listing: bytes | None, memo: ReadMemo | None = None) -> Any:
+    """What ``snapshot_from_smi`` makes of the pair (with ``memo``, the last read's), as JSON-able
+    values: the snapshot, or the error."""
     try:
-        return plain(snapshot_from_smi(xml, listing))
+        return plain(snapshot_from_smi(xml, listing, None, memo))
     except ParseError as e:
         return ["ParseError", str(e)]
 

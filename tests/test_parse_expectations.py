@@ -12,6 +12,7 @@ import pytest
 
 import smi_variants
 from conftest import FIXTURES, REPO, SAMPLES, require_real_corpus
+from mig_exporter.nvidia_smi.build import ReadMemo
 
 sys.path.insert(0, str(REPO))
 from benchmarks import scenarios
@@ -19,23 +20,48 @@ from benchmarks import scenarios
 EXPECTED = json.loads((FIXTURES / "snapshot-digests.json").read_text())
 
 
-def _mismatches(group: str, cases: dict[str, tuple[bytes, bytes | None]]) -> list[str]:
+def _mismatches(group: str, cases: dict[str, tuple[bytes, bytes | None]], memo: ReadMemo | None = None) -> list[str]:
     assert set(cases) == set(EXPECTED[group])
     return [name for name, (xml, listing) in cases.items()
-            if smi_variants.digest(smi_variants.outcome(xml, listing)) != EXPECTED[group][name]]
+            if smi_variants.digest(smi_variants.outcome(xml, listing, memo)) != EXPECTED[group][name]]
 
 
-def test_fixtures_and_their_variants_read_as_before():
-    assert _mismatches("fixtures", smi_variants.fixture_cases(FIXTURES, SAMPLES)) == []
+# Each group read without a memo, then through one memo in order, each case twice: the
+# first read of a case finds the report before it in the memo (a variant shares most of its
+# sections with its neighbours), the second finds its own sections.
+MEMO_MODES = ["no memo", "memo"]
 
 
-def test_the_real_corpus_and_its_variants_read_as_before():
+def _check(group: str, cases: dict[str, tuple[bytes, bytes | None]], mode: str) -> None:
+    if mode == "no memo":
+        assert _mismatches(group, cases) == []
+        return
+    memo = ReadMemo()
+    for rounds in range(2):
+        assert _mismatches(group, cases, memo) == [], f"round {rounds}"
+    twice = ReadMemo()
+    wrong = []
+    for name, (xml, listing) in cases.items():
+        for _ in range(2):
+            if smi_variants.digest(smi_variants.outcome(xml, listing, twice)) != EXPECTED[group][name]:
+                wrong.append(name)
+    assert wrong == []
+
+
+@pytest.mark.parametrize("mode", MEMO_MODES)
+def test_fixtures_and_their_variants_read_as_before(mode):
+    _check("fixtures", smi_variants.fixture_cases(FIXTURES, SAMPLES), mode)
+
+
+@pytest.mark.parametrize("mode", MEMO_MODES)
+def test_the_real_corpus_and_its_variants_read_as_before(mode):
     corpus = require_real_corpus()
-    assert _mismatches("corpus", smi_variants.corpus_cases(corpus, FIXTURES)) == []
+    _check("corpus", smi_variants.corpus_cases(corpus, FIXTURES), mode)
 
 
-def test_the_benchmark_scenarios_read_as_before():
-    assert _mismatches("scenarios", smi_variants.scenario_cases(scenarios)) == []
+@pytest.mark.parametrize("mode", MEMO_MODES)
+def test_the_benchmark_scenarios_read_as_before(mode):
+    _check("scenarios", smi_variants.scenario_cases(scenarios), mode)
 
 
 def test_the_variants_are_mostly_readable_and_cover_processes():

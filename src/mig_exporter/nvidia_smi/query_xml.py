@@ -19,6 +19,12 @@ read by one regular expression and lxml parses the rest with a placeholder in
 its place. The rows' grammar admits only well-formed XML whose text lxml would
 give unchanged (no markup, reference or CR in a value), so the report reads the
 same; anything else is parsed whole, as before (tests/test_parse_expectations.py).
+
+A ``SectionMemo`` keeps what the last report's sections read apart were read as,
+by their bytes: a card's processes, MIG devices and clock table rarely change
+from one read to the next (an engine holds its memory for its whole life), and
+the same bytes always read the same. A memo changes no result, only how often a
+section is read.
 """
 
 from __future__ import annotations
@@ -152,11 +158,37 @@ _mig_junk = itemgetter(11)
 _MigRow = tuple[str, str, str, str, str, str, str]
 
 
+class _Read(NamedTuple):
+    """A section read apart: its rows read, the problem lines reading them gave, and why
+    reading them failed (what makes its card unreadable, as the card's own read would)."""
+
+    rows: tuple[ProcessReading, ...] | tuple[MigInstance, ...]
+    problems: tuple[str, ...]
+    error: str | None = None
+
+
+class _SectionUnreadable(Exception):
+    """A section read apart that failed: its card is unreadable, for the reason given."""
+
+
 class _Sections(NamedTuple):
     """The sections read apart, by the number their placeholder carries."""
 
-    processes: list[list[_Row]]
-    mig_devices: list[list[_MigRow]]
+    processes: list[_Read]
+    mig_devices: list[_Read]
+
+
+class SectionMemo:
+    """What the last report's sections read apart were read as, by their bytes; at most
+    that report's sections are kept. For one source's reads, one after the other: a read
+    made meanwhile on another thread only finds less in it (the memo is swapped whole)."""
+
+    __slots__ = ("clocks", "mig_devices", "processes")
+
+    def __init__(self) -> None:
+        self.processes: dict[bytes, _Read] = {}
+        self.mig_devices: dict[bytes, _Read] = {}
+        self.clocks: frozenset[bytes] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +215,9 @@ def _parser() -> etree.XMLParser:
     )
 
 
-def parse_query_xml(data: bytes) -> QueryReport:
-    """Parse the whole report. Raises ``ParseError`` for anything that is not one."""
+def parse_query_xml(data: bytes, memo: SectionMemo | None = None) -> QueryReport:
+    """Parse the whole report. Raises ``ParseError`` for anything that is not one.
+    ``memo``: what the last report's sections were read as, updated with this one's."""
     if not isinstance(data, bytes | bytearray):
         raise ParseError("nvidia-smi -q -x output must be bytes")
     if b"\x00" in data[:4096]:
@@ -194,7 +227,7 @@ def parse_query_xml(data: bytes) -> QueryReport:
     if _declares_entities(data):
         raise ParseError("nvidia-smi -q -x output declares XML entities; refused (nvidia-smi never does)")
     data = bytes(data)
-    fast = _parse_fast(data)
+    fast = _parse_fast(data, memo)
     if fast is not None:
         root, read_apart = fast
         return _report(root, read_apart, [])
@@ -229,7 +262,7 @@ def _report(root: etree._Element | None, sections: _Sections | None, problems: l
             cards.append(_read_card(index, gpu, sections, card_problems))
         except Exception as e:  # one unreadable card never blanks the others
             cards.append(CardReading(index=index, uuid=_text(gpu, "uuid"), name=_text(gpu, "product_name"),
-                                     error=f"section unreadable: {_one_line(str(e)) or type(e).__name__}"))
+                                     error=f"section unreadable: {_why(e)}"))
         problems.extend(f"card {index}: {p}" for p in card_problems)
     return QueryReport(
         driver_version=_text(root, "driver_version"),
@@ -246,7 +279,7 @@ def _parse(data: bytes) -> etree._Element:
         raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
 
 
-def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
+def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._Element, _Sections] | None:
     """The report parsed with each plain ``<processes>`` section read apart and each plain
     ``<supported_clocks>`` left out, or ``None`` where the report or a ``<processes>``
     section is not plain: the caller then parses it whole. Each ``<mig_devices>`` of rows
@@ -262,39 +295,57 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
     place: only what is inside it differs, and nothing read is (its tag is on no path read)."""
     if not _is_plain(data):
         return None
+    known = memo or SectionMemo()
+    seen = SectionMemo()  # what this report's sections read as: the memo's next content
     cuts: list[tuple[int, int, bytes]] = []
-    sections: list[list[_Row]] = []
-    migs: list[list[_MigRow]] = []
+    sections: list[_Read] = []
+    migs: list[_Read] = []
     start = end = 0
     while (start := data.find(_SECTION_OPEN, end)) >= 0:
         close = data.find(_SECTION_CLOSE, start)
         if close < 0:
             return None
-        rows = _plain_rows(data[start + len(_SECTION_OPEN):close])
-        if rows is None:
-            return None
+        section = data[start + len(_SECTION_OPEN):close]
+        read = known.processes.get(section)
+        if read is None:
+            rows = _plain_rows(section)
+            if rows is None:
+                return None
+            read = _processes_read(rows)
+        seen.processes[section] = read
         end = close + len(_SECTION_CLOSE)
         cuts.append((start, end, b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections))))
-        sections.append(rows)
+        sections.append(read)
     start = end = clocks = 0
+    clock_tables: set[bytes] = set()
     while (start := data.find(_CLOCKS_OPEN, end)) >= 0:
         close = data.find(_CLOCKS_CLOSE, start)
         if close < 0:
             break  # the parse says why
         end = close + len(_CLOCKS_CLOSE)
-        if close - start < _MOST_TEXT and _CLOCKS.fullmatch(data, start + len(_CLOCKS_OPEN), close):
-            cuts.append((start, end, b'<supported_clocks %s="%d"/>' % (_MARK_BYTES, clocks)))
-            clocks += 1
+        if close - start < _MOST_TEXT:
+            table = data[start + len(_CLOCKS_OPEN):close]
+            if table in known.clocks or _CLOCKS.fullmatch(table):
+                clock_tables.add(table)
+                cuts.append((start, end, b'<supported_clocks %s="%d"/>' % (_MARK_BYTES, clocks)))
+                clocks += 1
+    seen.clocks = frozenset(clock_tables)
     start = end = 0
     while (start := data.find(_MIG_OPEN, end)) >= 0:
         close = data.find(_MIG_CLOSE, start)
         if close < 0:
             break  # the parse says why
         end = close + len(_MIG_CLOSE)
-        devices = _plain_mig_rows(data, start + len(_MIG_OPEN), close)
-        if devices is not None:
-            cuts.append((start, end, b'<mig_devices %s="%d"/>' % (_MARK_BYTES, len(migs))))
-            migs.append(devices)
+        section = data[start + len(_MIG_OPEN):close]
+        read = known.mig_devices.get(section)
+        if read is None:
+            devices = _plain_mig_rows(section)
+            if devices is None:
+                continue
+            read = _instances_read(devices)
+        seen.mig_devices[section] = read
+        cuts.append((start, end, b'<mig_devices %s="%d"/>' % (_MARK_BYTES, len(migs))))
+        migs.append(read)
     if not cuts:
         return None  # nothing to gain
     cuts.sort()
@@ -318,15 +369,51 @@ def _parse_fast(data: bytes) -> tuple[etree._Element, _Sections] | None:
     # Clocks too: one left out deep down could make a report libxml2 refuses (depth) shallow enough.
     for tag, count in (("processes", len(sections)), ("mig_devices", len(migs)), ("supported_clocks", clocks)):
         found = []
-        for section in root.iter(tag):
-            if (mark := section.get(_MARK)) is not None:
-                gpu = section.getparent()
+        for marked in root.iter(tag):
+            if (mark := marked.get(_MARK)) is not None:
+                gpu = marked.getparent()
                 if gpu is None or gpu.tag != "gpu" or gpu.getparent() is not root:
                     return None
                 found.append(mark)
         if found != [str(i) for i in range(count)]:
             return None
+    if memo is not None:
+        memo.processes, memo.mig_devices, memo.clocks = seen.processes, seen.mig_devices, seen.clocks
     return root, _Sections(sections, migs)
+
+
+def _processes_read(rows: list[_Row]) -> _Read:
+    problems: list[str] = []
+    processes: list[ProcessReading] = []
+    try:
+        _add_rows(processes, _Values(problems), rows)
+    except Exception as e:  # a value no number holds (an infinite size): the card's read fails on it
+        return _Read((), tuple(problems), _why(e))
+    return _Read(tuple(processes), tuple(problems))
+
+
+def _instances_read(rows: list[_MigRow]) -> _Read:
+    problems: list[str] = []
+    instances: list[MigInstance] = []
+    values = _Values(problems)
+    try:
+        for row in rows:
+            _add_instance(instances, values, row[0], row[1], row[2], row[3:])
+    except Exception as e:
+        return _Read((), tuple(problems), _why(e))
+    return _Read(tuple(instances), tuple(problems))
+
+
+def _why(error: Exception) -> str:
+    """Why a card's section is unreadable, as its problem line says it."""
+    return _one_line(str(error)) or type(error).__name__
+
+
+def _take(read: _Read, problems: list[str]) -> None:
+    """A section read apart, into its card's read: its problem lines, then its failure."""
+    problems.extend(read.problems)
+    if read.error is not None:
+        raise _SectionUnreadable(read.error)
 
 
 def _is_plain(data: bytes) -> bool:
@@ -390,13 +477,13 @@ def _plain_rows(section: bytes) -> list[_Row] | None:
 _junk = itemgetter(6)
 
 
-def _plain_mig_rows(data: bytes, start: int, end: int) -> list[_MigRow] | None:
-    """The MIG devices of ``data[start:end]``, a section's content (none where it is text
-    alone, as nvidia-smi writes "None" on a card without MIG), or ``None`` where it holds
-    anything else. The grammar admits ASCII alone, so Latin-1 reads it as UTF-8 would."""
-    if end - start >= _MOST_TEXT:
+def _plain_mig_rows(section: bytes) -> list[_MigRow] | None:
+    """The MIG devices of a section's content (none where it is text alone, as nvidia-smi
+    writes "None" on a card without MIG), or ``None`` where it holds anything else. The
+    grammar admits ASCII alone, so Latin-1 reads it as UTF-8 would."""
+    if len(section) >= _MOST_TEXT:
         return None
-    text = data[start:end].decode("latin-1").rstrip(" \t\n")
+    text = section.decode("latin-1").rstrip(" \t\n")
     if "<" not in text:
         return [] if _MIG_PLAIN.fullmatch(text) else None
     rows = _MIG_ROW.findall(text)
@@ -430,8 +517,9 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
     instances: list[MigInstance] = []
     for devices in gpu.iterfind("mig_devices"):
         if sections is not None and (mark := devices.get(_MARK)) is not None:
-            for row in sections.mig_devices[int(mark)]:
-                _add_instance(instances, values, row[0], row[1], row[2], row[3:])
+            read = sections.mig_devices[int(mark)]
+            _take(read, problems)
+            instances.extend(cast(tuple[MigInstance, ...], read.rows))
             continue
         for el in devices.iterfind("mig_device"):
             # One pass: each child's text by tag (the first of a repeated tag, as find gives)
@@ -450,7 +538,9 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
     processes: list[ProcessReading] = []
     for section in gpu.iterfind("processes"):
         if sections is not None and (mark := section.get(_MARK)) is not None:
-            _add_rows(processes, values, sections.processes[int(mark)])
+            read = sections.processes[int(mark)]
+            _take(read, problems)
+            processes.extend(cast(tuple[ProcessReading, ...], read.rows))
             continue
         for el in section.iterfind("process_info"):
             texts = _child_texts(el)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError, CommandNotFound
 from mig_exporter.model.snapshot import Snapshot
-from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
 from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, OutputBudget, run_commands
 
 DEFAULT_BINARY = "nvidia-smi"
@@ -61,6 +61,8 @@ class NvidiaSmiSource:
         self.binary = self.command[0]
         self.timeout_s = timeout_s
         self.max_output_bytes = max_output_bytes
+        # What the last read made of the outputs' parts that rarely change (nvidia_smi/build.py).
+        self._memo = ReadMemo()
 
     def resolve(self) -> str:
         """The binary's path (the first element of an argv prefix). Looked up
@@ -107,5 +109,5 @@ class NvidiaSmiSource:
             raise query
         if isinstance(listing, CommandError):
             return snapshot_from_smi(query.stdout, None,
-                                     f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {listing}")
-        return snapshot_from_smi(query.stdout, listing.stdout, None)
+                                     f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {listing}", self._memo)
+        return snapshot_from_smi(query.stdout, listing.stdout, None, self._memo)
