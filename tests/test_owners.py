@@ -20,7 +20,7 @@ from conftest import MIB, SAMPLES, a_thread, sample_value, samples_of
 from kube_node import BY_PID, LLAMA, make_kubelet_logs
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import CgroupIdentity
-from mig_exporter.host.owners import OwnerReader, owner_reading
+from mig_exporter.host.owners import KeptReads, OwnerReader, owner_reading
 from mig_exporter.host.passwd import MAX_PASSWD_BYTES, PasswdFile, parse_passwd
 from mig_exporter.host.procfs import ProcfsSource, parse_status_uid
 from mig_exporter.kubernetes.pods import PodReader
@@ -329,3 +329,31 @@ def test_a_gpu_pid_that_is_a_thread_id_still_gets_its_owner_from_the_real_proc(m
         listing = reader.procs.listing()  # as the engines' /proc read hands it on
         assert reader.read(snapshot, Deadline.after(5), listing=listing).processes == owners
         assert opened == []
+
+
+def test_a_listed_pid_that_is_not_there_is_looked_for_again_once_in_revisit_reads():
+    """Issue 17: a pid the driver goes on listing that is no process here (it ended; the benchmark's
+    896 made-up pids) cost an ``access`` at every read. It is looked for again one read in
+    ``revisit`` (by pid, round robin), so one that becomes a thread's id is found within that many
+    reads; a pid found is looked for at every read, and a new pid at once."""
+    there: dict[int, int] = {}
+    asked: list[list[int]] = []
+
+    def locate(pids):
+        asked.append(sorted(pids))
+        return {pid: there[pid] for pid in pids if pid in there}
+
+    reads = KeptReads(lambda pid: f"cgroup of {pid}".encode(), bytes.decode, locate, revisit_reads=4)
+    gone = [100, 101, 102, 103]
+    assert reads.read(gone, {}) == {}
+    assert asked == [gone]  # a new pid is looked for at once
+    for _ in range(4):
+        assert reads.read(gone, {}) == {}
+    # Each pid once in the four reads, by pid % 4 (reads 1, 2, 3 and 4 look for 101, 102, 103, 100).
+    assert asked[1:] == [[101], [102], [103], [100]]
+    there[102] = 7  # 102 is now a thread's id
+    found = [reads.read(gone, {}) for _ in range(4)]
+    assert found[0] == {} and found[1] == {102: "cgroup of 102"}  # read 6 is 102's turn
+    assert asked[-1] == [100, 102]  # read 8: 100's turn, and 102, found, at every read
+    assert reads.read([*gone, 104], {}) == {102: "cgroup of 102"}
+    assert asked[-1] == [101, 102, 104]

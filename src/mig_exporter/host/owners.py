@@ -18,7 +18,11 @@ tells processes apart) and kept while it runs: a running process rarely
 changes its cgroup or its real uid (docs/hpc.md). A pid that the /proc listing
 does not show is looked up by itself, once each read: it may be a thread's id (the
 listing holds thread group leaders only), kept by its own ``/proc/TID`` inode; one that
-is not there at all costs one ``access`` and nothing is opened for it.
+is not there at all costs one ``access`` and nothing is opened for it. One found not
+there is looked for again only one read in ``REVISIT_READS`` (by pid, round robin)
+while the driver goes on listing it: a pid the driver lists that is no process of
+this /proc (it ended, and the driver has not let go of it) stays so, and one in a
+thousand becomes a thread's id later (only when the pid is given out again).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Generic, TypeVar
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.cgroup import NO_IDENTITY, CgroupIdentity, parse_cgroup
 from mig_exporter.host.passwd import PasswdFile
-from mig_exporter.host.procfs import ProcError, ProcfsSource, parse_status_uid
+from mig_exporter.host.procfs import REVISIT_READS, ProcError, ProcfsSource, parse_status_uid
 from mig_exporter.model.readings import OwnerReading, ProcessOwner
 from mig_exporter.model.snapshot import Snapshot
 
@@ -43,11 +47,14 @@ class KeptReads(Generic[T]):
     of some pids the listing lacks that are there all the same (threads' ids)."""
 
     def __init__(self, read: Callable[[int], bytes | None], parse: Callable[[bytes], T],
-                 locate: Callable[[Iterable[int]], Mapping[int, int]]) -> None:
+                 locate: Callable[[Iterable[int]], Mapping[int, int]], revisit_reads: int = REVISIT_READS) -> None:
         self._read = read
         self._parse = parse
         self._locate = locate
         self._kept: dict[int, tuple[int, T]] = {}
+        self._absent: set[int] = set()  # unlisted pids not there at the last read
+        self._revisit = revisit_reads
+        self._reads = 0
 
     def read(self, pids: Iterable[int], listing: Mapping[int, int], deadline: Deadline | None = None) -> dict[int, T]:
         """Each of ``pids`` in ``listing`` (pid: inode) that can be read; once past
@@ -56,7 +63,13 @@ class KeptReads(Generic[T]):
         now: dict[int, tuple[int, T]] = {}
         pids = list(pids)
         unlisted = [pid for pid in pids if pid not in listing]  # no thread group leader: threads, or gone
-        threads = self._locate(unlisted) if unlisted else {}
+        # Not there at the last read: not there now, but for one in revisit (see the module's docstring).
+        absent, revisit = self._absent, self._revisit
+        turn = self._reads % revisit
+        self._reads += 1
+        looked_for = [pid for pid in unlisted if pid not in absent or pid % revisit == turn]
+        threads = self._locate(looked_for) if looked_for else {}
+        self._absent = {pid for pid in unlisted if pid not in threads}
         for pid in pids:
             inode = listing.get(pid)
             if inode is None:
