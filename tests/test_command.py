@@ -22,7 +22,7 @@ from mig_exporter.core.errors import (
     OutputTooLarge,
     ReadError,
 )
-from mig_exporter.sources.command import CommandResult, run_command
+from mig_exporter.sources.command import CommandResult, OutputBudget, run_command
 
 MIB = 1024 * 1024
 DRIVER_ERROR = (
@@ -458,3 +458,17 @@ def test_a_command_sees_the_environment_as_it_is_now_and_its_token(monkeypatch: 
     assert after[:2] == ["then é", "unset"]
     assert before[2].startswith(f"{os.getpid()}.") and after[2].startswith(f"{os.getpid()}.")
     assert before[2] != after[2]
+
+
+def test_run_commands_says_when_every_command_runs_before_waiting_for_them() -> None:
+    """``started`` is called once both children are running (tracked), before their output is
+    waited for: the scrape starts its /proc read then, not while nvidia-smi is being started."""
+    from mig_exporter.sources import command
+
+    seen: list[int] = []
+    results = command.run_commands(
+        [(["sh", "-c", "sleep 0.2; echo a"], OutputBudget(1 << 20)),
+         (["sh", "-c", "sleep 0.2; echo b"], OutputBudget(1 << 20))],
+        Deadline.after(10), started=lambda: seen.append(len(command._running)))
+    assert seen == [2]
+    assert [r.stdout for r in results] == [b"a\n", b"b\n"]  # type: ignore[union-attr]

@@ -1,7 +1,12 @@
 """Attribution: which engine processes hold how much GPU memory, and where.
 
 ``engine_reading`` is pure: a /proc table and a GPU snapshot in, an
-``EngineReading`` out. ``EngineReader`` holds the engine settings and where
+``EngineReading`` out, in two steps: ``engine_trees``, what /proc alone says
+(the top-most engine processes and the ids each one's memory is summed over),
+which the scraper makes in the /proc read's worker, beside the GPU read; then
+``engines_on_gpus``, those trees summed over the snapshot, the only part that
+waits for the GPUs (a node of 5000 processes: about 2 ms less on the scrape's
+critical path). ``EngineReader`` holds the engine settings and where
 processes are read from, for the scraper. The rules, all in docs/engines.md:
 
 - An engine process is the *top-most* process an engine rule matches. A
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from mig_exporter.engines.rules import EngineSettings
 from mig_exporter.host.procfs import ProcEntry, ProcError, ProcfsSource, ProcReader, ProcTable
@@ -74,9 +81,13 @@ class EngineReader:
             return None, str(e)
 
     def reading(self, table: ProcTable | None, error: str | None, snapshot: Snapshot | None) -> EngineReading:
-        """The engines of ``table``. A process /proc was not read again for is the same
-        ``ProcEntry`` as before: what it matched is kept (a match costs ~10 µs a process, the
-        whole read's budget on a node of a thousand)."""
+        """The engines of ``table`` on ``snapshot``'s GPUs: ``trees``, then ``engines_on_gpus``."""
+        return engines_on_gpus(self.trees(table, error), snapshot)
+
+    def trees(self, table: ProcTable | None, error: str | None) -> EngineTrees:
+        """What ``table`` alone says of the engines (``engine_trees``). A process /proc was not
+        read again for is the same ``ProcEntry`` as before: what it matched is kept (a match
+        costs ~10 µs a process, the whole read's budget on a node of a thousand)."""
         kept = self._matched
         now: dict[int, tuple[ProcEntry, str | None]] = {}
 
@@ -86,10 +97,34 @@ class EngineReader:
             now[id(process)] = (process, engine)
             return engine
 
-        reading = engine_reading(self.settings, table, error, snapshot, match)
+        trees = engine_trees(self.settings, table, error, match)
         if now:  # a read that matched nothing (not the host's /proc, a failed one) keeps what was known
             self._matched = now
-        return reading
+        return trees
+
+
+class EngineTree(NamedTuple):
+    """A top-most engine process, and every id its memory is summed over (sorted): its pid,
+    its descendants' pids, and all their thread ids."""
+
+    engine: str
+    pid: int
+    comm: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTrees:
+    """What /proc alone says of the engines. ``trees`` is ``None`` where engines cannot be
+    told apart from processes on the CPU (then ``problems`` say why); ``known`` holds every
+    pid and thread id /proc shows, and ``root`` where it is (whether the driver's pids are ours)."""
+
+    engines: tuple[str, ...]
+    host_pid_namespace: bool | None
+    trees: tuple[EngineTree, ...] | None
+    problems: tuple[str, ...] = ()
+    known: frozenset[int] = frozenset()
+    root: str = ""
 
 
 def engine_reading(
@@ -102,19 +137,24 @@ def engine_reading(
     counted, but where they are is unknown. ``match``: ``settings.match``, or one
     that keeps what it found.
     """
+    return engines_on_gpus(engine_trees(settings, table, error, match), snapshot)
+
+
+def engine_trees(
+    settings: EngineSettings, table: ProcTable | None, error: str | None,
+    match: Callable[[ProcEntry], str | None] | None = None,
+) -> EngineTrees:
+    """The top-most engine processes of ``table`` and the ids each one's memory is summed
+    over; ``error``: why there is no table."""
     match = match or settings.match
     engines = settings.engines
-    placed = snapshot is not None
     if table is None:
-        return EngineReading(engines, None, None, placed, (error or "cannot read /proc",) if engines else ())
+        return EngineTrees(engines, None, None, (error or "cannot read /proc",) if engines else ())
     host = table.namespace.is_host
     if not engines:
-        return EngineReading((), host, None, placed)
+        return EngineTrees((), host, None)
     if not host:
-        return EngineReading(engines, False, None, placed, (table.namespace.reason(),))
-    mismatch = _pids_not_ours(table, snapshot)
-    if mismatch:
-        return EngineReading(engines, True, None, placed, (mismatch,))
+        return EngineTrees(engines, False, None, (table.namespace.reason(),))
 
     procs = table.processes
     matched = {pid: engine for pid, p in procs.items() if p.alive and (engine := match(p)) is not None}
@@ -122,11 +162,7 @@ def engine_reading(
     for p in procs.values():
         if p.ppid != p.pid:
             children[p.ppid].append(p.pid)
-    on_gpu: dict[int, list[Process]] = defaultdict(list)
-    for gp in snapshot.processes if snapshot else ():
-        on_gpu[gp.pid].append(gp)
-
-    found: list[EngineProcess] = []
+    trees: list[EngineTree] = []
     for pid in sorted(matched):
         if _has_ancestor_in(pid, matched, lambda q: procs[q].ppid if q in procs else None):
             continue  # folded into the top-most matched ancestor
@@ -134,13 +170,31 @@ def engine_reading(
         for member in _subtree(pid, children):
             ids.add(member)
             ids.update(procs[member].thread_ids if member in procs else ())
-        held = [gp for i in sorted(ids) for gp in on_gpu.get(i, ())]
+        trees.append(EngineTree(matched[pid], pid, procs[pid].comm, tuple(sorted(ids))))
+    known = frozenset(i for p in procs.values() for i in (p.pid, *p.thread_ids))
+    return EngineTrees(engines, True, tuple(trees), (), known, table.namespace.root)
+
+
+def engines_on_gpus(trees: EngineTrees, snapshot: Snapshot | None) -> EngineReading:
+    """``trees`` summed over ``snapshot``'s processes: each engine's memory and devices."""
+    placed = snapshot is not None
+    if trees.trees is None:
+        return EngineReading(trees.engines, trees.host_pid_namespace, None, placed, trees.problems)
+    mismatch = _pids_not_ours(trees, snapshot)
+    if mismatch:
+        return EngineReading(trees.engines, True, None, placed, (mismatch,))
+    on_gpu: dict[int, list[Process]] = defaultdict(list)
+    for gp in snapshot.processes if snapshot else ():
+        on_gpu[gp.pid].append(gp)
+    found: list[EngineProcess] = []
+    for tree in trees.trees:
+        held = [gp for i in tree.ids for gp in on_gpu.get(i, ())]
         unknown = not placed or any(gp.used_bytes is None for gp in held)
         used = None if unknown else sum(gp.used_bytes or 0 for gp in held)
         devices = tuple(sorted({gp.device_index for gp in held}))
-        found.append(EngineProcess(matched[pid], pid, procs[pid].comm, used, devices))
+        found.append(EngineProcess(tree.engine, tree.pid, tree.comm, used, devices))
     found.sort(key=lambda e: (e.engine, e.pid))
-    return EngineReading(engines, True, tuple(found), placed)
+    return EngineReading(trees.engines, True, tuple(found), placed)
 
 
 def _has_ancestor_in(pid: int, matched: dict[int, str], parent: Callable[[int], int | None]) -> bool:
@@ -166,17 +220,17 @@ def _subtree(pid: int, children: dict[int, list[int]]) -> Iterator[int]:
         stack.extend(children.get(current, ()))
 
 
-def _pids_not_ours(table: ProcTable, snapshot: Snapshot | None) -> str | None:
+def _pids_not_ours(trees: EngineTrees, snapshot: Snapshot | None) -> str | None:
     """The driver lists processes and /proc has none of them: its pids are not
     the ones we see, whatever the namespace link says, so "on no GPU's list"
     would mean nothing. (They may also all have exited since; the next read
     tells.)"""
     if snapshot is None or not snapshot.processes:
         return None
-    known = {i for p in table.processes.values() for i in (p.pid, *p.thread_ids)}
+    known = trees.known
     listed = sorted({p.pid for p in snapshot.processes})
     if any(pid in known for pid in listed):
         return None
     shown = ", ".join(map(str, listed[:5])) + (", ..." if len(listed) > 5 else "")
-    return (f"none of the {len(listed)} process(es) the driver lists (pid {shown}) is in {table.namespace.root}; "
+    return (f"none of the {len(listed)} process(es) the driver lists (pid {shown}) is in {trees.root}; "
             "engine metrics are left out of this read")

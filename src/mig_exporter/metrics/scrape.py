@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
@@ -37,7 +38,7 @@ from mig_exporter import __version__
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.workers import WORKERS
-from mig_exporter.engines.attribution import EngineReader
+from mig_exporter.engines.attribution import EngineReader, EngineTrees, engine_trees, engines_on_gpus
 from mig_exporter.host.cgroup import CgroupIdentity
 from mig_exporter.host.jobmap import SlurmJobMap
 from mig_exporter.host.owners import OwnerReader
@@ -53,14 +54,26 @@ from mig_exporter.metrics.families import (
 )
 from mig_exporter.model.readings import EngineReading, OwnerReading, PodReading, SlurmJobMapReading
 from mig_exporter.model.snapshot import Snapshot
-from mig_exporter.sources.base import Source
+from mig_exporter.sources.base import Source, read_telling_start
 
 log = logging.getLogger("mig_exporter")
 
 # What the GPU read still gets when the scrape's budget is spent before it starts: enough to
 # fail as a timeout of its own, not so much that the answer comes late.
 _MIN_READ_S = 0.05
-_Procs = tuple[ProcTable | None, str | None]
+# How long the /proc read waits for the GPU read's commands to be started (a start that hangs on
+# a dead mount must not keep the engines from being read).
+_WAIT_FOR_GPU_S = 0.1
+
+
+class _Procs(NamedTuple):
+    """A /proc read: the table, or why there is none; and what it says of the engines
+    (made beside the GPU read; ``None``, and ``failure`` why, where making it failed)."""
+
+    table: ProcTable | None
+    error: str | None
+    trees: EngineTrees | None
+    failure: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,19 +134,23 @@ class Scraper:
         this read's answer (``None``: always). A shared read asks its flight (``core/flight.py``):
         False when every caller has answered late already, each answer counting itself."""
         started = time.monotonic()
-        reading = self._start_procs()
+        gpu_started = threading.Event()
+        reading = self._start_procs(gpu_started)
         kubelet = self._start_kubelet(deadline)
         try:
-            snapshot = self.source.read(None if deadline is None else max(deadline, Deadline.after(_MIN_READ_S)))
+            snapshot = read_telling_start(self.source, None if deadline is None
+                                          else max(deadline, Deadline.after(_MIN_READ_S)), gpu_started.set)
         except ReadError as e:
             return self._failed(started, str(e), self._engines(self._procs(reading, deadline), None), answered)
         except Exception as e:  # a bug must not take the scrape down; say where
             self._log_bug(f"read from {self.name} failed unexpectedly", e)
             engines = self._engines(self._procs(reading, deadline), None)
             return self._failed(started, f"unexpected {type(e).__name__}: {e}", engines, answered)
+        finally:
+            gpu_started.set()  # a read that failed before its commands ran: the /proc read goes on
         procs = self._procs(reading, deadline)
         engines = self._engines(procs, snapshot)
-        table = procs[0] if procs is not None else None
+        table = procs.table if procs is not None else None
         # The engines' listing of /proc, for the owners' reads; none where it is another /proc's pids.
         same_proc = table is not None and (self.owners is None or table.namespace.root == self.owners.procs.root)
         listing = table.inodes if table is not None and same_proc else None
@@ -204,9 +221,11 @@ class Scraper:
             self._log_bug("attributing processes to pods failed unexpectedly", e)
             return PodReading({}, None, None, (f"pod attribution failed: unexpected {type(e).__name__}: {e}",))
 
-    def _start_procs(self) -> Future[_Procs] | None:
-        """Start reading /proc in a worker (``None``: engines are not watched); the newest
-        reading is kept as it comes, for a failed read made meanwhile (``failed_scrape``)."""
+    def _start_procs(self, gpu_started: threading.Event) -> Future[_Procs] | None:
+        """Start reading /proc in a worker (``None``: engines are not watched), once
+        ``gpu_started`` is set (the GPU read's commands are running: the /proc read holds the
+        interpreter, and their start would wait for it) or ``_WAIT_FOR_GPU_S`` has passed; the
+        newest reading is kept as it comes, for a failed read made meanwhile (``failed_scrape``)."""
         if self.engines is None:
             return None
         with self._lock:
@@ -216,11 +235,13 @@ class Scraper:
             reading: Future[_Procs] = Future()
             self._procs_running = reading
 
-        def read() -> None:
+        def read(wait: bool = False) -> None:
+            if wait:
+                gpu_started.wait(_WAIT_FOR_GPU_S)
             try:
                 procs = self._read_procs()
             except BaseException:  # never left running for the scrapes after it to wait on
-                reading.set_result((None, "reading processes was interrupted"))
+                reading.set_result(self._no_table("reading processes was interrupted"))
                 raise
             with self._lock:
                 self._newest_procs = (time.monotonic(), procs)
@@ -230,7 +251,7 @@ class Scraper:
             read()  # interpreter (the GPU read's commands would start late, and a signal could miss them)
             return reading
         try:
-            WORKERS.start(read, "mig-exporter-procs")
+            WORKERS.start(lambda: read(wait=True), "mig-exporter-procs")
         except RuntimeError:  # no thread to be had (a pids limit): read here, before the GPUs
             read()
         return reading
@@ -262,23 +283,35 @@ class Scraper:
         try:
             return reading.result(None if deadline is None else deadline.left_s())
         except FutureTimeout:
-            return None, "reading processes took longer than the scrape's budget"
+            return self._no_table("reading processes took longer than the scrape's budget")
+
+    def _no_table(self, error: str) -> _Procs:
+        assert self.engines is not None
+        return _Procs(None, error, engine_trees(self.engines.settings, None, error))
 
     def _read_procs(self) -> _Procs:
+        """Read /proc, and what it says of the engines: both beside the GPU read, in a worker."""
         assert self.engines is not None
         try:
-            return self.engines.read_procs()
+            table, error = self.engines.read_procs()
         except Exception as e:  # a bug in the /proc read costs the engine metrics, not the scrape
             self._log_bug("reading processes failed unexpectedly", e)
-            return None, f"reading processes failed: unexpected {type(e).__name__}: {e}"
+            table, error = None, f"reading processes failed: unexpected {type(e).__name__}: {e}"
+        try:
+            return _Procs(table, error, self.engines.trees(table, error))
+        except Exception as e:
+            self._log_bug("attributing GPU memory to engines failed unexpectedly", e)
+            return _Procs(table, error, None, f"engine attribution failed: unexpected {type(e).__name__}: {e}")
 
     def _engines(
         self, procs: _Procs | None, snapshot: Snapshot | None
     ) -> EngineReading | None:
         if self.engines is None or procs is None:
             return None
+        if procs.trees is None:  # making them failed, and was logged then
+            return EngineReading((), None, None, False, (procs.failure or "engine attribution failed",))
         try:
-            return self.engines.reading(*procs, snapshot)
+            return engines_on_gpus(procs.trees, snapshot)
         except Exception as e:
             self._log_bug("attributing GPU memory to engines failed unexpectedly", e)
             problem = f"engine attribution failed: unexpected {type(e).__name__}: {e}"

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.sources.base import read_telling_start
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
 
@@ -65,5 +67,11 @@ class AutoSource:
             return "auto (NVML, else nvidia-smi; neither found yet)"
         return f"auto: {self._chosen.describe()}"
 
-    def read(self, deadline: Deadline | None = None) -> Snapshot:
-        return self.choose().read(deadline)
+    tells_start = True  # whichever is chosen (sources/base.py's read_telling_start)
+
+    def read(self, deadline: Deadline | None = None, started: Callable[[], None] | None = None) -> Snapshot:
+        return read_telling_start(self.choose(), deadline, started or _nothing)
+
+
+def _nothing() -> None:
+    pass

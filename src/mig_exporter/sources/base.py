@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from mig_exporter.core.deadline import Deadline
@@ -24,3 +25,13 @@ class Source(Protocol):
     def ready(self) -> tuple[bool, str]: ...
 
     def describe(self) -> str: ...
+
+
+def read_telling_start(source: Source, deadline: Deadline | None, started: Callable[[], None]) -> Snapshot:
+    """``source.read``, calling ``started`` once the read's commands are running: what runs
+    beside the read may start then, and not hold the interpreter while they are started. A
+    source that starts no command (NVML, the demo) says so at once."""
+    if getattr(source, "tells_start", False):
+        return source.read(deadline, started=started)  # type: ignore[call-arg]
+    started()
+    return source.read(deadline)

@@ -43,7 +43,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from mig_exporter.core import workers
@@ -163,9 +163,11 @@ def run_commands(
     commands: Sequence[tuple[Sequence[str], OutputBudget]],
     deadline: Deadline,
     cancel: threading.Event | None = None,
+    started: Callable[[], None] | None = None,
 ) -> list[CommandResult | CommandError]:
     """Run the commands side by side, each with its stdout budget, by ``deadline``; each one's
-    result or error, in order (the errors ``run_command`` raises).
+    result or error, in order (the errors ``run_command`` raises). ``started`` is called once
+    every command is running (or failed to start), before their output is waited for.
 
     Read in the calling thread: one wait covers every pipe of every command. The later
     commands are started in a kept worker thread while the first starts here, so a read
@@ -176,6 +178,8 @@ def run_commands(
     runs = [_Run(tuple(argv), budget) for argv, budget in commands]
     try:
         _start_all(runs)
+        if started is not None:
+            started()
         _collect(runs, deadline, cancel)
         for run in runs:
             if run.outcome == "eof" and run.proc is not None and run.proc.returncode is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError, CommandNotFound
@@ -90,10 +90,13 @@ class NvidiaSmiSource:
     def describe(self) -> str:
         return f"nvidia-smi ({shlex.join(self.command)}, timeout {self.timeout_s:g}s)"
 
-    def read(self, deadline: Deadline | None = None) -> Snapshot:
+    tells_start = True  # sources/base.py's read_telling_start
+
+    def read(self, deadline: Deadline | None = None, started: Callable[[], None] | None = None) -> Snapshot:
         """One read in the calling thread, its commands killed at ``deadline`` or at the
-        source's own timeout, whichever comes first. Concurrent scrapes share one
-        (``metrics/exporter.py``): this runs the commands each time it is called."""
+        source's own timeout, whichever comes first; ``started`` is called once both are
+        running. Concurrent scrapes share one (``metrics/exporter.py``): this runs the
+        commands each time it is called."""
         deadline = Deadline.after(self.timeout_s) if deadline is None else deadline.within(self.timeout_s)
         prefix = self.resolve_command()
 
@@ -104,7 +107,7 @@ class NvidiaSmiSource:
         query, listing = run_commands([
             ([*prefix, "-q", "-x"], OutputBudget(cap - cap // 16, read_cap=cap)),
             ([*prefix, "-L"], OutputBudget(cap // 16, read_cap=cap)),  # killed at once if -q -x fails
-        ], deadline)
+        ], deadline, started=started)
         if isinstance(query, CommandError):
             raise query
         if isinstance(listing, CommandError):
