@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from mig_exporter.model.placement import mig_placement_index, place
+from dataclasses import replace
+
+from mig_exporter.model.placement import PlacementMemo, mig_placement_index, place
 from mig_exporter.model.snapshot import CardReading, Memory, MigInstance, ProcessReading
 
 
@@ -87,3 +89,54 @@ def test_every_device_has_the_name_people_read_beside_its_placement_index():
                         instances=(), processes=())
     s = place([whole, mig], driver_version=None, cuda_version=None)
     assert {d.index: d.display_name for d in s.devices} == {0: "0", 1100: "1/mig0", 1102: "1/mig2"}
+
+
+# --- the placement memo (issue 17) ----------------------------------------------------------
+
+
+def _two_cards(used_on_card_1: int = 300, temperature: float = 40.0) -> list[CardReading]:
+    instances = [MigInstance(0, 1, 0, Memory(100, 10, 90, 0)), MigInstance(1, 2, 0, Memory(100, 20, 80, 0))]
+    cards = []
+    for index, used in ((0, 200), (1, used_on_card_1)):
+        card = _mig_card(index, instances, [ProcessReading(10 + index, "C", "vllm", used, 1, 0),
+                                            ProcessReading(20 + index, "C", "vllm", used, 2, 0),
+                                            ProcessReading(30 + index, "C", "stray", used, 9, 9)])
+        cards.append(replace(card, temperature_celsius=temperature))
+    return cards
+
+
+def _place(cards, memo=None):
+    return place(cards, driver_version="550", cuda_version="12.4", problems=["kept"], memo=memo)
+
+
+def test_a_card_placed_as_at_the_last_read_reuses_that_placement_and_reads_the_same():
+    memo = PlacementMemo()
+    first = _place(_two_cards(), memo)
+    again = _place(_two_cards(temperature=55.0), memo)  # readings change at every read; placing does not
+    assert again == _place(_two_cards(temperature=55.0))
+    assert [c.temperature_celsius for c in again.cards] == [55.0, 55.0]
+    assert again.devices[0] is first.devices[0] and again.processes[0] is first.processes[0]
+    assert again.problems == first.problems and len(again.problems) == 3  # "kept", and each card's stray
+
+
+def test_a_card_whose_processes_changed_is_placed_again_and_the_other_is_kept():
+    memo = PlacementMemo()
+    first = _place(_two_cards(), memo)
+    changed = _place(_two_cards(used_on_card_1=301), memo)
+    assert changed == _place(_two_cards(used_on_card_1=301))
+    assert {p.pid: p.used_bytes for p in changed.processes}[11] == 301
+    assert changed.processes[0] is first.processes[0]  # card 0's
+    assert changed.processes[2] is not first.processes[2]  # card 1's, placed again
+
+
+def test_cards_that_change_what_they_are_are_placed_again():
+    memo = PlacementMemo()
+    _place(_two_cards(), memo)
+    whole = [replace(card, mig_current=False) for card in _two_cards()]  # MIG switched off
+    assert _place(whole, memo) == _place(whole)
+    failed = [replace(_two_cards()[0], error="GPU is lost"), _two_cards()[1]]
+    assert _place(failed, memo) == _place(failed)
+    # A repeated card index (a driver's garbage) places each card by its own inputs.
+    twice = [_two_cards()[0], replace(_two_cards()[1], index=0)]
+    assert _place(twice, memo) == _place(twice)
+    assert _place(twice, memo) == _place(twice)

@@ -336,3 +336,26 @@ def test_a_process_that_renames_itself_shows_its_new_name(fake_nvml_lib):
     assert [(p.pid, p.name) for p in source.read().processes] == [
         (21180, "/root/tools/memhog"), (21181, "/root/tools/memhog"), (21198, "ray::_MapWorker")]
     assert [c.args[0] for c in fake.calls if c.function == "nvmlSystemGetProcessName"] == [21180, 21181, 21198] * 2
+
+
+def test_a_process_whose_memory_changed_between_reads_shows_its_new_memory(fake_nvml_lib):
+    """Issue 17: a read keeps each card's placement and reuses it while the card's instances and
+    processes are equal (model/placement.py): one that changed is placed again."""
+    fake = fake_nvml_lib("h100-mig-processes")
+    source = NvmlSource()
+    first = source.read()
+    assert first == scenario("h100-mig-processes")
+    base = fake.scenario
+    card = base.cards[0]
+    mig = card.mig_devices[0]
+    grown = dataclasses.replace(mig, compute_processes=tuple(
+        dataclasses.replace(p, used_bytes=p.used_bytes + MIB) for p in mig.compute_processes))
+    fake.set_scenario(dataclasses.replace(base, cards=(
+        dataclasses.replace(card, mig_devices=(grown, *card.mig_devices[1:])), *base.cards[1:])))
+    again = source.read()
+    pids = {p.pid for p in mig.compute_processes}
+    assert pids
+    for before, after in zip(first.processes, again.processes, strict=True):
+        assert after.used_bytes == before.used_bytes + (MIB if after.pid in pids else 0)
+    fake.set_scenario(base)
+    assert source.read() == first

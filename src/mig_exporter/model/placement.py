@@ -14,6 +14,12 @@ path fed it:
   processes to every instance would make each look busy.
 - A card in MIG mode with nothing carved yields no device; its
   ``mig_instances`` is 0, which says why.
+
+A ``PlacementMemo`` keeps what each card's devices and processes were placed as
+at the last read, with what that depends on (the card's identity, mode,
+memory, instances and processes): a card whose are equal is not placed again
+(its readings, temperature and power, are read anew every time). Equal inputs
+place the same, so the snapshot is the one placing afresh makes.
 """
 
 from __future__ import annotations
@@ -41,24 +47,56 @@ def mig_placement_index(card: int, mig_index: int) -> int:
     return MIG_INDEX_BASE + MIG_INDEX_PER_CARD * card + mig_index
 
 
+_Placed = tuple[list[Device], list[Process], list[str]]
+# What a card's devices and processes depend on: index, uuid, name, MIG mode, error, memory,
+# instances, processes (the card class comes from the name and the memory).
+_PlacementKey = tuple[object, ...]
+
+
+class PlacementMemo:
+    """Each card's devices, processes and problem lines as the last read placed them, by card
+    index, with the inputs they were placed from. For one source's reads, one after the
+    other (a read on another thread meanwhile only finds less in it: it is swapped whole)."""
+
+    __slots__ = ("cards",)
+
+    def __init__(self) -> None:
+        self.cards: dict[int, tuple[_PlacementKey, _Placed]] = {}
+
+
 def place(
     readings: Iterable[CardReading],
     *,
     driver_version: str | None,
     cuda_version: str | None,
     problems: Iterable[str] = (),
+    memo: PlacementMemo | None = None,
 ) -> Snapshot:
-    """Build the snapshot from cards as read."""
+    """Build the snapshot from cards as read; ``memo``: the last read's placement, updated."""
     cards: list[Card] = []
     devices: list[Device] = []
     processes: list[Process] = []
     found = list(problems)
+    last = memo.cards if memo is not None else {}
+    now: dict[int, tuple[_PlacementKey, _Placed]] = {}
     for reading in readings:
-        card, card_devices, card_processes, card_problems = _place_card(reading)
+        key = (reading.index, reading.uuid, reading.name, reading.mig_current, reading.error, reading.memory,
+               reading.instances, reading.processes)
+        kept = last.get(reading.index)
+        if kept is not None and kept[0] == key:
+            card = _card_from_reading(reading, card_class(reading.name, reading.memory.total_bytes),
+                                      reading.mig_current is True and reading.error is None)
+            card_devices, card_processes, card_problems = kept[1]
+        else:
+            card, card_devices, card_processes, card_problems = _place_card(reading)
+        if reading.index not in now:  # a repeated index (garbage): the first kept; equal inputs place alike
+            now[reading.index] = (key, (card_devices, card_processes, card_problems))
         cards.append(card)
         devices.extend(card_devices)
         processes.extend(card_processes)
         found.extend(card_problems)
+    if memo is not None:
+        memo.cards = now
     return Snapshot(
         driver_version=driver_version,
         cuda_version=cuda_version,

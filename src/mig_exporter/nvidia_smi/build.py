@@ -2,13 +2,14 @@
 ``-L`` where it was read, then placed. Pure: bytes in, a snapshot out. A
 ``ReadMemo`` lets one source's reads skip what did not change since the last
 (the same bytes read the same): the report's process lists, MIG devices and
-clock tables, and the whole ``-L`` listing, which changes only when MIG is
-reconfigured."""
+clock tables, the whole ``-L`` listing, which changes only when MIG is
+reconfigured, and the placement of each card whose instances and processes
+read the same."""
 
 from __future__ import annotations
 
 from mig_exporter.core.errors import ReadError
-from mig_exporter.model.placement import place
+from mig_exporter.model.placement import PlacementMemo, place
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.listing import Listing, apply_listing, parse_list
 from mig_exporter.nvidia_smi.query_xml import SectionMemo, parse_query_xml
@@ -17,11 +18,12 @@ from mig_exporter.nvidia_smi.query_xml import SectionMemo, parse_query_xml
 class ReadMemo:
     """What the last read made of the parts of its outputs that rarely change."""
 
-    __slots__ = ("listing", "sections")
+    __slots__ = ("listing", "placement", "sections")
 
     def __init__(self) -> None:
         self.sections = SectionMemo()
         self.listing: tuple[bytes, Listing] | None = None
+        self.placement = PlacementMemo()
 
     def parse_list(self, data: bytes) -> Listing:
         last = self.listing
@@ -52,4 +54,5 @@ def snapshot_from_smi(query_xml: bytes, listing: str | bytes | None, listing_err
             problems.append(str(e))
     elif listing_error is not None:
         problems.append(listing_error)
-    return place(cards, driver_version=report.driver_version, cuda_version=report.cuda_version, problems=problems)
+    return place(cards, driver_version=report.driver_version, cuda_version=report.cuda_version, problems=problems,
+                 memo=None if memo is None else memo.placement)

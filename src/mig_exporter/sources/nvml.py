@@ -39,7 +39,7 @@ import pynvml
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.flight import Flights
-from mig_exporter.model.placement import place
+from mig_exporter.model.placement import PlacementMemo, place
 from mig_exporter.model.snapshot import (
     CardReading,
     Memory,
@@ -91,6 +91,7 @@ class NvmlSource:
         self._reads: Flights[str, Snapshot] = Flights("nvml-read", ends_at_deadline=False)
         self._checks: Flights[str, tuple[bool, str]] = Flights("nvml-ready", ends_at_deadline=False)
         self._readings: dict[tuple[_Row, str], ProcessReading] = {}
+        self._placement = PlacementMemo()  # each card as the last read placed it (model/placement.py)
 
     def ready(self) -> tuple[bool, str]:
         def late() -> tuple[bool, str]:
@@ -154,7 +155,7 @@ class NvmlSource:
                 processes.append(reading)
             cards.append(CardReading(processes=tuple(processes), **card[0]))
         self._readings = readings
-        return place(cards, driver_version=driver, cuda_version=cuda, problems=problems)
+        return place(cards, driver_version=driver, cuda_version=cuda, problems=problems, memo=self._placement)
 
     def _read_card(self, index: int, problems: list[str]) -> CardReading | tuple[dict[str, Any], list[_Row]]:
         """One card: its ``CardReading``'s fields and process rows, to be named; or, where a
