@@ -316,26 +316,41 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
         end = close + len(_SECTION_CLOSE)
         cuts.append((start, end, b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections))))
         sections.append(read)
-    start = end = clocks = 0
+    # <supported_clocks> and <mig_devices>: a card's MIG devices come early in it and its clocks
+    # just before its processes, so each is looked for between one card's processes and the next's
+    # (the clocks backwards from the processes): a pass over the whole report for each was a third
+    # of the memo's read. What follows the last <processes> is looked through whole (a report
+    # without any, all of it). A section not found so is parsed by lxml, as any other.
+    clock_starts: list[int] = []
+    mig_starts: list[int] = []
+    lo = 0
+    for start, end, _ in cuts:
+        at = data.rfind(_CLOCKS_OPEN, lo, start)
+        if (mig := data.find(_MIG_OPEN, lo, at if at >= 0 else start)) >= 0:
+            mig_starts.append(mig)
+        if at >= 0:
+            clock_starts.append(at)
+        lo = end
+    clock_starts += _starts(data, _CLOCKS_OPEN, lo)
+    mig_starts += _starts(data, _MIG_OPEN, lo)
+    clocks = 0
     clock_tables: set[bytes] = set()
-    while (start := data.find(_CLOCKS_OPEN, end)) >= 0:
+    for start in clock_starts:
         close = data.find(_CLOCKS_CLOSE, start)
         if close < 0:
             break  # the parse says why
-        end = close + len(_CLOCKS_CLOSE)
         if close - start < _MOST_TEXT:
             table = data[start + len(_CLOCKS_OPEN):close]
             if table in known.clocks or _CLOCKS.fullmatch(table):
                 clock_tables.add(table)
-                cuts.append((start, end, b'<supported_clocks %s="%d"/>' % (_MARK_BYTES, clocks)))
+                cuts.append((start, close + len(_CLOCKS_CLOSE),
+                             b'<supported_clocks %s="%d"/>' % (_MARK_BYTES, clocks)))
                 clocks += 1
     seen.clocks = frozenset(clock_tables)
-    start = end = 0
-    while (start := data.find(_MIG_OPEN, end)) >= 0:
+    for start in mig_starts:
         close = data.find(_MIG_CLOSE, start)
         if close < 0:
             break  # the parse says why
-        end = close + len(_MIG_CLOSE)
         section = data[start + len(_MIG_OPEN):close]
         read = known.mig_devices.get(section)
         if read is None:
@@ -344,7 +359,7 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
                 continue
             read = _instances_read(devices)
         seen.mig_devices[section] = read
-        cuts.append((start, end, b'<mig_devices %s="%d"/>' % (_MARK_BYTES, len(migs))))
+        cuts.append((start, close + len(_MIG_CLOSE), b'<mig_devices %s="%d"/>' % (_MARK_BYTES, len(migs))))
         migs.append(read)
     if not cuts:
         return None  # nothing to gain
@@ -380,6 +395,15 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
     if memo is not None:
         memo.processes, memo.mig_devices, memo.clocks = seen.processes, seen.mig_devices, seen.clocks
     return root, _Sections(sections, migs)
+
+
+def _starts(data: bytes, tag: bytes, start: int) -> list[int]:
+    """Where ``tag`` occurs in ``data`` from ``start`` on, each past the one before."""
+    found = []
+    while (start := data.find(tag, start)) >= 0:
+        found.append(start)
+        start += len(tag)
+    return found
 
 
 def _processes_read(rows: list[_Row]) -> _Read:
