@@ -253,6 +253,9 @@ def query_xml(shape: Shape) -> bytes:
     etree.indent(root, space="\t")
     for gpu in root.findall("gpu"):
         gpu.tail = "\n\n\t" if gpu.getnext() is not None else "\n\n"
+        processes = gpu.find("processes")
+        if len(processes) == 0:  # nvidia-smi writes an empty list open and closed, never <processes/>
+            processes.text = "\n\t\t"
     header = b'<?xml version="1.0" ?>\n<!DOCTYPE nvidia_smi_log SYSTEM "nvsmi_device_v12.dtd">\n'
     return header + etree.tostring(root) + b"\n"
 
