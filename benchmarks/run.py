@@ -46,6 +46,7 @@ import json
 import os
 import platform
 import pstats
+import re
 import shlex
 import signal
 import socket
@@ -55,7 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mig_exporter
@@ -63,7 +64,7 @@ from benchmarks import podresources, procscan, scenarios
 from benchmarks.scenarios import BIG_MIG, BIG_WHOLE, MAIN_SHAPES, SINGLE, Shape
 from mig_exporter.kubernetes.podresources import DEFAULT_SOCKET
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
-from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
 
 # What Prometheus 2.42 (Debian's, which the tests run) sends with every scrape.
 PROMETHEUS_ACCEPT = (
@@ -95,6 +96,7 @@ TARGET_NVML_LIB_RATIO = 0.2
 # answers in nanoseconds, so the serving process's CPU per scrape is all the exporter's own.
 NVML_LIB_OVERHEAD_KEY = "big-mig.cpu_per_scrape_ms"
 NVML_LIB_RATIO_KEY = "big-mig.ratio_cpu"
+CHANGING = "big-mig, every value new"
 
 PROCESS_SCALING = (
     Shape("1x7x16", 1, 7, 16),
@@ -220,6 +222,8 @@ class SmiResult:
     overhead_ms: float = float("nan")
     server_cpu_ms: float = float("nan")
     peak_rss_mib: float | None = None
+    parse_kept_ms: float = float("nan")  # the same bytes again, through the source's memo
+    label: str = ""  # the row's name, where not the shape's
 
 
 @dataclass
@@ -267,25 +271,53 @@ def measure_in_process(shape: Shape, xml: bytes, listing: bytes, s: Settings) ->
     snapshot = snapshot_from_smi(xml, listing)
     assert len(snapshot.processes) == shape.processes, (shape, len(snapshot.processes))
     parse = timed(lambda: snapshot_from_smi(xml, listing), s.reps_in_process, s.warmup)
+    # The same bytes again through one memo, as a source reads them: nothing has changed since its last read.
+    memo = ReadMemo()
+    assert snapshot_from_smi(xml, listing, None, memo) == snapshot
+    kept = timed(lambda: snapshot_from_smi(xml, listing, None, memo), s.reps_in_process, s.warmup)
     body = render(families_of(snapshot), PROMETHEUS_ACCEPT)
     assert count_lines(body, b"mig_exporter_process_memory_used_bytes{") == shape.processes
     rendering = timed(lambda: render(families_of(snapshot), PROMETHEUS_ACCEPT), s.reps_in_process, s.warmup)
-    return SmiResult(shape, len(xml) / 1024, median_ms(parse), median_ms(rendering), len(body) / 1024)
+    return SmiResult(shape, len(xml) / 1024, median_ms(parse), median_ms(rendering), len(body) / 1024,
+                     parse_kept_ms=median_ms(kept))
+
+
+# Consecutive reads of the "every value new" row share no process list, MIG device or memory figure.
+CHANGING_VARIANTS = 3
+_USED = re.compile(rb"<(used_memory|used)>(\d+) MiB<")
+
+
+def changing(xml: bytes, variants: int = CHANGING_VARIANTS) -> list[bytes]:
+    """``xml`` ``variants`` times over, the k-th with every used memory figure (each process's, each MIG
+    device's and card's) k MiB higher: read in turn, no section is the one the last read had, so the
+    source's memo never serves one (nvidia_smi/build.py) and the parse is the whole parse."""
+    return [_USED.sub(lambda m, k=k: b"<%s>%d MiB<" % (m.group(1), int(m.group(2)) + k), xml)
+            for k in range(variants)]
 
 
 # -- nvidia-smi path: through HTTP -------------------------------------------------
 
 
-def write_fake_nvidia_smi(directory: Path, xml: bytes, listing: bytes, query_s: float = 0.0) -> Path:
+def write_fake_nvidia_smi(directory: Path, xml: bytes | list[bytes], listing: bytes, query_s: float = 0.0) -> Path:
     """A fake nvidia-smi that only writes the files (tests/conftest.py's, without logging);
-    with ``query_s``, ``-q -x`` first takes that long, as the driver's own query does."""
-    (directory / "q.xml").write_bytes(xml)
+    with ``query_s``, ``-q -x`` first takes that long, as the driver's own query does. Given several
+    reports, ``-q -x`` writes them in turn, one a run (a counter file says which is next)."""
+    reports = [xml] if isinstance(xml, bytes) else xml
+    for n, report in enumerate(reports):
+        (directory / f"q{n}.xml").write_bytes(report)
     (directory / "L.txt").write_bytes(listing)
+    q = shlex.quote(str(directory / "q"))
+    if len(reports) == 1:
+        query = f"exec cat {q}0.xml"
+    else:
+        counter = shlex.quote(str(directory / "next"))
+        (directory / "next").write_text("0\n")
+        query = f"n=$(cat {counter}); echo $(( (n + 1) % {len(reports)} )) > {counter}; exec cat {q}$n.xml"
     script = directory / "nvidia-smi"
     script.write_text(
         "#!/bin/sh\n"
         'case "$1" in\n'
-        f"  -q) {f'sleep {query_s}; ' if query_s else ''}exec cat {shlex.quote(str(directory / 'q.xml'))} ;;\n"
+        f"  -q) {f'sleep {query_s}; ' if query_s else ''}{query} ;;\n"
         f"  -L) exec cat {shlex.quote(str(directory / 'L.txt'))} ;;\n"
         "esac\n"
         "exit 2\n"
@@ -384,7 +416,7 @@ class Scrape:
         self.conn.close()
 
 
-def measure_http(result: SmiResult, xml: bytes, listing: bytes, s: Settings) -> None:
+def measure_http(result: SmiResult, xml: bytes | list[bytes], listing: bytes, s: Settings) -> None:
     shape = result.shape
     with tempfile.TemporaryDirectory(prefix=f"mig-bench-{shape.name}-") as tmp:
         fake = write_fake_nvidia_smi(Path(tmp), xml, listing)
@@ -681,12 +713,17 @@ def report(results: Results, s: Settings, started: float) -> str:
     out.append("nvidia-smi path (ms, p50; overhead = HTTP scrape - fake nvidia-smi alone; "
                "server CPU = the serving process's CPU time per scrape, mean)")
     out.append(table(
-        ["scenario", "shape", "xml KiB", "parse", "collect+render", "HTTP scrape", "p90", "fake alone",
-         "overhead", "server CPU", "peak RSS MiB"],
-        [[r.shape.name, r.shape.describe(), f(r.xml_kib, 0), f(r.parse_ms), f(r.render_ms), f(r.scrape_ms),
-          f(r.scrape_p90_ms), f(r.fake_ms), f(r.overhead_ms), f(r.server_cpu_ms), f(r.peak_rss_mib, 1)]
+        ["scenario", "shape", "xml KiB", "parse", "parse, unchanged", "collect+render", "HTTP scrape", "p90",
+         "fake alone", "overhead", "server CPU", "peak RSS MiB"],
+        [[r.label or r.shape.name, r.shape.describe(), f(r.xml_kib, 0), f(r.parse_ms), f(r.parse_kept_ms),
+          f(r.render_ms), f(r.scrape_ms), f(r.scrape_p90_ms), f(r.fake_ms), f(r.overhead_ms), f(r.server_cpu_ms),
+          f(r.peak_rss_mib, 1)]
          for r in results.smi.values()],
     ))
+    out.append("  parse = every section read (nothing kept); parse, unchanged = the same report again through the "
+               "source's memo (sections, -L and placement kept: what the HTTP rows serve, the fake writing the same "
+               f"report each time); {CHANGING}: the fake writes {CHANGING_VARIANTS} reports in turn, each with "
+               "every used memory figure changed, so the memo serves nothing")
     out.append("")
     out.append("NVML path through the fake libnvidia-ml (ms, p50; ratio = our scrape / nvitop-exporter's update)")
     out.append(table(
@@ -959,6 +996,13 @@ def measure_all(settings: Settings, nvml: NvmlBench) -> Results:
         measure_http(result, xml, listing, settings)
         results.smi[shape.name] = result
         print(f"measured {shape.name} (nvidia-smi path)", file=sys.stderr, flush=True)
+    # The worst case of the memo: every process's and MIG device's memory changes at every read.
+    xml, listing = scenarios.query_xml(BIG_MIG), scenarios.listing(BIG_MIG)
+    result = replace(results.smi[BIG_MIG.name], label=CHANGING, scrape_ms=float("nan"), overhead_ms=float("nan"),
+                     parse_kept_ms=float("nan"), server_cpu_ms=float("nan"), peak_rss_mib=None)
+    measure_http(result, changing(xml), listing, settings)
+    results.smi[CHANGING] = result
+    print(f"measured {CHANGING} (nvidia-smi path)", file=sys.stderr, flush=True)
     for shape in MAIN_SHAPES:
         results.nvml[shape.name] = nvml.measure(shape, settings)
         print(f"measured {shape.name} (NVML path)", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ figures are checked by the benchmark itself, on a quiet machine."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -13,14 +14,23 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import MIB, REPO
 
 sys.path.insert(0, str(REPO))
 from benchmarks import plot, podresources, procscan, scenarios
-from benchmarks.run import INSTANCE_SCALING, PROCESS_SCALING, Results, SmiResult, runs_table, targets
+from benchmarks.run import (
+    INSTANCE_SCALING,
+    PROCESS_SCALING,
+    Results,
+    SmiResult,
+    changing,
+    runs_table,
+    targets,
+    write_fake_nvidia_smi,
+)
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podresources import parse_list_response
-from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
 from mig_exporter.nvidia_smi.query_xml import parse_query_xml
 from mig_exporter.sources.nvml import NvmlSource
 
@@ -102,9 +112,11 @@ def test_the_benchmark_runs_in_quick_mode_and_prints_every_table(tmp_path):
     assert "QUICK MODE" in out
 
     smi = _rows(out, "nvidia-smi path")
-    assert [r[0] for r in smi] == ["big-mig", "big-whole", "single"]
-    for row in smi:
+    assert [r[0] for r in smi] == ["big-mig", "big-whole", "single", "big-mig, every value new"]
+    for row in smi[:3]:
         assert all(re.fullmatch(r"-?\d+(\.\d+)?", cell) for cell in row[2:]), row  # every figure measured
+    # The worst case: nothing kept between reads (its in-process figures are big-mig's).
+    assert smi[3][4] == "n/a" and all(re.fullmatch(r"-?\d+(\.\d+)?", c) for i, c in enumerate(smi[3][2:], 2) if i != 4)
     assert float(smi[0][2]) > 300  # KiB of XML: the whole report, not a skeleton
 
     nvml = _rows(out, "NVML path")
@@ -224,3 +236,22 @@ def test_runs_are_judged_on_their_median_and_an_unmeasured_target_is_no_pass():
     assert [c.strip() for c in lines[2].split("|")[2:5]] == ["3.50/3.75", "0.40/0.65", "1.00/1.25"]
     assert [c.strip() for c in lines[3].split("|")[1:-1]] == [
         "overhead p50, big-mig", "9.00", "7.00", "7.50", "7.50", "<= 8 ms", "PASS"]
+
+
+def test_the_every_value_new_reports_share_no_section_with_the_one_before(tmp_path):
+    """The worst case of the source's memo (nvidia_smi/build.py): the fake writes the reports in
+    turn, and no read finds a process list or MIG device section of the read before it."""
+    xml, listing = scenarios.query_xml(scenarios.BIG_MIG), scenarios.listing(scenarios.BIG_MIG)
+    reports = changing(xml)
+    fake = write_fake_nvidia_smi(tmp_path, reports, listing)
+    written = [subprocess.run([str(fake), "-q", "-x"], capture_output=True, check=True).stdout for _ in range(4)]
+    assert written == [reports[0], reports[1], reports[2], reports[0]]
+    memo = ReadMemo()
+    for before, now in itertools.pairwise(written):
+        snapshot_from_smi(before, listing, None, memo)
+        kept = set(memo.sections.processes) | set(memo.sections.mig_devices)
+        snapshot = snapshot_from_smi(now, listing, None, memo)
+        assert not kept & (set(memo.sections.processes) | set(memo.sections.mig_devices))
+        assert snapshot == snapshot_from_smi(now, listing)
+    used = {p.pid: p.used_bytes for p in snapshot_from_smi(reports[1], listing).processes}
+    assert all(used[p.pid] == p.used_bytes + MIB for p in snapshot_from_smi(reports[0], listing).processes)
