@@ -16,13 +16,15 @@ lists, and within what is left of the scrape's budget. Both are read once for
 each process (its pid and the inode of its ``/proc/PID``, as ``procfs.py``
 tells processes apart) and kept while it runs: a running process rarely
 changes its cgroup or its real uid (docs/hpc.md). A pid that the /proc listing
-does not show is looked up by itself, once each read: it may be a thread's id (the
-listing holds thread group leaders only), kept by its own ``/proc/TID`` inode; one that
-is not there at all costs one ``access`` and nothing is opened for it. One found not
-there is looked for again only one read in ``REVISIT_READS`` (by pid, round robin)
-while the driver goes on listing it: a pid the driver lists that is no process of
-this /proc (it ended, and the driver has not let go of it) stays so, and one in a
-thousand becomes a thread's id later (only when the pid is given out again).
+does not show is looked up by itself: it may be a thread's id (the listing holds
+thread group leaders only), kept by its own ``/proc/TID`` inode; one that is not
+there at all costs one ``access`` and nothing is opened for it. A new one is looked
+up at once, one found at every read; one found not there is looked for again only
+one read in ``REVISIT_READS`` (by pid, round robin) while the driver goes on
+listing it: such a pid (its process ended, and the driver still lists it, or it is
+another namespace's) stays so, and becomes a thread's id only if the kernel gives
+it out again, to a thread that then uses a GPU; that is seen within
+``REVISIT_READS`` reads.
 """
 
 from __future__ import annotations
