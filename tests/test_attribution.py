@@ -12,6 +12,7 @@ from pathlib import Path
 from conftest import MIB, scenario
 from mig_exporter.config.engines import parse_engines
 from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.errors import CommandNotFound
 from mig_exporter.engines.attribution import EngineReader, engine_reading
 from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.host.procfs import REVISIT_READS, ProcfsSource
@@ -243,6 +244,26 @@ def test_proc_is_read_all_the_same_when_the_commands_never_say_they_run():
     assert events == ["procs read", "gpu read done"]
     assert time.monotonic() - started < 4  # the /proc read waited its 0.1 s, not the read's 5
     assert outcome.engines is not None and outcome.engines.processes
+
+
+def test_a_read_that_fails_before_its_commands_run_lets_the_proc_read_go_on_at_once(monkeypatch):
+    """Review (issue 17): a read that says when its commands run but fails before (nvidia-smi not
+    found) must not leave the /proc read waiting for that word until the scrape's deadline."""
+    import mig_exporter.metrics.scrape as scrape_module
+
+    monkeypatch.setattr(scrape_module, "_WAIT_FOR_GPU_S", 60.0)  # only the failure may release it
+
+    class Missing(DemoSource):
+        tells_start = True
+
+        def read(self, deadline=None, started=None):
+            raise CommandNotFound("/nonexistent/nvidia-smi: no such file")
+
+    scraper = Scraper(Missing(), EngineReader(DEFAULT_SETTINGS, DemoProcs()))
+    outcome, _ = scraper.scrape(Deadline.after(20))
+    assert not outcome.success and outcome.error == "/nonexistent/nvidia-smi: no such file"
+    assert outcome.engines is not None and outcome.engines.problems == ()
+    assert [e.pid for e in outcome.engines.processes] == [e.pid for e in read_demo().processes]
 
 
 def test_what_proc_alone_says_of_the_engines_is_made_beside_the_gpu_read(monkeypatch):

@@ -284,3 +284,27 @@ def test_clocks_nested_as_deep_as_libxml2_refuses_fail_as_the_whole_parse_fails(
     with pytest.raises(ParseError):
         parse_query_xml(bent + NOT_PLAIN)
     assert _read(bent) == _read(bent + NOT_PLAIN)
+
+
+@pytest.mark.parametrize("tag", ["mig_devices", "supported_clocks"])
+def test_many_opening_tags_after_the_last_process_list_are_looked_at_once(monkeypatch, tag):
+    """Review (issue 17): sections looked for from each opening tag of a run of them with one close
+    far away cost a search (and, for MIG devices, a read of the whole rest) per tag: minutes of CPU
+    for a few MB of garbage. A tag inside the section before it is passed over, as before."""
+    looked: list[int] = []
+    real_mig, real_clocks = query_xml._plain_mig_rows, query_xml._CLOCKS
+
+    class Clocks:
+        def fullmatch(self, *args):
+            looked.append(1)
+            return real_clocks.fullmatch(*args)
+
+    monkeypatch.setattr(query_xml, "_plain_mig_rows", lambda section: looked.append(1) or real_mig(section))
+    monkeypatch.setattr(query_xml, "_CLOCKS", Clocks())
+    opening = f"<{tag}>".encode()
+    data = (b'<?xml version="1.0" ?>\n<nvidia_smi_log><gpu id="0"><processes></processes>'
+            + opening * 500 + b" " * 1000 + f"</{tag}>".encode() + b"</gpu></nvidia_smi_log>\n")
+    assert query_xml._parse_fast(data) is None
+    assert looked == [1]
+    with pytest.raises(ParseError):
+        query_xml.parse_query_xml(data)

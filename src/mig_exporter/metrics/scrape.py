@@ -138,16 +138,17 @@ class Scraper:
         reading = self._start_procs(gpu_started)
         kubelet = self._start_kubelet(deadline)
         try:
-            snapshot = read_telling_start(self.source, None if deadline is None
-                                          else max(deadline, Deadline.after(_MIN_READ_S)), gpu_started.set)
+            try:
+                snapshot = read_telling_start(self.source, None if deadline is None
+                                              else max(deadline, Deadline.after(_MIN_READ_S)), gpu_started.set)
+            finally:
+                gpu_started.set()  # a read that failed before its commands ran: the /proc read goes on now
         except ReadError as e:
             return self._failed(started, str(e), self._engines(self._procs(reading, deadline), None), answered)
         except Exception as e:  # a bug must not take the scrape down; say where
             self._log_bug(f"read from {self.name} failed unexpectedly", e)
             engines = self._engines(self._procs(reading, deadline), None)
             return self._failed(started, f"unexpected {type(e).__name__}: {e}", engines, answered)
-        finally:
-            gpu_started.set()  # a read that failed before its commands ran: the /proc read goes on
         procs = self._procs(reading, deadline)
         engines = self._engines(procs, snapshot)
         table = procs.table if procs is not None else None
