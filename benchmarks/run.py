@@ -671,7 +671,8 @@ def targets(results: Results) -> list[Target]:
         line = fit(scaling_rows(results, unit), per, "smi total")
         return None if line is None else line[0] * 1000
 
-    rss = [r.peak_rss_mib for r in results.smi.values() if r.peak_rss_mib is not None]
+    # The three scenarios' servers, as the target is set (the every-value-new row is shown, not judged).
+    rss = [r.peak_rss_mib for name, r in results.smi.items() if name != CHANGING and r.peak_rss_mib is not None]
     scan = results.procscan
     lib = results.nvml_lib_figures or {}
     return [

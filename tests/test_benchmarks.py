@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,7 @@ from conftest import MIB, REPO
 sys.path.insert(0, str(REPO))
 from benchmarks import plot, podresources, procscan, scenarios
 from benchmarks.run import (
+    CHANGING,
     INSTANCE_SCALING,
     PROCESS_SCALING,
     Results,
@@ -236,6 +238,14 @@ def test_runs_are_judged_on_their_median_and_an_unmeasured_target_is_no_pass():
     assert [c.strip() for c in lines[2].split("|")[2:5]] == ["3.50/3.75", "0.40/0.65", "1.00/1.25"]
     assert [c.strip() for c in lines[3].split("|")[1:-1]] == [
         "overhead p50, big-mig", "9.00", "7.00", "7.50", "7.50", "<= 8 ms", "PASS"]
+
+
+def test_the_rss_target_is_judged_on_the_three_scenarios_and_the_worst_case_row_is_shown():
+    r = Results()
+    r.smi = {"big-mig": _smi("big-mig", 7.0, 8.0, 39.0), "single": _smi("single", 1.0, 2.0, 35.0),
+             CHANGING: replace(_smi("big-mig", 9.0, 11.0, 41.0), label=CHANGING)}
+    assert {t.name: t.value for t in targets(r)}["peak RSS of the serving process"] == 39.0
+    assert {t.name: t.value for t in targets(r)}["overhead p50, big-mig"] == 7.0
 
 
 def test_the_every_value_new_reports_share_no_section_with_the_one_before(tmp_path):
