@@ -82,16 +82,16 @@ def place(
     for reading in readings:
         key = (reading.index, reading.uuid, reading.name, reading.mig_current, reading.error, reading.memory,
                reading.instances, reading.processes)
+        klass = card_class(reading.name, reading.memory.total_bytes)
+        in_mig = reading.mig_current is True and reading.error is None
         kept = last.get(reading.index)
         if kept is not None and kept[0] == key:
-            card = _card_from_reading(reading, card_class(reading.name, reading.memory.total_bytes),
-                                      reading.mig_current is True and reading.error is None)
             card_devices, card_processes, card_problems = kept[1]
         else:
-            card, card_devices, card_processes, card_problems = _place_card(reading)
+            card_devices, card_processes, card_problems = _place_card(reading, klass, in_mig)
         if reading.index not in now:  # a repeated index (garbage): the first kept; equal inputs place alike
             now[reading.index] = (key, (card_devices, card_processes, card_problems))
-        cards.append(card)
+        cards.append(_card_from_reading(reading, klass, in_mig))  # its readings are new at every read
         devices.extend(card_devices)
         processes.extend(card_processes)
         found.extend(card_problems)
@@ -107,17 +107,14 @@ def place(
     )
 
 
-def _place_card(r: CardReading) -> tuple[Card, list[Device], list[Process], list[str]]:
-    klass = card_class(r.name, r.memory.total_bytes)
-    in_mig = r.mig_current is True and r.error is None
-    card = _card_from_reading(r, klass, in_mig)
+def _place_card(r: CardReading, klass: str | None, in_mig: bool) -> _Placed:
+    """The card's devices, the processes on them, and the problem lines placing them gave."""
     if r.error is not None:
-        return card, [], [], [f"card {r.index}: {r.error}"]
+        return [], [], [f"card {r.index}: {r.error}"]
     if not in_mig:
         device, processes = _place_whole_card(r, klass)
-        return card, [device], processes, []
-    devices, processes, problems = _place_mig_instances(r, klass)
-    return card, devices, processes, problems
+        return [device], processes, []
+    return _place_mig_instances(r, klass)
 
 
 def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool) -> Card:

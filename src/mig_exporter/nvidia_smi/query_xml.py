@@ -30,10 +30,10 @@ section is read.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from lxml import etree
 
@@ -414,25 +414,26 @@ def _starts(data: bytes, tag: bytes, start: int) -> list[int]:
 
 
 def _processes_read(rows: list[_Row]) -> _Read:
-    problems: list[str] = []
-    processes: list[ProcessReading] = []
-    try:
-        _add_rows(processes, _Values(problems), rows)
-    except Exception as e:  # a value no number holds (an infinite size): the card's read fails on it
-        return _Read((), tuple(problems), _why(e))
-    return _Read(tuple(processes), tuple(problems))
+    return _read_apart(lambda out, values: _add_rows(out, values, rows))
 
 
 def _instances_read(rows: list[_MigRow]) -> _Read:
-    problems: list[str] = []
-    instances: list[MigInstance] = []
-    values = _Values(problems)
-    try:
+    def add(out: list[MigInstance], values: _Values) -> None:
         for row in rows:
-            _add_instance(instances, values, row[0], row[1], row[2], row[3:])
-    except Exception as e:
+            _add_instance(out, values, row[0], row[1], row[2], row[3:])
+
+    return _read_apart(add)
+
+
+def _read_apart(add: Callable[[list[Any], _Values], None]) -> _Read:
+    """A section's rows, as ``add`` reads them into a list, with the problem lines it gave."""
+    problems: list[str] = []
+    rows: list[Any] = []
+    try:
+        add(rows, _Values(problems))
+    except Exception as e:  # a value no number holds (an infinite size): the card's read fails on it
         return _Read((), tuple(problems), _why(e))
-    return _Read(tuple(instances), tuple(problems))
+    return _Read(tuple(rows), tuple(problems))
 
 
 def _why(error: Exception) -> str:

@@ -70,8 +70,4 @@ class AutoSource:
     tells_start = True  # whichever is chosen (sources/base.py's read_telling_start)
 
     def read(self, deadline: Deadline | None = None, started: Callable[[], None] | None = None) -> Snapshot:
-        return read_telling_start(self.choose(), deadline, started or _nothing)
-
-
-def _nothing() -> None:
-    pass
+        return read_telling_start(self.choose(), deadline, started)

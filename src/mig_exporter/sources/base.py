@@ -27,11 +27,12 @@ class Source(Protocol):
     def describe(self) -> str: ...
 
 
-def read_telling_start(source: Source, deadline: Deadline | None, started: Callable[[], None]) -> Snapshot:
+def read_telling_start(source: Source, deadline: Deadline | None, started: Callable[[], None] | None) -> Snapshot:
     """``source.read``, calling ``started`` once the read's commands are running: what runs
     beside the read may start then, and not hold the interpreter while they are started. A
     source that starts no command (NVML, the demo) says so at once."""
     if getattr(source, "tells_start", False):
         return source.read(deadline, started=started)  # type: ignore[call-arg]
-    started()
+    if started is not None:
+        started()
     return source.read(deadline)
