@@ -33,13 +33,19 @@ The rules, the same for every caller:
   it, the others a ``FlightFailed`` caused by it (one exception raised in many threads would pile
   each thread's frames onto its traceback). Where every caller has answered late already, it is
   logged here, once, since no caller will.
-- A run that has ended is never reused: the next caller starts afresh.
+- A run that has ended is never reused by a caller that came after it ended: that caller starts
+  afresh. A caller that came before it ended (``arrived_at``: a request the HTTP loop had whole then,
+  and handed to a worker only once the run had ended, behind a queue of others) takes its result
+  all the same, as it would have had a thread been free: two hundred scrapes at once
+  cause one read, not one per wave of the worker pool. A run's result is kept for that only
+  ``KEEP_ENDED_S``, or until ``forget_ended`` finds it older.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, wait
 from typing import Generic, TypeVar
@@ -57,6 +63,9 @@ log = logging.getLogger("mig_exporter")
 # A run ends at its deadline plus the few ms a killed command takes to answer; a
 # caller waits this long past the run's deadline for a run due by its own.
 JOIN_GRACE_S = 0.25
+# How long an ended run's result is kept for the callers that arrived while it was in flight and
+# are still on their way to it (queued for a worker): they reach it within milliseconds of its end.
+KEEP_ENDED_S = 2.0
 
 
 class FlightFailed(Exception):
@@ -99,6 +108,8 @@ class Flights(Generic[K, T]):
         self._workers = workers  # None: the exporter's own, looked up at each run
         self._lock = threading.Lock()
         self._runs: dict[K, _Run[T]] = {}
+        # The last run of each key that ended with a result: (when it ended, its result).
+        self._ended: dict[K, tuple[float, T]] = {}
 
     def joined(self, key: K) -> int:
         """How many callers have joined the run in flight for ``key`` so far (0 when none is),
@@ -112,17 +123,24 @@ class Flights(Generic[K, T]):
                 return run.joined
 
     def run(self, key: K, deadline: Deadline, work: Callable[[], T], late: Callable[[], T],
-            admit: Callable[[], Callable[[], None]] | None = None) -> T:
+            admit: Callable[[], Callable[[], None]] | None = None, arrived_at: float | None = None) -> T:
         """What ``work`` returns, from the run in flight for ``key`` or from a new one; by
         ``deadline``, else what ``late`` returns. ``admit`` is called before a new run starts
         (never for a caller that joins one): what it raises goes to this caller alone, and
         nothing starts; what it returns gives back what it took, and is called when the run
-        ends. Raises ``FlightNotStarted`` when no thread can be started for a new run."""
+        ends. ``arrived_at`` (``time.monotonic()``): when the caller's request came, if it waited
+        since for a thread; a run that ended with a result after that (in flight then, or
+        started since) answers it.
+        Raises ``FlightNotStarted`` when no thread can be started for a new run."""
         with self._lock:
+            ended = self._ended.get(key)
+            if ended is not None and arrived_at is not None and arrived_at <= ended[0]:
+                return ended[1]
             run = self._runs.get(key)
             starts = run is None
             if run is None:
                 run = self._runs[key] = _Run(deadline, admit() if admit is not None else None)
+                self._ended.pop(key, None)  # a newer run is in flight: callers join it
                 try:
                     (self._workers or exporter_workers.WORKERS).start(lambda: self._fly(key, run, work), self.name)
                 except BaseException as e:  # the run never started: leave nothing behind
@@ -146,6 +164,13 @@ class Flights(Generic[K, T]):
         if error is not None and not starts:
             raise FlightFailed(f"the shared {self.name} failed: {error}") from error
         return run.future.result()
+
+    def forget_ended(self, now: float) -> None:
+        """Let go of ended runs' results kept longer than ``KEEP_ENDED_S``: a scrape's answer is
+        not held between scrapes."""
+        with self._lock:
+            for key in [key for key, (ended, _) in self._ended.items() if now - ended > KEEP_ENDED_S]:
+                del self._ended[key]
 
     def keep_callers(self, key: K) -> bool:
         """For the work of the run in flight for ``key``, before it counts and logs its
@@ -207,6 +232,8 @@ class Flights(Generic[K, T]):
             with self._lock:
                 if self._runs.get(key) is run:
                     del self._runs[key]
+                    if not isinstance(result, BaseException):
+                        self._ended[key] = (time.monotonic(), result[0])
             with run.lock:
                 if isinstance(result, BaseException):
                     run.future.set_exception(result)

@@ -12,6 +12,12 @@ within 3% over 20 000 scrapes at no measured cost per scrape.
 Set with ``mallopt`` before the server starts its threads. Not glibc (musl,
 in an Alpine image): nothing is changed. A limit the user set with
 ``MALLOC_ARENA_MAX`` or ``GLIBC_TUNABLES=glibc.malloc.arena_max=N`` is left as it is.
+
+glibc gives memory back to the system only from the top of its heap. Connections that
+come and go in a crowd (600 slow TLS handshakes, each with OpenSSL's buffers) leave
+their freed memory spread through it, kept: RSS stayed 25 MiB up once they were gone.
+``release_free_memory`` (``malloc_trim``) gives back the free pages wherever they are;
+the connection loop calls it when a crowd of connections has gone.
 """
 
 from __future__ import annotations
@@ -47,3 +53,14 @@ def limit_arenas(arenas: int = 1) -> str:
     if libc.mallopt(M_ARENA_MAX, arenas) != 1:
         return "malloc: glibc refused to limit its arenas; left as it is"
     return f"malloc: at most {arenas} arena{'s' if arenas != 1 else ''}"
+
+
+def release_free_memory() -> bool:
+    """Give glibc's free pages back to the system (``malloc_trim(0)``); whether any were.
+    Not glibc: nothing to do, False."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return bool(libc.malloc_trim(0))

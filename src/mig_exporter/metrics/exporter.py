@@ -94,8 +94,10 @@ class Exporter:
     def source(self) -> Source:
         return self.scraper.source
 
-    def answer(self, deadline: Deadline) -> Answer:
-        """This caller's share of a scrape due at ``deadline``: the one in flight, else a new one.
+    def answer(self, deadline: Deadline, arrived_at: float | None = None) -> Answer:
+        """This caller's share of a scrape due at ``deadline``: the one in flight, else a new one;
+        or, for a request that arrived at ``arrived_at`` (``time.monotonic()``) and waited for a
+        thread meanwhile, the scrape that was in flight then, if it has ended since.
         Kept past its deadline by the scrape it joined, the caller gets a failed read, counted and
         logged once for the callers kept waiting together, with the engine reading of the /proc
         read that scrape began with; the scrape's own failure is then counted and logged only
@@ -103,9 +105,14 @@ class Exporter:
         started = time.monotonic()
         try:
             return self._scrapes.run(_SCRAPE, deadline, lambda: self._scrape(deadline),
-                                     late=lambda: self._late(deadline, started))
+                                     late=lambda: self._late(deadline, started), arrived_at=arrived_at)
         except FlightNotStarted as e:  # no thread for the scrape: a failed read, as any other
             return self._failed(str(e), started)
+
+    def forget_finished(self, now: float) -> None:
+        """Let go of a finished scrape kept for the requests that arrived while it was in flight
+        (``Flights.forget_ended``)."""
+        self._scrapes.forget_ended(now)
 
     def joined(self) -> int:
         """How many callers have joined the scrape in flight so far, the one that started it not

@@ -105,13 +105,33 @@ class _Families:
         return self._families
 
 
+# The format versions served, by media type; prometheus_client echoes the version asked for.
+_SERVED_VERSIONS = {"application/openmetrics-text": ("", "0.0.1", "1.0.0"), "text/plain": ("", "0.0.4", "1.0.0")}
+
+
 def negotiate(accept: str | None) -> tuple[Callable[..., bytes], str]:
-    """prometheus_client's encoder and Content-Type for an Accept header. One it cannot read
-    (it raises on some malformed ``version=`` values) gets the text format, as no header does."""
+    """prometheus_client's encoder and Content-Type for an Accept header. An alternative whose
+    ``version=`` is not one we serve is passed over, as client_golang's negotiation does, so a
+    client's version string is never echoed into Content-Type unless it is one of ours; one
+    prometheus_client cannot read gets the text format, as no header does."""
     try:
-        return exposition.choose_encoder(accept or "")
+        return exposition.choose_encoder(_served_alternatives(accept or ""))
     except Exception:
         return exposition.choose_encoder("")
+
+
+def _served_alternatives(accept: str) -> str:
+    kept = []
+    for alternative in accept.split(","):
+        media_type, *params = alternative.split(";")
+        versions = _SERVED_VERSIONS.get(media_type.strip())
+        if versions is not None:
+            version = next((value.strip() for key, _, value in (p.partition("=") for p in params)
+                            if key.strip() == "version"), "")
+            if version not in versions:
+                continue
+        kept.append(alternative)
+    return ",".join(kept)
 
 
 def render(families: Sequence[Metric], accept: str | None) -> tuple[bytes, str]:

@@ -1,13 +1,20 @@
 """Every HTTP connection, owned by one event-loop thread: accepting, the cap on open
 connections, TLS handshakes, reading a request's head and body under a deadline and a
-size cap, and keep-alive between requests.
+size cap, writing its answer as the socket drains under a deadline, and keep-alive
+between requests.
 
 A connection holds no thread while it waits: only a complete request is handed to a
-bounded pool of worker threads (docs/reliability.md, "The port"), which answer it and
-hand the connection back. So a client that sends one header byte every 10 s, or holds
-thousands of connections, costs a socket and a small buffer each, within the cap, and
-never a thread. ``/-/healthy`` has a pool of its own, so it answers while scrapes fill
-the other.
+bounded pool of worker threads (docs/reliability.md, "The port"), which make its answer
+and hand the bytes back to the loop; the loop writes them. So a client that sends one
+header byte every 10 s, holds thousands of connections, or never reads its answers, costs
+a socket and a buffer each, within the cap, and never a thread. A pipelining client's next
+request is read only once the answer before it has drained: one answer per connection is
+queued, at most. ``/-/healthy`` has a pool of its own, so it answers while scrapes fill the
+other.
+
+A write that fails is the client's doing (it reset, closed or timed out; under TLS an
+``SSLEOFError`` and the like): the connection is closed and that is logged at debug level,
+and an answer not drained by its deadline closes its connection with one rate-limited line.
 
 What is refused here (a malformed head, headers too large, a head too slow, a conflicting
 ``Content-Length``) is answered 4xx and closed, logged one line per reason and rate-limited.
@@ -19,6 +26,7 @@ import collections
 import contextlib
 import errno
 import functools
+import itertools
 import logging
 import queue
 import re
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from mig_exporter.core.malloc_tuning import release_free_memory
 from mig_exporter.core.ratelog import RateLimitedLog
 
 log = logging.getLogger("mig_exporter.http")
@@ -54,6 +63,26 @@ _ACCEPT_BACKOFF_S = 0.1
 _CAP_RECOVERY_S = 10.0
 _TITLES = {400: "Bad Request", 505: "HTTP Version Not Supported"}
 _TICK_S = 0.25
+# One TLS record's plaintext: a non-blocking SSL write that would block is retried with the same bytes.
+_TLS_SEND_BYTES = 16384
+_IOV_MAX = 64
+# The kernel's receive buffer of each connection (inherited from the listener). A request is at
+# most 128 KiB and is read only once the answer before it has drained, so a client that pipelines
+# without reading its answers has no more than this waiting in the kernel for it; autotuned, it
+# grows to net.ipv4.tcp_rmem's maximum (32 MiB on some hosts), and 70 such clients once took the
+# host's TCP memory to its pressure limit, which stalls every connection on the host.
+_RECV_BUFFER_BYTES = 256 * 1024
+# What of its answers waits unsent in the kernel for a connection (TCP_NOTSENT_LOWAT): past it, the
+# socket does not take more, and its next request is not read. A client that never reads then has
+# this much queued for it, not the autotuned send buffer (megabytes on loopback: 70 such clients
+# once cost 4.4 s of CPU answering requests into their buffers before they stalled). What is in
+# flight is not counted, so a reading client is not slowed: the socket is writable again as soon
+# as the unsent bytes fall under it.
+_UNSENT_BYTES = 64 * 1024
+# When the open connections fall to a quarter of their peak, and that peak was a crowd, the
+# memory they held is given back to the system (core/malloc_tuning.py), at most this often.
+_CROWD = 64
+_RELEASE_EVERY_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +99,8 @@ class Limits:
     # A request with a larger body (none is expected) is answered and its connection closed.
     max_body_bytes: int = 64 * 1024
     tls_handshake_timeout_s: float = 10.0
-    # Writing one answer: a client that does not read holds a worker at most this long.
+    # Writing one answer, from the moment it is ready: a client that does not read it by then is
+    # closed. It holds no thread meanwhile, only its connection and that answer (Go's WriteTimeout).
     write_timeout_s: float = 30.0
     workers: int = 64
     queued_requests: int = 256
@@ -104,8 +134,9 @@ class Request:
 
     data: bytes
     path: str
-    close_after: bool  # a body the loop did not read (chunked, or too large): close after answering
+    close_after: bool  # a body the loop did not read (chunked, too large, or not sent yet): close after answering
     authorization: str | None = None
+    received_at: float = 0.0  # time.monotonic() when the loop had it whole
 
 
 class BadRequest(Exception):
@@ -121,6 +152,9 @@ class Head:
     body_bytes: int | None  # None: the body is not to be read (chunked, or too large)
     close_after: bool
     authorization: str | None
+    # Expect: 100-continue: the client sends its body only when told to. No handler reads a body,
+    # so none is asked for: the request is answered without it and the connection closed, as Go does.
+    expects_continue: bool = False
 
 
 def parse_head(head: bytes, max_body_bytes: int) -> Head:
@@ -145,6 +179,7 @@ def parse_head(head: bytes, max_body_bytes: int) -> Head:
         raise BadRequest(505, "HTTP version not supported")
     lengths: set[bytes] = set()
     chunked = False
+    expects_continue = False
     authorization: str | None = None
     for line in lines[1:]:
         if not line:
@@ -167,6 +202,8 @@ def parse_head(head: bytes, max_body_bytes: int) -> Head:
             if authorization is not None:  # the loop routes on one, the handler must check that one
                 raise BadRequest(400, "more than one Authorization header")
             authorization = value.strip().decode("latin-1")
+        elif name == b"expect":
+            expects_continue = value.strip().lower() == b"100-continue"
     if len(lengths) > 1:
         # RFC 9112 6.3: differing lengths are a smuggling attempt or a broken client.
         raise BadRequest(400, "conflicting Content-Length headers")
@@ -181,7 +218,7 @@ def parse_head(head: bytes, max_body_bytes: int) -> Head:
     length = int(lengths.pop()) if lengths else 0
     if length > max_body_bytes:
         return Head(path, None, True, authorization)
-    return Head(path, length, False, authorization)
+    return Head(path, length, False, authorization, expects_continue and length > 0)
 
 
 class _Pool:
@@ -245,14 +282,15 @@ _HANDSHAKE = "handshake"  # TLS: waiting for the first byte, then the handshake
 _HEAD = "head"  # waiting for a request, or reading one
 _BUSY = "busy"  # a worker has it
 _PARKED = "parked"  # a whole request waiting, without a thread, for a place in the "auth" pool
+_WRITING = "writing"  # its answer going out as the socket drains; nothing more is read meanwhile
 _CLOSING = "closing"  # answered; draining what the client still sends, then closed
 
 
 class Connection:
     """One client connection, as the loop sees it."""
 
-    __slots__ = ("buffer", "deadline", "head", "in_head", "key", "opened", "peer", "scanned", "served", "sock",
-                 "state", "tls_started")
+    __slots__ = ("buffer", "deadline", "head", "in_head", "keep", "key", "opened", "out", "peer", "scanned",
+                 "served", "sock", "state", "tls_started", "watching")
 
     def __init__(self, sock: socket.socket, peer: tuple[str, int], now: float) -> None:
         self.sock: socket.socket = sock
@@ -267,6 +305,11 @@ class Connection:
         self.in_head = False  # a request has begun (more than blank lines): its deadline runs
         self.scanned = 0  # bytes of the buffer known to hold no end of head
         self.head: tuple[int, Head] | None = None  # a head read whole, waiting for its body
+        # The answer being written: what is left of each of its buffers (the body is the scrape's
+        # shared bytes, never copied), and whether the connection is kept once it has drained.
+        self.out: collections.deque[memoryview] = collections.deque()
+        self.keep = False
+        self.watching = 0  # the selector events registered for it
 
 
 def peer_name(address: object) -> str:
@@ -277,8 +320,9 @@ def peer_name(address: object) -> str:
 
 
 class ConnectionLoop:
-    """The event loop. ``handle(conn, request)`` runs in a worker and answers one request
-    (blocking, with the write timeout set); it returns whether the connection may be kept.
+    """The event loop. ``handle(conn, request)`` runs in a worker and makes the answer to one
+    request: its bytes (the buffers to write, in order) and whether the connection may be kept.
+    It never touches the socket: the loop writes the answer.
     ``tls()`` gives the SSL context for a new connection (None: plain HTTP) and
     ``client_allowed(cert)`` checks a verified client certificate's SANs."""
 
@@ -286,11 +330,12 @@ class ConnectionLoop:
         self,
         listener: socket.socket,
         limits: Limits,
-        handle: Callable[[Connection, Request], bool],
+        handle: Callable[[Connection, Request], tuple[list[bytes], bool]],
         tls: Callable[[], tuple[ssl.SSLContext | None, str]],
         client_allowed: Callable[[Any], tuple[bool, str]],  # getpeercert()'s dict
         route: Callable[[Request], str] | None = None,
         priority: Callable[[Connection], int] | None = None,
+        tick: Callable[[float], None] | None = None,
     ) -> None:
         self.listener = listener
         self.limits = limits
@@ -298,9 +343,11 @@ class ConnectionLoop:
         self.tls = tls
         self.client_allowed = client_allowed
         self.max_connections = max(8, min(limits.max_connections, open_file_limit() - 64))
+        with contextlib.suppress(OSError):
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECV_BUFFER_BYTES)
         self.connections: dict[int, Connection] = {}  # by id()
         self._selector = selectors.DefaultSelector()
-        self._returned: queue.SimpleQueue[tuple[Connection, bool]] = queue.SimpleQueue()
+        self._returned: queue.SimpleQueue[tuple[Connection, list[bytes], bool]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -322,6 +369,9 @@ class ConnectionLoop:
         # Which parked request goes first: the lowest (the peer with the fewest failed checks).
         self.priority = priority or (lambda conn: 0)
         self._last_sweep = 0.0
+        self._peak_connections = 0  # since memory was last given back
+        self._last_release = 0.0
+        self.tick = tick  # called at each sweep, in the loop, with the time: the owner's housekeeping
         self._parked: collections.deque[tuple[Connection, Request]] = collections.deque()
         # Refusals, one line per reason and a count of the rest (per server: tests start many).
         self.limited = RateLimitedLog(log)
@@ -364,6 +414,8 @@ class ConnectionLoop:
             self._last_sweep = now
             self._sweep(now)
             self.limited.flush()
+            if self.tick is not None:
+                self.tick(now)
 
     def stop(self) -> None:
         """End ``run`` and wait for it (at once, if it is not running)."""
@@ -446,6 +498,8 @@ class ConnectionLoop:
         sock.setblocking(False)
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # answers go out at once
+        with contextlib.suppress(OSError, AttributeError):  # Linux and macOS have it
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, _UNSENT_BYTES)
         conn = Connection(sock, address, now)
         conn.deadline = now + self.limits.header_timeout_s
         context, _ = self.tls()
@@ -453,6 +507,7 @@ class ConnectionLoop:
             conn.state = _HANDSHAKE
             conn.deadline = now + self.limits.tls_handshake_timeout_s
         self.connections[id(conn)] = conn
+        self._peak_connections = max(self._peak_connections, len(self.connections))
         self._watch(conn, selectors.EVENT_READ)
 
     def _evict(self, now: float) -> bool:
@@ -481,8 +536,9 @@ class ConnectionLoop:
             if conn.key is None:
                 self._selector.register(conn.sock, events, conn)
                 conn.key = conn.sock.fileno()
-            else:
+            elif conn.watching != events:
                 self._selector.modify(conn.sock, events, conn)
+            conn.watching = events
         except (ValueError, OSError, KeyError):
             self._close(conn)
 
@@ -491,6 +547,7 @@ class ConnectionLoop:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._selector.unregister(conn.sock)
             conn.key = None
+            conn.watching = 0
 
     def _ready(self, conn: Connection, mask: int) -> None:
         if id(conn) not in self.connections:
@@ -500,6 +557,8 @@ class ConnectionLoop:
                 self._handshake(conn)
             elif conn.state == _HEAD:
                 self._read(conn)
+            elif conn.state == _WRITING:
+                self._write(conn)
             elif conn.state == _CLOSING:
                 self._drain(conn)
             elif conn.state == _PARKED:  # a client that gives up is closed; what it sends is kept, within bounds
@@ -625,14 +684,17 @@ class ConnectionLoop:
         head_bytes, parsed = conn.head
         head = bytes(buffer[:head_bytes])
         length = parsed.body_bytes
-        if length is None:
-            request = Request(head, parsed.path, True, parsed.authorization)
+        now = time.monotonic()
+        if length is None or (parsed.expects_continue and len(buffer) < len(head) + length):
+            # A body not to be read, or one the client waits to be asked for: answered without
+            # it, and closed (what it sends meanwhile is drained, never read as a request).
+            request = Request(head, parsed.path, True, parsed.authorization, now)
             del buffer[:]
         else:
             if len(buffer) < len(head) + length:
                 return  # the body is still on its way, within the same deadline
             request = Request(bytes(buffer[: len(head) + length]), parsed.path, parsed.close_after,
-                              parsed.authorization)
+                              parsed.authorization, now)
             del buffer[: len(head) + length]
         conn.head, conn.scanned, conn.in_head = None, 0, False
         self._dispatch(conn, request)
@@ -675,43 +737,74 @@ class ConnectionLoop:
             self._unwatch(conn)
 
     def _work(self, conn: Connection, request: Request) -> None:
-        """In a worker: answer, then give the connection back to the loop."""
+        """In a worker: make the answer, then hand it and the connection back to the loop."""
+        answer: list[bytes] = []
         keep = False
         try:
-            conn.sock.settimeout(self.limits.write_timeout_s)
-            keep = self.handle(conn, request) and not request.close_after
-        except (ConnectionError, TimeoutError, ssl.SSLError) as e:
-            log.debug("connection from %s ended: %s", peer_name(conn.peer), e)
-        except OSError as e:
-            log.debug("connection from %s failed: %s", peer_name(conn.peer), e)
-        except Exception:
+            answer, keep = self.handle(conn, request)
+            keep = keep and not request.close_after
+        except Exception:  # a bug: the handler answers its own failures
             log.exception("a request from %s failed", peer_name(conn.peer))
-        self._returned.put((conn, keep))
+        self._returned.put((conn, answer, keep))
         self.wake()
 
     def _take_back(self) -> None:
         while True:
             try:
-                conn, keep = self._returned.get_nowait()
+                conn, answer, keep = self._returned.get_nowait()
             except queue.Empty:
                 return
             if id(conn) not in self.connections:
                 continue
             conn.served += 1
-            if not keep:
-                self._linger(conn)
-                continue
-            try:
-                conn.sock.setblocking(False)
-            except OSError:
-                self._close(conn)
-                continue
-            conn.state = _HEAD
-            now = time.monotonic()
-            conn.deadline = now + (self.limits.header_timeout_s if conn.buffer else self.limits.idle_timeout_s)
+            conn.out = collections.deque(memoryview(part) for part in answer if part)
+            conn.keep = keep
+            conn.state = _WRITING
+            conn.deadline = time.monotonic() + self.limits.write_timeout_s
+            self._write(conn)
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def _write(self, conn: Connection) -> None:
+        """Send what the socket takes now; once the answer has drained, the connection reads its
+        next request (or closes). A failed write is the client gone: closed, logged at debug."""
+        out = conn.out
+        sock = conn.sock
+        try:
+            while out:
+                if isinstance(sock, ssl.SSLSocket):  # no sendmsg under TLS
+                    sent = sock.send(out[0][:_TLS_SEND_BYTES])
+                else:
+                    sent = sock.sendmsg(list(itertools.islice(out, _IOV_MAX)))
+                while sent and out:
+                    first = out[0]
+                    if sent >= len(first):
+                        sent -= len(first)
+                        out.popleft()
+                    else:
+                        out[0] = first[sent:]
+                        sent = 0
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+            self._watch(conn, selectors.EVENT_WRITE)
+            return
+        except ssl.SSLWantReadError:  # the TLS layer must read first (a key update)
             self._watch(conn, selectors.EVENT_READ)
-            if conn.buffer:  # a pipelined request already here
-                self._next_request(conn)
+            return
+        except OSError as e:  # BrokenPipe, ConnectionReset, TimeoutError, SSLEOFError and the rest of SSLError
+            log.debug("connection from %s ended while its answer was written: %s", peer_name(conn.peer), e)
+            self._close(conn)
+            return
+        if not conn.keep:
+            self._linger(conn)
+            return
+        conn.state = _HEAD
+        conn.deadline = time.monotonic() + (self.limits.header_timeout_s if conn.buffer
+                                            else self.limits.idle_timeout_s)
+        self._watch(conn, selectors.EVENT_READ)
+        if conn.buffer:  # a pipelined request already here
+            self._next_request(conn)
+        elif isinstance(sock, ssl.SSLSocket) and sock.pending():  # decrypted already: no event will say so
+            self._read(conn)
 
     # --- refusing and closing ---------------------------------------------------------------
 
@@ -754,6 +847,7 @@ class ConnectionLoop:
 
     def _close(self, conn: Connection) -> None:
         self._unwatch(conn)
+        conn.out = collections.deque()
         self.connections.pop(id(conn), None)
         with contextlib.suppress(OSError):
             conn.sock.close()
@@ -771,7 +865,11 @@ class ConnectionLoop:
         for conn in list(self.connections.values()):
             if conn.state == _BUSY or now < conn.deadline:
                 continue
-            if conn.state == _PARKED:
+            if conn.state == _WRITING:
+                self.limited.log("unread", logging.INFO, "connection from %s closed: its answer was not read within "
+                                 "%gs", peer_name(conn.peer), self.limits.write_timeout_s)
+                self._close(conn)
+            elif conn.state == _PARKED:
                 self._refuse(conn, 503, "Service Unavailable",
                              f"no place to check the credentials within {self.limits.header_timeout_s:g}s")
             elif conn.state == _HEAD and conn.buffer:
@@ -783,6 +881,17 @@ class ConnectionLoop:
                 self._close(conn)
             else:  # idle, or lingered long enough
                 self._close(conn)
+        self._release_memory(now)
+
+    def _release_memory(self, now: float) -> None:
+        """A crowd of connections gone: give back the memory their TLS and socket buffers held,
+        which glibc would keep, spread through its heap (docs/reliability.md)."""
+        open_now = len(self.connections)
+        if (self._peak_connections >= _CROWD and open_now <= self._peak_connections // 4
+                and now - self._last_release >= _RELEASE_EVERY_S):
+            self._last_release = now
+            self._peak_connections = open_now
+            release_free_memory()
 
 
 def tls_reason(e: BaseException, timeout_s: float) -> str:

@@ -36,6 +36,7 @@ from mig_exporter.config.file import TARGET_NAME, Config, ProbeTarget, load_conf
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.flight import FlightFailed, FlightNotStarted, Flights
 from mig_exporter.core.logs import shown
+from mig_exporter.core.ratelog import RateLimitedLog
 from mig_exporter.metrics.exporter import Answer
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
@@ -118,6 +119,9 @@ class Prober:
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
         self._reload_ok = True
         self._reload_success_time = time.time()
+        # A reload that changes nothing, or fails as the last one did, is logged once a window: a
+        # flood of POST /-/reload (10 clients for 10 s once wrote 10 802 lines) is a few lines.
+        self._reload_log = RateLimitedLog(log, burst=1)
         self._apply(config)
 
     @property
@@ -225,12 +229,18 @@ class Prober:
             except Exception as e:  # a bug, or MemoryError: the exporter goes on with the config in use
                 log.debug("reloading %s failed", self.config_file, exc_info=True)
                 return self._reload_failed([f"unexpected error: {one_line(e)}"])
+            with self._lock:
+                unchanged = config == self._config and self._reload_ok
             self._apply(config)
             with self._lock:
                 self._reload_ok = True
                 self._reload_success_time = time.time()
-            message = f"reloaded {self.config_file}: {config.summary()}"
-            log.info("%s", message)
+            if unchanged:
+                message = f"reloaded {self.config_file}: unchanged, {config.summary()}"
+                self._reload_log.log("unchanged", logging.INFO, "%s", message)
+            else:
+                message = f"reloaded {self.config_file}: {config.summary()}"
+                log.info("%s", message)
             return True, message
 
     def _reload_failed(self, errors: Sequence[str]) -> tuple[bool, str]:
@@ -238,7 +248,7 @@ class Prober:
             self._reload_ok = False
             kept = self._config.summary()
         summary = f"reloading {self.config_file} failed; kept the previous config, {kept}"
-        log.error("%s: %s", summary, "; ".join(errors))
+        self._reload_log.log(("failed", tuple(errors)), logging.ERROR, "%s: %s", summary, "; ".join(errors))
         return False, "\n".join([f"{summary}:", *(f"  {error}" for error in errors)])
 
     def _apply(self, config: Config) -> None:

@@ -4,11 +4,12 @@ HTTPS and basic auth with a web config file (``webconfig.py``).
 
 Connections are owned by one event loop (``connections.py``): it accepts,
 caps, times out and reads each request whole, then a bounded pool of workers
-answers it here. The answers come from the exporter (``metrics/exporter.py``),
-as client_python's handler asks a registry: every scrape reads the source
-afresh, requests that arrive while a scrape is in flight share it and its
-encoded answer, and ``/`` draws the same shared scrape. This module knows only
-HTTP: paths, methods, headers, the deadline Prometheus' header gives. A failed read
+makes its answer here, and the loop writes it as the client reads. The
+answers come from the exporter (``metrics/exporter.py``), as client_python's
+handler asks a registry: every scrape reads the source afresh, requests that
+arrive while a scrape is in flight share it and its encoded answer, and ``/``
+draws the same shared scrape. This module knows only HTTP: paths, methods,
+headers, the deadline Prometheus' header gives. A failed read
 still answers 200 with ``read_success 0``; no request ever gets a traceback. ``/probe`` and
 ``/-/reload`` exist when serve has a config file (``probe.py``). Every answer
 that is not a success is logged, one line with its reason, rate-limited per
@@ -17,7 +18,6 @@ reason.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import io
 import logging
@@ -63,17 +63,20 @@ def read_deadline(limit_s: float, header: str | None, offset_s: float) -> Deadli
 
 
 def _accepts_gzip(header: str) -> bool:
-    """Whether Accept-Encoding admits gzip (``gzip;q=0`` refuses it)."""
+    """Whether Accept-Encoding admits gzip: ``gzip;q=0`` refuses it, wherever its ``q`` stands
+    among its parameters (``gzip;level=1;q=0``), and so does a ``q`` that is not a number."""
     for item in header.split(","):
-        name, _, params = item.strip().partition(";")
-        if name.strip().lower() in ("gzip", "*"):
-            q = params.strip().lower()
-            if q.startswith("q="):
+        name, *params = item.split(";")
+        if name.strip().lower() not in ("gzip", "*"):
+            continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
                 try:
-                    return float(q[2:]) > 0
+                    return float(value.strip()) > 0
                 except ValueError:
                     return False
-            return True
+        return True
     return False
 
 
@@ -104,7 +107,7 @@ class ExporterServer:
         self.socket = _listen(address)
         self.server_address: tuple[str, int] = self.socket.getsockname()[:2]
         self.loop = ConnectionLoop(self.socket, self.limits, self._handle, self._tls, self._client_allowed,
-                                   self._route, self._auth_priority)
+                                   self._route, self._auth_priority, tick=self._tick)
 
     def serve_forever(self) -> None:
         self.loop.run()
@@ -123,10 +126,15 @@ class ExporterServer:
     def __exit__(self, *exc: object) -> None:
         self.server_close()
 
-    def _handle(self, conn: Connection, request: Request) -> bool:
-        """Answer one request (in a worker); whether the connection may be kept."""
+    def _handle(self, conn: Connection, request: Request) -> tuple[list[bytes], bool]:
+        """The answer to one request (in a worker): its bytes, and whether the connection may be kept."""
         handler = _Handler(conn, request, self)
-        return not handler.close_connection
+        return handler.wfile.parts, not handler.close_connection
+
+    def _tick(self, now: float) -> None:
+        """The loop's housekeeping, every quarter second: let go of a finished scrape no waiting
+        request can still join."""
+        self.exporter.forget_finished(now)
 
     def _route(self, request: Request) -> str:
         """The worker pool for a request: credentials that need a bcrypt check wait in "auth"."""
@@ -202,10 +210,12 @@ class _Handler(BaseHTTPRequestHandler):
     """Answers one complete request, read by the connection loop, in a worker thread.
 
     http.server parses it (from memory: the loop has read it whole) and calls do_GET and
-    the like; the answer goes straight to the socket, head and body in one write."""
+    the like; the answer's bytes (head, then the body as the scrape encoded it, not copied)
+    are collected in ``wfile`` for the loop to write: no worker waits on a client."""
 
     # Not a socketserver.BaseServer: the loop reads requests, the handler only answers them.
     server: ExporterServer  # type: ignore[assignment]
+    wfile: _AnswerBuffer  # the answer's bytes, for the loop to write
     server_version = f"mig-exporter/{__version__}"
     protocol_version = "HTTP/1.1"
 
@@ -216,9 +226,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection = conn.sock
         self.client_address = conn.peer
         self.rfile = io.BytesIO(request.data)
-        self.wfile = _SocketWriter(conn.sock)
+        self.wfile = _AnswerBuffer()
         self.close_connection = True
+        self._arrived_at = request.received_at
+        self._close_after = request.close_after
         self.handle_one_request()
+
+    def handle_expect_100(self) -> bool:
+        """No 100 Continue: no handler reads a body, so none is asked for. The loop handed over the
+        head alone and closes the connection after the answer, as Go does for a body it never reads."""
+        return True
 
     def do_GET(self) -> None:  # do_GET, do_HEAD, do_POST: http.server's naming
         self._dispatch("GET")
@@ -260,13 +277,11 @@ class _Handler(BaseHTTPRequestHandler):
                     self._send(200, f"Ready: {reason}\n".encode(), _TEXT, send_body)
                 else:  # asked every few seconds by a readiness probe: not a warning each time
                     self._fail(503, f"Not ready: {reason}", send_body, level=logging.INFO)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away; nothing to answer
-        except Exception:
+        except Exception:  # a bug of ours: the client is answered 503 and the log says why
             log.exception("%s %s from %s failed; answered 503", self.command, _shown_path(self.path),
                           peer_name(self.client_address))
-            with contextlib.suppress(OSError):
-                self._send(503, b"Request failed; see the exporter's log\n", _TEXT, send_body)
+            self.wfile.parts.clear()
+            self._send(503, b"Request failed; see the exporter's log\n", _TEXT, send_body)
 
     def _admitted(self, web: WebConfig, send_body: bool) -> bool:
         """The web config's headers, rate limit and basic auth, for every path
@@ -300,7 +315,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _shared_answer(self) -> Answer:
         """This request's share of a scrape: the one in flight, else a new one."""
-        return self.server.exporter.answer(self.server.scrape_deadline(self.headers.get(SCRAPE_TIMEOUT_HEADER)))
+        return self.server.exporter.answer(self.server.scrape_deadline(self.headers.get(SCRAPE_TIMEOUT_HEADER)),
+                                           arrived_at=self._arrived_at or None)
 
     def _probe(self, query: str, send_body: bool) -> None:
         prober = self.server.prober
@@ -362,22 +378,26 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes, content_type: str, send_body: bool,
               headers: dict[str, str] | None = None) -> None:
-        # Headers and body in one write: two small writes on a kept-alive connection wait
-        # ~40 ms for the client's delayed ACK (Nagle). http.server writes the head to
-        # self.wfile at end_headers(): here, into a buffer sent with the body. An HTTP/0.9
-        # request ("GET /path" alone) gets no head at all, as from http.server itself.
+        # The head and the body as two buffers, which the loop writes in one sendmsg (a Go
+        # server's single write): the body is the scrape's encoding, shared, never copied.
+        # http.server writes the head to self.wfile at end_headers(): here, into a buffer. An
+        # HTTP/0.9 request ("GET /path" alone) gets no head at all, as from http.server itself.
         wfile = self.wfile
-        self.wfile = head = io.BytesIO()
+        self.wfile = head = _AnswerBuffer()
         try:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             for name, value in {**getattr(self, "_extra_headers", {}), **(headers or {})}.items():
                 self.send_header(name, value)
+            if self._close_after:  # a body left unread: the connection closes, and says so
+                self.send_header("Connection", "close")
             self.end_headers()
         finally:
             self.wfile = wfile
-        wfile.write(head.getvalue() + body if send_body else head.getvalue())
+        wfile.write(b"".join(head.parts))
+        if send_body:
+            wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -390,20 +410,18 @@ class _Handler(BaseHTTPRequestHandler):
                                      peer_name(self.client_address), reason)
 
 
-class _SocketWriter(io.BufferedIOBase):
-    """Writes go straight to the socket, whole (socketserver's own writer, which cannot be
-    imported as API): the handler writes each answer once, head and body together."""
+class _AnswerBuffer(io.BufferedIOBase):
+    """Where the handler writes its answer: each write kept as it came, for the loop to send."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
 
     def writable(self) -> bool:
         return True
 
-    def write(self, b: bytes) -> int:  # type: ignore[override]  # bytes-like in, all of it out
-        self._sock.sendall(b)
-        with memoryview(b) as view:
-            return view.nbytes
+    def write(self, b: bytes) -> int:  # type: ignore[override]  # bytes-like in, all of it kept
+        self.parts.append(bytes(b) if not isinstance(b, bytes) else b)
+        return len(self.parts[-1])
 
 
 def _shown_path(path: str) -> str:
