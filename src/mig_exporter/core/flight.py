@@ -102,8 +102,10 @@ class Flights(Generic[K, T]):
     then waits ``JOIN_GRACE_S`` more for it; False for work no deadline reaches. ``workers``:
     the threads runs take (the exporter's own by default)."""
 
-    def __init__(self, name: str, *, ends_at_deadline: bool = True, workers: Workers | None = None) -> None:
+    def __init__(self, name: str, *, ends_at_deadline: bool = True, workers: Workers | None = None,
+                 keep_ended: bool = False) -> None:
         self.name = name
+        self.keep_ended = keep_ended  # keep an ended run's result for the callers that came before it ended
         self.ends_at_deadline = ends_at_deadline
         self._workers = workers  # None: the exporter's own, looked up at each run
         self._lock = threading.Lock()
@@ -232,7 +234,7 @@ class Flights(Generic[K, T]):
             with self._lock:
                 if self._runs.get(key) is run:
                     del self._runs[key]
-                    if not isinstance(result, BaseException):
+                    if self.keep_ended and not isinstance(result, BaseException):
                         self._ended[key] = (time.monotonic(), result[0])
             with run.lock:
                 if isinstance(result, BaseException):

@@ -88,7 +88,7 @@ class Exporter:
         self.scraper = scraper
         self.collectors = collectors
         self.timeout_s = timeout_s  # --timeout: the budget of a scrape no one gave a shorter one
-        self._scrapes: Flights[str, Answer] = Flights("scrape")
+        self._scrapes: Flights[str, Answer] = Flights("scrape", keep_ended=True)
 
     @property
     def source(self) -> Source:

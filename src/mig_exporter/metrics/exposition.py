@@ -106,6 +106,7 @@ class _Families:
 
 
 # The format versions served, by media type; prometheus_client echoes the version asked for.
+_ESCAPINGS = ("allow-utf-8", "underscores", "dots", "values")
 _SERVED_VERSIONS = {"application/openmetrics-text": ("", "0.0.1", "1.0.0"), "text/plain": ("", "0.0.4", "1.0.0")}
 
 
@@ -121,16 +122,22 @@ def negotiate(accept: str | None) -> tuple[Callable[..., bytes], str]:
 
 
 def _served_alternatives(accept: str) -> str:
+    """The header rebuilt from what we serve: each alternative as its media type, a version of
+    ours and its escaping, nothing else of the client's, so no spelling of it reaches the answer."""
     kept = []
     for alternative in accept.split(","):
-        media_type, *params = alternative.split(";")
-        versions = _SERVED_VERSIONS.get(media_type.strip())
-        if versions is not None:
-            version = next((value.strip() for key, _, value in (p.partition("=") for p in params)
-                            if key.strip() == "version"), "")
-            if version not in versions:
-                continue
-        kept.append(alternative)
+        media_type, *params = (part.strip() for part in alternative.split(";"))
+        values = {key.strip(): value.strip() for key, _, value in (p.partition("=") for p in params)}
+        versions = _SERVED_VERSIONS.get(media_type)
+        if versions is None:
+            continue
+        version = values.get("version", "")
+        if version not in versions:
+            continue
+        rebuilt = media_type + (f";version={version}" if version else "")
+        if values.get("escaping") in _ESCAPINGS:
+            rebuilt += f";escaping={values['escaping']}"
+        kept.append(rebuilt)
     return ",".join(kept)
 
 

@@ -203,7 +203,7 @@ def parse_head(head: bytes, max_body_bytes: int) -> Head:
                 raise BadRequest(400, "more than one Authorization header")
             authorization = value.strip().decode("latin-1")
         elif name == b"expect":
-            expects_continue = value.strip().lower() == b"100-continue"
+            expects_continue = expects_continue or value.strip().lower() == b"100-continue"
     if len(lengths) > 1:
         # RFC 9112 6.3: differing lengths are a smuggling attempt or a broken client.
         raise BadRequest(400, "conflicting Content-Length headers")
@@ -519,7 +519,9 @@ class ConnectionLoop:
         for conn in self.connections.values():
             if conn.state == _BUSY:
                 continue
-            rank = (0 if conn.served == 0 else 1, conn.opened if conn.served == 0 else conn.deadline)
+            # An answer being written goes last among the served: it is someone's scrape.
+            rank = (0 if conn.served == 0 else 2 if conn.state == _WRITING else 1,
+                    conn.opened if conn.served == 0 else conn.deadline)
             if best_rank is None or rank < best_rank:
                 best, best_rank = conn, rank
         if best is None:
@@ -761,7 +763,7 @@ class ConnectionLoop:
             conn.keep = keep
             conn.state = _WRITING
             conn.deadline = time.monotonic() + self.limits.write_timeout_s
-            self._write(conn)
+            self._ready(conn, selectors.EVENT_WRITE)  # its guards: a client fault here is not the loop's
 
     # --- writing ----------------------------------------------------------------------------
 
