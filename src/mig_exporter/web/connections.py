@@ -789,8 +789,11 @@ class ConnectionLoop:
         except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
             self._watch(conn, selectors.EVENT_WRITE)
             return
-        except ssl.SSLWantReadError:  # the TLS layer must read first (a key update)
-            self._watch(conn, selectors.EVENT_READ)
+        except ssl.SSLWantReadError:
+            # Only a renegotiation makes a TLS write wait for a read, and OpenSSL refuses those
+            # from clients: waiting for READ could spin on the pipelined requests it never takes.
+            log.debug("connection from %s closed: its TLS layer asked to read while writing", peer_name(conn.peer))
+            self._close(conn)
             return
         except OSError as e:  # BrokenPipe, ConnectionReset, TimeoutError, SSLEOFError and the rest of SSLError
             log.debug("connection from %s ended while its answer was written: %s", peer_name(conn.peer), e)
@@ -819,9 +822,15 @@ class ConnectionLoop:
         self._answer_and_close(conn, head + body)
 
     def _answer_and_close(self, conn: Connection, answer: bytes) -> None:
-        with contextlib.suppress(OSError):  # small: it fits the empty send buffer of a socket we only read
-            conn.sock.send(answer)
-        self._linger(conn)
+        """Write a refusal as any answer, then close: the answer before it on a pipelining
+        connection may still be unsent in the kernel, so one send() could take none of it."""
+        conn.buffer = bytearray()  # nothing more is read from it as a request
+        conn.head, conn.scanned, conn.in_head = None, 0, False
+        conn.out = collections.deque([memoryview(answer)])
+        conn.keep = False
+        conn.state = _WRITING
+        conn.deadline = time.monotonic() + self.limits.write_timeout_s
+        self._write(conn)
 
     def _linger(self, conn: Connection) -> None:
         """Half-close and drain for a moment: closing with unread bytes would send a reset,
