@@ -20,6 +20,7 @@ from typing import TypeVar, cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mig_exporter.metrics.exposition import Column, GaugeColumns
+from mig_exporter.metrics.health_families import health_families
 from mig_exporter.model.readings import (
     EngineReading,
     OwnerReading,
@@ -49,6 +50,7 @@ def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None,
     yield from _device_families(snapshot)
     yield from _process_families(snapshot, pods, owners)
     yield from _card_families(snapshot)
+    yield from health_families(snapshot)
 
 
 def _device_families(snapshot: Snapshot) -> Iterator[Metric]:

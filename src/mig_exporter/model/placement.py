@@ -133,6 +133,7 @@ def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool) -> Card:
         # N/A on the card; never export a stale or zero value there.
         utilization_ratio=None if r.mig_current else r.utilization_ratio,
         error=r.error,
+        health=r.health,
     )
 
 
@@ -173,6 +174,7 @@ def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device
             name=f"{r.name} MIG {inst.profile}" if r.name and inst.profile else r.name,
             device_class=mig_device_class(klass, inst.profile),
             memory=inst.memory,
+            ecc_errors=inst.ecc_errors,
         )
         devices.append(device)
         if inst.gpu_instance_id is not None:

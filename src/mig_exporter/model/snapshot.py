@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from mig_exporter.model.health import NO_HEALTH, CardHealth, EccCount
+
 MIB = 1024 * 1024
 
 
@@ -39,6 +41,8 @@ class MigInstance(NamedTuple):
     memory: Memory
     profile: str | None = None
     uuid: str | None = None
+    # The instance's own ECC counts, where the driver gives them per instance.
+    ecc_errors: tuple[EccCount, ...] = ()
 
 
 # Linux never hands out a pid of 0 or at or above PID_MAX_LIMIT (2^22, the most
@@ -87,6 +91,7 @@ class CardReading:
     instances: tuple[MigInstance, ...] = ()
     processes: tuple[ProcessReading, ...] = ()
     error: str | None = None
+    health: CardHealth = NO_HEALTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,7 @@ class Card:
     power_draw_watts: float | None
     utilization_ratio: float | None
     error: str | None = None
+    health: CardHealth = NO_HEALTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +138,8 @@ class Device:
     name: str | None
     device_class: str | None
     memory: Memory
+    # A MIG instance's own ECC counts (the driver gives no other health per instance).
+    ecc_errors: tuple[EccCount, ...] = ()
 
     @property
     def is_mig(self) -> bool:
