@@ -141,7 +141,8 @@ class Verdict(NamedTuple):
 def grade(health: CardHealth, instance_uncorrectable: int = 0) -> Verdict:
     """The card's worst state and why, by the rules docs/metrics.md lists under
     ``mig_exporter_card_health``. ``instance_uncorrectable``: volatile uncorrectable ECC
-    errors its MIG instances report on their own (a card in MIG mode may give no other)."""
+    errors its MIG instances report on their own, counted where the card gives no volatile
+    uncorrectable count of its own (which holds theirs)."""
     found: dict[str, list[str]] = {state: [] for state in HEALTH_STATES}
     if health.row_remap_failure:
         found["replace"].append("row remapping failed: the card has no spare rows left for a failing bank")
@@ -157,8 +158,9 @@ def grade(health: CardHealth, instance_uncorrectable: int = 0) -> Verdict:
         found["reset"].append(_RESET_ACTIONS[RecoveryAction(action)])
     elif action is not None and action in _WARNING_ACTIONS:
         found["warning"].append(_WARNING_ACTIONS[RecoveryAction(action)])
-    uncorrectable = sum(e.errors for e in health.ecc_errors
-                        if e.scope == "volatile" and e.type == "uncorrectable") + instance_uncorrectable
+    # The card's own count holds its instances' errors; theirs stand in where it gives none.
+    card_counts = [e.errors for e in health.ecc_errors if e.scope == "volatile" and e.type == "uncorrectable"]
+    uncorrectable = sum(card_counts) if card_counts else instance_uncorrectable
     if uncorrectable:
         found["warning"].append(f"{uncorrectable} uncorrectable ECC error(s) since the driver loaded")
     if health.ecc_sram_threshold_exceeded:
