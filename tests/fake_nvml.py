@@ -129,6 +129,61 @@ class FakeProcess:
 
 
 @dataclass(frozen=True)
+class FakeSramStatus:
+    """nvmlDeviceGetSramEccErrorStatus (570+): uncorrectable SRAM errors split by parity and
+    SEC-DED, correctable ones, and whether they passed the driver's threshold."""
+
+    volatile_parity: int = 0
+    volatile_secded: int = 0
+    volatile_correctable: int = 0
+    aggregate_parity: int = 0
+    aggregate_secded: int = 0
+    aggregate_correctable: int = 0
+    threshold_exceeded: bool = False
+
+
+@dataclass(frozen=True)
+class FakeHealth:
+    """A card's heat, power and wear, as NVML answers them. ``None`` (or a missing key) answers
+    NVML_ERROR_NOT_SUPPORTED. Keys are pynvml's own constants (field ids, thresholds, clocks,
+    memory locations), never numbers written here: NVML's field ids moved between releases.
+
+    - ``fields``: nvmlDeviceGetFieldValues, by field id (``NVML_FI_DEV_MEMORY_TEMP``,
+      ``NVML_FI_DEV_CLOCKS_EVENT_REASON_*`` in ns, ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``,
+      ``NVML_FI_DEV_PCIE_REPLAY_COUNTER``, ``NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` in mJ);
+      the single calls that give the same values answer from here too;
+    - ``thresholds_c``: nvmlDeviceGetTemperatureThreshold, by ``NVML_TEMPERATURE_THRESHOLD_*``;
+    - ``clocks_mhz``/``max_clocks_mhz``: nvmlDeviceGetClockInfo/GetMaxClockInfo, by ``NVML_CLOCK_*``;
+    - ``power_limits_mw``: enforced, management (requested), default, min, max;
+    - ``ecc_counts``: nvmlDeviceGetMemoryErrorCounter, by (error type, counter type, location);
+      a location not listed answers NOT_SUPPORTED (an older card has no SRAM/DRAM locations);
+    - ``remapped_rows``: (correctable, uncorrectable, pending, failure);
+    - ``remapper_histogram``: (max, high, partial, low, none) banks;
+    - ``retired_pages``: page addresses by ``NVML_PAGE_RETIREMENT_CAUSE_*``;
+    - ``repair_pending``: (channel, tpc), nvmlDeviceGetRepairStatus (590+).
+    """
+
+    fields: Mapping[int, int] = field(default_factory=dict)
+    margin_c: int | None = None
+    thresholds_c: Mapping[int, int] = field(default_factory=dict)
+    clocks_event_reasons: int | None = None  # the active bitmask
+    supported_clocks_event_reasons: int | None = None
+    performance_state: int | None = None
+    clocks_mhz: Mapping[int, int] = field(default_factory=dict)
+    max_clocks_mhz: Mapping[int, int] = field(default_factory=dict)
+    fan_percent: int | None = None
+    power_limits_mw: tuple[int | None, int | None, int | None, int | None, int | None] = (None,) * 5
+    ecc_mode: tuple[bool, bool] | None = None
+    ecc_counts: Mapping[tuple[int, int, int], int] = field(default_factory=dict)
+    sram: FakeSramStatus | None = None
+    remapped_rows: tuple[int, int, bool, bool] | None = None
+    remapper_histogram: tuple[int, int, int, int, int] | None = None
+    retired_pages: Mapping[int, tuple[int, ...]] | None = None
+    retired_pending: bool | None = None
+    repair_pending: tuple[bool, bool] | None = None
+
+
+@dataclass(frozen=True)
 class FakeMig:
     """One MIG device (a compute instance) in MIG slot ``index`` of its card."""
 
@@ -142,6 +197,8 @@ class FakeMig:
     graphics_processes: tuple[FakeProcess, ...] = ()
     mps_processes: tuple[FakeProcess, ...] = ()
     errors: Mapping[str, int] = field(default_factory=dict)
+    # nvmlDeviceGetMemoryErrorCounter on this MIG handle: its volatile uncorrectable SRAM errors.
+    sram_uncorrectable_volatile: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +230,7 @@ class FakeCard:
     mps_processes: tuple[FakeProcess, ...] = ()
     mig_devices: tuple[FakeMig, ...] = ()
     errors: Mapping[str, int] = field(default_factory=dict)
+    health: FakeHealth = field(default_factory=FakeHealth)
 
     def __post_init__(self) -> None:
         if (self.gpu_util_percent is None) != (self.memory_util_percent is None):
