@@ -1,0 +1,40 @@
+"""scripts/device-check, run as on a real host: over the fake nvidia-smi and the C fake
+libnvidia-ml serving the same machine, so both of our paths read it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO, fixture_bytes
+
+SCRIPT = REPO / "scripts" / "device-check"
+SCENARIO = "h100-mig-processes"
+
+
+def test_device_check_leaves_the_drivers_outputs_both_reads_doctor_and_timings_in_one_folder(
+        fake_nvidia_smi, fake_libnvml_env, tmp_path):
+    smi = fake_nvidia_smi(fixture_bytes(f"{SCENARIO}.xml"), fixture_bytes(f"{SCENARIO}.L.txt"))
+    env = {**os.environ, **fake_libnvml_env(SCENARIO), "NVIDIA_SMI": str(smi),
+           "MIG_EXPORTER": f"{sys.executable} -m mig_exporter", "SCRAPES": "3"}
+    out = tmp_path / "check"
+    done = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "nvidia-smi-q-x.xml").read_bytes() == fixture_bytes(f"{SCENARIO}.xml")
+    assert (out / "nvidia-smi-L.txt").read_bytes() == fixture_bytes(f"{SCENARIO}.L.txt")
+    assert (out / "mig-devices-kept.txt").read_text().splitlines() == [
+        "mig_device elements: -q -x 4, -q -x -d MEMORY,PIDS 4", "kept"]
+    for path in ("nvidia-smi", "nvml"):
+        assert f'mig_exporter_read_success{{source="{path}"}} 1.0' in (out / f"read-{path}.prom").read_text()
+    # The paths agree on every series but the one only NVML gives.
+    differences = [line for line in (out / "read-differences.txt").read_text().splitlines()
+                   if line[:1] in "<>"]
+    assert differences and all(line.startswith("> mig_exporter_card_energy_joules_total") for line in differences)
+    assert "GPU 0" in (out / "doctor.txt").read_text() or "card 0" in (out / "doctor.txt").read_text()
+    timings = (out / "scrape-timings.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in timings] == ["nvidia-smi", "nvml"]
+    assert all("3 scrapes, read_success 1" in line for line in timings)
+    # It only asked: every nvidia-smi call was a query.
+    calls = [line.split()[1:] for line in (smi.parent / "calls.log").read_text().splitlines()]
+    assert calls and all(args[0] in ("-q", "-L", "--version") for args in calls)

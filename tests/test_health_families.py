@@ -1,0 +1,134 @@
+"""Card health as families: once per card (never per MIG instance), the instance's own ECC on
+the device, unknown values left out, and the card's grade as one series per state."""
+
+from __future__ import annotations
+
+from prometheus_client.core import Metric
+
+from mig_exporter.metrics.health_families import health_families, xid_families
+from mig_exporter.model.health import CardHealth, ClockReading, EccCount, Verdict, XidSeen, grade
+from mig_exporter.model.placement import place
+from mig_exporter.model.snapshot import MIB, CardReading, Memory, MigInstance
+
+SICK = CardHealth(
+    memory_temperature_celsius=58.0,
+    temperature_thresholds_celsius=(("shutdown", 92.0), ("slowdown", 89.0)),
+    clock_events_active=(("gpu_idle", False), ("hw_thermal_slowdown", True)),
+    clock_event_seconds=(("hw_thermal_slowdown", 12.5),),
+    clocks=(ClockReading("sm", "current", 1.41e9), ClockReading("sm", "max", 1.98e9)),
+    power_limits_watts=(("current", 400.0),),
+    ecc_errors=(EccCount("volatile", "dram", "uncorrectable", 1), EccCount("aggregate", "dram", "uncorrectable", 3)),
+    remapped_rows_correctable=0,
+    remapped_rows_uncorrectable=1,
+    row_remap_pending=True,
+    row_remap_failure=False,
+    row_remap_availability_banks=(("max", 639), ("high", 1)),
+)
+
+
+def _memory(total_mib: int) -> Memory:
+    return Memory(total_mib * MIB, 0, total_mib * MIB, 0)
+
+
+def _mig_card(index: int, health: CardHealth, instance_ecc: tuple[EccCount, ...] = ()) -> CardReading:
+    return CardReading(
+        index=index, uuid=f"GPU-{index}", name="NVIDIA H100 80GB HBM3", mig_current=True, mig_pending=True,
+        memory=_memory(81559), health=health,
+        instances=tuple(MigInstance(i, 7 + i, 0, _memory(9984), "1g.10gb", f"MIG-{index}-{i}",
+                                    instance_ecc if i == 2 else ()) for i in range(7)),
+    )
+
+
+def _samples(families: list[Metric], name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(s.labels.items())): s.value for f in families for s in f.samples if s.name == name}
+
+
+def test_a_card_in_mig_mode_reports_its_health_once_on_the_card_never_on_its_instances():
+    snapshot = place([_mig_card(3, SICK)], driver_version="590.44.01", cuda_version="13.1")
+    families = list(health_families(snapshot))
+    assert len(snapshot.devices) == 7
+    assert _samples(families, "mig_exporter_card_row_remap_pending") == {(("card", "3"),): 1}
+    assert _samples(families, "mig_exporter_card_memory_temperature_celsius") == {(("card", "3"),): 58.0}
+    assert _samples(families, "mig_exporter_card_ecc_errors_total") == {
+        (("card", "3"), ("memory", "dram"), ("scope", "volatile"), ("type", "uncorrectable")): 1,
+        (("card", "3"), ("memory", "dram"), ("scope", "aggregate"), ("type", "uncorrectable")): 3,
+    }
+    for family in families:
+        if family.name.startswith("mig_exporter_card_"):
+            assert all("index" not in s.labels for s in family.samples), family.name
+
+
+def test_an_instance_reports_its_own_ecc_on_its_device_and_the_card_grades_on_it():
+    errors = (EccCount("volatile", "sram", "uncorrectable", 2),)
+    snapshot = place([_mig_card(1, CardHealth(), errors)], driver_version=None, cuda_version=None)
+    families = list(health_families(snapshot))
+    assert _samples(families, "mig_exporter_device_ecc_errors_total") == {
+        (("card", "1"), ("index", "1102"), ("memory", "sram"), ("mig_profile", "1g.10gb"), ("scope", "volatile"),
+         ("type", "uncorrectable")): 2,
+    }
+    assert _samples(families, "mig_exporter_card_health") == {
+        (("card", "1"), ("state", "ok")): 0, (("card", "1"), ("state", "warning")): 1,
+        (("card", "1"), ("state", "reset")): 0, (("card", "1"), ("state", "replace")): 0,
+    }
+
+
+def test_unknown_values_are_left_out_never_zero():
+    snapshot = place([CardReading(index=0, name="Tesla T4", memory=_memory(15360))], driver_version=None,
+                     cuda_version=None)
+    families = {f.name: f for f in health_families(snapshot)}
+    for name, family in families.items():
+        if name != "mig_exporter_card_health":
+            assert family.samples == [], name
+    assert _samples(list(families.values()), "mig_exporter_card_health")[(("card", "0"), ("state", "ok"))] == 1
+
+
+def test_an_unreadable_card_has_no_grade():
+    snapshot = place([CardReading(index=0, error="GPU_IS_LOST in nvmlDeviceGetMigMode", health=SICK)],
+                     driver_version=None, cuda_version=None)
+    assert _samples(list(health_families(snapshot)), "mig_exporter_card_health") == {}
+
+
+def test_clocks_thresholds_and_counters_carry_their_names():
+    snapshot = place([_mig_card(0, SICK)], driver_version=None, cuda_version=None)
+    families = list(health_families(snapshot))
+    assert _samples(families, "mig_exporter_card_clock_hertz") == {
+        (("card", "0"), ("clock", "sm"), ("kind", "current")): 1.41e9,
+        (("card", "0"), ("clock", "sm"), ("kind", "max")): 1.98e9,
+    }
+    assert _samples(families, "mig_exporter_card_clock_event_seconds_total") == {
+        (("card", "0"), ("reason", "hw_thermal_slowdown")): 12.5}
+    assert _samples(families, "mig_exporter_card_clock_event_active") == {
+        (("card", "0"), ("reason", "gpu_idle")): 0, (("card", "0"), ("reason", "hw_thermal_slowdown")): 1}
+    assert _samples(families, "mig_exporter_card_temperature_threshold_celsius") == {
+        (("card", "0"), ("threshold", "shutdown")): 92.0, (("card", "0"), ("threshold", "slowdown")): 89.0}
+
+
+def test_the_grade_is_the_worst_state_with_every_reason():
+    verdict = grade(SICK)
+    assert verdict.state == "reset" and verdict.label == "needs reset"
+    assert verdict.reasons == (
+        "a row remap is pending: reset the card to apply it",
+        "1 uncorrectable ECC error(s) since the driver loaded",
+        "clocks held down: hw thermal slowdown",
+    )
+    assert grade(CardHealth(row_remap_failure=True, row_remap_pending=True)).state == "replace"
+    assert grade(CardHealth(recovery_action=4)).state == "reset"
+    assert grade(CardHealth(recovery_action=3)).state == "warning"
+    assert grade(CardHealth(temperature_margin_celsius=4.0)).state == "warning"
+    assert grade(CardHealth(temperature_margin_celsius=5.0)) == Verdict("ok", ())
+    assert grade(CardHealth(clock_events_active=(("sw_power_cap", True), ("gpu_idle", True)))).state == "ok"
+
+
+def test_the_card_count_holds_its_instances_errors_and_is_not_added_to_them():
+    card = CardHealth(ecc_errors=(EccCount("volatile", "sram", "uncorrectable", 1),))
+    assert grade(card, instance_uncorrectable=1).reasons == ("1 uncorrectable ECC error(s) since the driver loaded",)
+    assert grade(CardHealth(), instance_uncorrectable=2).reasons == (
+        "2 uncorrectable ECC error(s) since the driver loaded",)
+
+
+def test_xids_by_card_instance_and_code():
+    families = list(xid_families([XidSeen(1, 1102, 43, 2, 1_700_000_000.0), XidSeen(1, 1, 79, 1, 1_700_000_100.0)]))
+    assert _samples(families, "mig_exporter_xid_errors_total") == {
+        (("card", "1"), ("index", "1102"), ("xid", "43")): 2, (("card", "1"), ("index", "1"), ("xid", "79")): 1}
+    assert _samples(families, "mig_exporter_xid_last_seconds")[(("card", "1"), ("index", "1"), ("xid", "79"))] == (
+        1_700_000_100.0)
