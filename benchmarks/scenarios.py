@@ -30,7 +30,7 @@ TEMPLATE = REPO / "tests" / "fixtures" / "nvidia-smi" / "h100-mig-processes.xml"
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from fake_nvml import H100, FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess  # noqa: E402 - needs tests/ on sys.path
+from fake_nvml import H100, FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess, h100_fixture_health  # noqa: E402 - needs tests/ on sys.path
 
 MIB = 1024 * 1024
 DRIVER_VERSION = "550.90.07"
@@ -289,6 +289,7 @@ def nvml_scenario(shape: Shape) -> FakeNvmlScenario:
             FakeMig(
                 d.mig_index, d.gpu_instance_id, 0, MIG_PROFILE, d.uuid, _memory(d.total_mib, 0, d.used_mib),
                 compute_processes=tuple(FakeProcess(p.pid, p.used_mib * MIB) for p in d.processes),
+                sram_uncorrectable_volatile=0,  # the template's mig_device ecc_error_count
             )
             for d in card.devices if card.mig
         )
@@ -306,6 +307,7 @@ def nvml_scenario(shape: Shape) -> FakeNvmlScenario:
             compute_processes=tuple(FakeProcess(p.pid, p.used_mib * MIB) for p in whole if p.type == "C"),
             graphics_processes=tuple(FakeProcess(p.pid, p.used_mib * MIB) for p in whole if p.type == "G"),
             mig_devices=migs,
+            health=h100_fixture_health(),  # the template's card: what our read and nvitop's ask of it
         ))
     major, minor = CUDA_VERSION.split(".")
     return FakeNvmlScenario(

@@ -29,11 +29,14 @@ Knobs, all on the frozen dataclasses below: per card or per MIG instance
 call that takes the card's handle or one of its MIG handles), scenario-wide
 ``system_errors`` (calls without a device handle), ``init_error``,
 ``missing_functions`` (an older driver; see ``OLD_DRIVER_MISSING``) and
-``r535_struct_mismatch``. ``FakeNvml.set_scenario`` swaps the data under a
+``r535_struct_mismatch``; per card ``health=FakeHealth(...)`` (heat, power and wear; its
+``field_errors`` fail single fields inside a successful nvmlDeviceGetFieldValues) and per MIG
+instance ``sram_uncorrectable_volatile``. ``FakeNvml.set_scenario`` swaps the data under a
 running exporter (a card lost between two scrapes, a driver reload).
 
 What a caller did is recorded: ``fake.calls`` (every C call, with the device it
-named), ``fake.missing_lookups`` (symbols pynvml asked for and did not get) and
+named), ``fake.missing_lookups`` (symbols pynvml asked for and did not get),
+``fake.arities`` (how many arguments a call that may take fewer was given) and
 ``fake.exceptions`` (a Python exception inside a callback; the C caller gets
 NVML_ERROR_UNKNOWN, as ctypes would otherwise hand back a garbage code).
 Tests should assert ``fake.exceptions == []``.
@@ -45,10 +48,12 @@ function (``_nvmlDeviceGetIndex`` etc.).
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from ctypes import POINTER, c_int, c_uint, c_ulonglong, c_void_p
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import pynvml
@@ -83,6 +88,9 @@ OLD_DRIVER_MISSING = frozenset({
 # XuehaiPan/nvitop#75 on R535 drivers), all with this nonsense memory size.
 R535_GARBAGE_PIDS = (0, 0xFFFFFFFF, 0xFFFFFFFF)
 R535_GARBAGE_BYTES = 0x0000FFFFFFFFFFFF  # ~256 TiB: larger than any card
+
+# The timestamp of every retired page (seconds since the epoch; the i-th page one second later).
+RETIRED_AT = 1_717_171_717
 
 # nvmlErrorString's texts, as libnvidia-ml has them.
 _ERROR_STRINGS = {
@@ -181,6 +189,8 @@ class FakeHealth:
     retired_pages: Mapping[int, tuple[int, ...]] | None = None
     retired_pending: bool | None = None
     repair_pending: tuple[bool, bool] | None = None
+    # A field's own nvmlReturn inside a successful nvmlDeviceGetFieldValues call, over ``fields``.
+    field_errors: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -326,13 +336,36 @@ _SIGNATURES: dict[str, tuple[tuple[Any, ...], Any]] = {
     "nvmlDeviceGetDeviceHandleFromMigDeviceHandle": ((_P, _P), c_int),
     "nvmlDeviceGetGpuInstanceId": ((_P, _P), c_int),
     "nvmlDeviceGetComputeInstanceId": ((_P, _P), c_int),
-    # Readings our exporter does not take but nvitop-exporter does; the
-    # benchmarks run it over this fake (benchmarks/run.py). Fixed answers, see
-    # "other readings" below.
+    # Card health (sources/nvml_health.py), answered from FakeCard.health; nvitop-exporter,
+    # which the benchmarks run over this fake (benchmarks/run.py), takes some of them too.
     "nvmlDeviceGetTemperatureV": ((_P, _P), c_int),
     "nvmlDeviceGetClockInfo": ((_P, c_uint, _P), c_int),
+    "nvmlDeviceGetMaxClockInfo": ((_P, c_uint, _P), c_int),
     "nvmlDeviceGetPowerManagementLimit": ((_P, _P), c_int),
+    "nvmlDeviceGetEnforcedPowerLimit": ((_P, _P), c_int),
+    "nvmlDeviceGetPowerManagementDefaultLimit": ((_P, _P), c_int),
+    "nvmlDeviceGetPowerManagementLimitConstraints": ((_P, _P, _P), c_int),
     "nvmlDeviceGetFanSpeed": ((_P, _P), c_int),
+    "nvmlDeviceGetTemperatureThreshold": ((_P, c_uint, _P), c_int),
+    "nvmlDeviceGetMarginTemperature": ((_P, _P), c_int),
+    "nvmlDeviceGetCurrentClocksEventReasons": ((_P, _P), c_int),
+    "nvmlDeviceGetSupportedClocksEventReasons": ((_P, _P), c_int),
+    "nvmlDeviceGetCurrentClocksThrottleReasons": ((_P, _P), c_int),  # the pre-535 names
+    "nvmlDeviceGetSupportedClocksThrottleReasons": ((_P, _P), c_int),
+    "nvmlDeviceGetPerformanceState": ((_P, _P), c_int),
+    "nvmlDeviceGetTotalEnergyConsumption": ((_P, _P), c_int),
+    "nvmlDeviceGetPcieReplayCounter": ((_P, _P), c_int),
+    "nvmlDeviceGetEccMode": ((_P, _P, _P), c_int),
+    "nvmlDeviceGetMemoryErrorCounter": ((_P, c_uint, c_uint, c_uint, _P), c_int),
+    "nvmlDeviceGetSramEccErrorStatus": ((_P, _P), c_int),
+    "nvmlDeviceGetRemappedRows": ((_P, _P, _P, _P, _P), c_int),
+    "nvmlDeviceGetRowRemapperHistogram": ((_P, _P), c_int),
+    # pynvml sizes with 4 arguments (no timestamps) and reads with 5: see _FEWEST_ARGUMENTS.
+    "nvmlDeviceGetRetiredPages_v2": ((_P, c_uint, _P, _P, _P), c_int),
+    "nvmlDeviceGetRetiredPagesPendingStatus": ((_P, _P), c_int),
+    "nvmlDeviceGetRepairStatus": ((_P, _P), c_int),
+    # Readings our exporter does not take but nvitop-exporter does. Fixed answers, see
+    # "other readings" below.
     "nvmlDeviceGetEncoderUtilization": ((_P, _P, _P), c_int),
     "nvmlDeviceGetDecoderUtilization": ((_P, _P, _P), c_int),
     "nvmlDeviceGetPcieThroughput": ((_P, c_uint, _P), c_int),
@@ -342,6 +375,19 @@ _SIGNATURES: dict[str, tuple[tuple[Any, ...], Any]] = {
 for _kind in _PROCESS_LISTS:
     for _suffix in ("", "_v2", "_v3"):
         _SIGNATURES[f"nvmlDeviceGet{_kind}RunningProcesses{_suffix}"] = ((_P, _P, _P), c_int)
+# Symbols a caller may call with fewer arguments than nvml.h declares, as C allows: the rest arrive
+# as NULL. pynvml's nvmlDeviceGetRetiredPages_v2 sizes its arrays by a call without the timestamps.
+_FEWEST_ARGUMENTS = {"nvmlDeviceGetRetiredPages_v2": 4}
+# What nvmlDeviceGetMemoryErrorCounter answers on a MIG handle: its volatile uncorrectable SRAM errors.
+_OWN_ECC = (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC, pynvml.NVML_MEMORY_LOCATION_SRAM)
+# nvmlFieldValue_t.valueType of the fields the scenarios give; any other is an unsigned long long.
+_FIELD_TYPES = {
+    pynvml.NVML_FI_DEV_MEMORY_TEMP: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+    pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+    pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+    pynvml.NVML_FI_DEV_RESET_STATUS: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+    pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+}
 
 # Calls that name a device by handle in their first argument.
 _NO_HANDLE = frozenset({
@@ -349,6 +395,37 @@ _NO_HANDLE = frozenset({
     "nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetProcessName",
     "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2",
 })
+
+# -- XID events (src/mig_exporter/sources/xid.py) ------------------------------------------------
+# An event set is a token of its own, never a device handle. The XIDs a test queues with
+# ``FakeNvml.emit_xid`` wait, in order, for the first nvmlEventSetWait_v2 on a set where their card
+# is registered. A wait on a set holding a card whose ``errors`` name nvmlEventSetWait_v2 (or "*")
+# answers that code (GPU_IS_LOST: the card fell off the bus); one with nothing to deliver answers
+# TIMEOUT after its timeout. Registering on a MIG handle answers NOT_SUPPORTED (NVML's events are
+# the card's; an event on an instance carries its GPU and compute instance ids).
+_SIGNATURES.update({
+    "nvmlEventSetCreate": ((_P,), c_int),
+    "nvmlEventSetFree": ((_P,), c_int),
+    "nvmlDeviceRegisterEvents": ((_P, c_ulonglong, _P), c_int),
+    "nvmlDeviceGetSupportedEventTypes": ((_P, _P), c_int),
+    "nvmlEventSetWait_v2": ((_P, _P, c_uint), c_int),
+})
+_NO_HANDLE = _NO_HANDLE | {"nvmlEventSetCreate", "nvmlEventSetFree", "nvmlEventSetWait_v2"}
+# What every card answers to nvmlDeviceGetSupportedEventTypes: ECC, P-state, XID and clock events.
+SUPPORTED_EVENTS = (pynvml.nvmlEventTypeSingleBitEccError | pynvml.nvmlEventTypeDoubleBitEccError
+                    | pynvml.nvmlEventTypePState | pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeClock)
+_EVENT_SET_TOKEN = 0x7E000000  # the first event set's; each next one is one more
+_EVENT_POLL_S = 0.05  # how soon a waiting nvmlEventSetWait_v2 sees a scenario swapped under it
+
+
+class _FakeEvents:
+    """The event sets (token -> cards registered) and the XIDs queued, behind one condition."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.sets: dict[int, set[int]] = {}
+        self.next_token = _EVENT_SET_TOKEN
+        self.queue: list[tuple[int, int, int, int]] = []  # card, xid, gpu instance, compute instance
 
 
 class _ProcessInfoV1(ctypes.Structure):
@@ -395,6 +472,8 @@ class FakeNvml:
         self.exceptions: list[tuple[str, BaseException]] = []
         self.missing_lookups: list[str] = []
         self.init_count = 0
+        # (symbol, how many arguments it was called with), for _FEWEST_ARGUMENTS' symbols.
+        self.arities: list[tuple[str, int]] = []
         self._strings: dict[int, ctypes.Array] = {}  # nvmlErrorString buffers, kept alive
         self._functions: dict[str, Any] = {}  # CFUNCTYPE objects, kept alive while installed
         for name, (argtypes, restype) in _SIGNATURES.items():
@@ -470,7 +549,18 @@ class FakeNvml:
                 self.exceptions.append((name, e))
                 return failure
 
-        return ctypes.CFUNCTYPE(restype, *argtypes)(thunk)
+        function = ctypes.CFUNCTYPE(restype, *argtypes)(thunk)
+        if name not in _FEWEST_ARGUMENTS:
+            return function
+
+        def fewer(*args: Any) -> Any:
+            # ctypes refuses fewer arguments than a CFUNCTYPE declares, where C passes them.
+            if len(args) < _FEWEST_ARGUMENTS[name]:
+                raise TypeError(f"{name} takes at least {_FEWEST_ARGUMENTS[name]} arguments ({len(args)} given)")
+            self.arities.append((name, len(args)))
+            return function(*args, *(None,) * (len(argtypes) - len(args)))
+
+        return fewer
 
     def _describe(self, name: str, argtypes: tuple[Any, ...], args: tuple[Any, ...]) -> FakeCall:
         device = None
@@ -707,23 +797,18 @@ class FakeNvml:
         info.total, info.reserved, info.used, info.free = m.total_bytes, m.reserved_bytes, m.used_bytes, m.free_bytes
         return NVML_SUCCESS
 
-    # -- other readings ---------------------------------------------------
-    # The fake's choices: every card answers the same H100-like values; a MIG
-    # handle answers NVML_ERROR_NOT_SUPPORTED, as for temperature and power.
-
-    _CLOCKS_MHZ: ClassVar[dict[int, int]] = {
-        pynvml.NVML_CLOCK_GRAPHICS: 1980, pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 2619,
-        pynvml.NVML_CLOCK_VIDEO: 1755,
-    }
-    _PCIE_KB_PER_S: ClassVar[dict[int, int]] = {
-        pynvml.NVML_PCIE_UTIL_TX_BYTES: 412, pynvml.NVML_PCIE_UTIL_RX_BYTES: 538,
-    }
+    # -- card health --------------------------------------------------------
+    # Answered from FakeCard.health; a value it does not hold is NOT_SUPPORTED, and a MIG handle
+    # answers NOT_SUPPORTED (as for temperature and power), but for its own ECC counter.
 
     def _card_only(self, name: str, handle: int | None) -> _Target:
         t = self._device(name, handle)
         if t.mig:
             raise _Fail(NVML_ERROR_NOT_SUPPORTED)
         return t
+
+    def _health(self, name: str, handle: int | None) -> FakeHealth:
+        return self._card_only(name, handle).card.health
 
     def _nvmlDeviceGetTemperatureV(self, handle: int | None, out: int | None) -> int:
         t = self._device("nvmlDeviceGetTemperatureV", handle)
@@ -739,19 +824,181 @@ class FakeNvml:
         reading.temperature = t.card.temperature_c
         return NVML_SUCCESS
 
-    def _nvmlDeviceGetClockInfo(self, handle: int | None, clock: int, out: int | None) -> int:
-        self._card_only("nvmlDeviceGetClockInfo", handle)
-        if clock not in self._CLOCKS_MHZ:
+    def _clock(self, name: str, handle: int | None, clock: int, out: int | None, table: str) -> int:
+        clocks = getattr(self._health(name, handle), table)
+        if not 0 <= clock < pynvml.NVML_CLOCK_COUNT:
             return NVML_ERROR_INVALID_ARGUMENT
-        return _write_uint(out, self._CLOCKS_MHZ[clock])
+        return _write_uint(out, _given(clocks.get(clock)))
+
+    def _nvmlDeviceGetClockInfo(self, handle: int | None, clock: int, out: int | None) -> int:
+        return self._clock("nvmlDeviceGetClockInfo", handle, clock, out, "clocks_mhz")
+
+    def _nvmlDeviceGetMaxClockInfo(self, handle: int | None, clock: int, out: int | None) -> int:
+        return self._clock("nvmlDeviceGetMaxClockInfo", handle, clock, out, "max_clocks_mhz")
+
+    def _limit(self, name: str, handle: int | None, out: int | None, which: int) -> int:
+        return _write_uint(out, _given(self._health(name, handle).power_limits_mw[which]))
+
+    def _nvmlDeviceGetEnforcedPowerLimit(self, handle: int | None, out: int | None) -> int:
+        return self._limit("nvmlDeviceGetEnforcedPowerLimit", handle, out, 0)
 
     def _nvmlDeviceGetPowerManagementLimit(self, handle: int | None, out: int | None) -> int:
-        self._card_only("nvmlDeviceGetPowerManagementLimit", handle)
-        return _write_uint(out, 700_000)
+        return self._limit("nvmlDeviceGetPowerManagementLimit", handle, out, 1)
+
+    def _nvmlDeviceGetPowerManagementDefaultLimit(self, handle: int | None, out: int | None) -> int:
+        return self._limit("nvmlDeviceGetPowerManagementDefaultLimit", handle, out, 2)
+
+    def _nvmlDeviceGetPowerManagementLimitConstraints(self, handle: int | None, low: int | None,
+                                                      high: int | None) -> int:
+        limits = self._health("nvmlDeviceGetPowerManagementLimitConstraints", handle).power_limits_mw
+        if low is None or high is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        _write_uint(low, _given(limits[3]))
+        return _write_uint(high, _given(limits[4]))
 
     def _nvmlDeviceGetFanSpeed(self, handle: int | None, out: int | None) -> int:
-        self._device("nvmlDeviceGetFanSpeed", handle)
-        return NVML_ERROR_NOT_SUPPORTED  # passively cooled data-centre boards
+        return _write_uint(out, _given(self._health("nvmlDeviceGetFanSpeed", handle).fan_percent))
+
+    def _nvmlDeviceGetTemperatureThreshold(self, handle: int | None, threshold: int, out: int | None) -> int:
+        health = self._health("nvmlDeviceGetTemperatureThreshold", handle)
+        if not 0 <= threshold < pynvml.NVML_TEMPERATURE_THRESHOLD_COUNT:
+            return NVML_ERROR_INVALID_ARGUMENT
+        return _write_uint(out, _given(health.thresholds_c.get(threshold)))
+
+    def _nvmlDeviceGetMarginTemperature(self, handle: int | None, out: int | None) -> int:
+        health = self._health("nvmlDeviceGetMarginTemperature", handle)
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        margin = ctypes.cast(out, POINTER(pynvml.c_nvmlMarginTemperature_v1_t)).contents
+        if margin.version != pynvml.nvmlMarginTemperature_v1:
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        margin.marginTemperature = _given(health.margin_c)
+        return NVML_SUCCESS
+
+    def _reasons(self, name: str, handle: int | None, out: int | None, attribute: str) -> int:
+        return _write_uint(out, _given(getattr(self._health(name, handle), attribute)), c_ulonglong)
+
+    def _nvmlDeviceGetCurrentClocksEventReasons(self, handle: int | None, out: int | None) -> int:
+        return self._reasons("nvmlDeviceGetCurrentClocksEventReasons", handle, out, "clocks_event_reasons")
+
+    def _nvmlDeviceGetSupportedClocksEventReasons(self, handle: int | None, out: int | None) -> int:
+        return self._reasons("nvmlDeviceGetSupportedClocksEventReasons", handle, out,
+                             "supported_clocks_event_reasons")
+
+    def _nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: int | None, out: int | None) -> int:
+        return self._reasons("nvmlDeviceGetCurrentClocksThrottleReasons", handle, out, "clocks_event_reasons")
+
+    def _nvmlDeviceGetSupportedClocksThrottleReasons(self, handle: int | None, out: int | None) -> int:
+        return self._reasons("nvmlDeviceGetSupportedClocksThrottleReasons", handle, out,
+                             "supported_clocks_event_reasons")
+
+    def _nvmlDeviceGetPerformanceState(self, handle: int | None, out: int | None) -> int:
+        return _write_uint(out, _given(self._health("nvmlDeviceGetPerformanceState", handle).performance_state))
+
+    def _nvmlDeviceGetTotalEnergyConsumption(self, handle: int | None, out: int | None) -> int:
+        fields = self._health("nvmlDeviceGetTotalEnergyConsumption", handle).fields
+        return _write_uint(out, _given(fields.get(pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION)), c_ulonglong)
+
+    def _nvmlDeviceGetPcieReplayCounter(self, handle: int | None, out: int | None) -> int:
+        fields = self._health("nvmlDeviceGetPcieReplayCounter", handle).fields
+        return _write_uint(out, _given(fields.get(pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER)))
+
+    def _nvmlDeviceGetEccMode(self, handle: int | None, current: int | None, pending: int | None) -> int:
+        mode = _given(self._health("nvmlDeviceGetEccMode", handle).ecc_mode)
+        if current is None or pending is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        _write_uint(current, int(mode[0]))
+        return _write_uint(pending, int(mode[1]))
+
+    def _nvmlDeviceGetMemoryErrorCounter(self, handle: int | None, error_type: int, counter: int, location: int,
+                                         out: int | None) -> int:
+        t = self._device("nvmlDeviceGetMemoryErrorCounter", handle)
+        if error_type > 1 or counter > 1 or location >= pynvml.NVML_MEMORY_LOCATION_COUNT:
+            return NVML_ERROR_INVALID_ARGUMENT
+        if t.mig:  # a MIG handle counts only its own volatile uncorrectable SRAM errors
+            count = t.mig.sram_uncorrectable_volatile if (error_type, counter, location) == _OWN_ECC else None
+            return _write_uint(out, _given(count), c_ulonglong)
+        health = t.card.health
+        if not (health.ecc_mode and health.ecc_mode[0]):  # NVML counts nothing while ECC is off
+            return NVML_ERROR_NOT_SUPPORTED
+        return _write_uint(out, _given(health.ecc_counts.get((error_type, counter, location))), c_ulonglong)
+
+    def _nvmlDeviceGetSramEccErrorStatus(self, handle: int | None, out: int | None) -> int:
+        sram = _given(self._health("nvmlDeviceGetSramEccErrorStatus", handle).sram)
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        status = ctypes.cast(out, POINTER(pynvml.c_nvmlEccSramErrorStatus_v1_t)).contents
+        if status.version != pynvml.nvmlEccSramErrorStatus_v1:
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        status.volatileUncParity, status.volatileUncSecDed = sram.volatile_parity, sram.volatile_secded
+        status.aggregateUncParity, status.aggregateUncSecDed = sram.aggregate_parity, sram.aggregate_secded
+        status.volatileCor, status.aggregateCor = sram.volatile_correctable, sram.aggregate_correctable
+        status.bThresholdExceeded = int(sram.threshold_exceeded)
+        return NVML_SUCCESS
+
+    def _remapper(self, name: str, handle: int | None, attribute: str) -> Any:
+        t = self._card_only(name, handle)
+        if t.card.mig_enabled:  # NVML: not supported in MIG mode
+            raise _Fail(NVML_ERROR_NOT_SUPPORTED)
+        return _given(getattr(t.card.health, attribute))
+
+    def _nvmlDeviceGetRemappedRows(self, handle: int | None, corr: int | None, unc: int | None,
+                                   pending: int | None, failure: int | None) -> int:
+        rows = self._remapper("nvmlDeviceGetRemappedRows", handle, "remapped_rows")
+        outs = (corr, unc, pending, failure)
+        if None in outs:
+            return NVML_ERROR_INVALID_ARGUMENT
+        for ptr, value in zip(outs, rows, strict=True):
+            _write_uint(ptr, int(value))
+        return NVML_SUCCESS
+
+    def _nvmlDeviceGetRowRemapperHistogram(self, handle: int | None, out: int | None) -> int:
+        banks = self._remapper("nvmlDeviceGetRowRemapperHistogram", handle, "remapper_histogram")
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        values = ctypes.cast(out, POINTER(pynvml.c_nvmlRowRemapperHistogramValues)).contents
+        values.max, values.high, values.partial, values.low, values.none = banks
+        return NVML_SUCCESS
+
+    def _nvmlDeviceGetRetiredPages_v2(self, handle: int | None, cause: int, count_ptr: int | None,
+                                      addresses: int | None, timestamps: int | None) -> int:
+        # NVML: a count too small (0 to ask the size) answers INSUFFICIENT_SIZE with the count.
+        retired = _given(self._health("nvmlDeviceGetRetiredPages_v2", handle).retired_pages)
+        if count_ptr is None or cause >= pynvml.NVML_PAGE_RETIREMENT_CAUSE_COUNT:
+            return NVML_ERROR_INVALID_ARGUMENT
+        pages = retired.get(cause, ())
+        count = c_uint.from_address(count_ptr)
+        if addresses is None or count.value < len(pages):
+            count.value = len(pages)
+            return NVML_SUCCESS if not pages else NVML_ERROR_INSUFFICIENT_SIZE
+        count.value = len(pages)
+        for i, page in enumerate(pages):
+            c_ulonglong.from_address(addresses + 8 * i).value = page
+            if timestamps is not None:
+                c_ulonglong.from_address(timestamps + 8 * i).value = RETIRED_AT + i
+        return NVML_SUCCESS
+
+    def _nvmlDeviceGetRetiredPagesPendingStatus(self, handle: int | None, out: int | None) -> int:
+        pending = _given(self._health("nvmlDeviceGetRetiredPagesPendingStatus", handle).retired_pending)
+        return _write_uint(out, int(pending))
+
+    def _nvmlDeviceGetRepairStatus(self, handle: int | None, out: int | None) -> int:
+        pending = _given(self._health("nvmlDeviceGetRepairStatus", handle).repair_pending)
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        status = ctypes.cast(out, POINTER(pynvml.c_nvmlRepairStatus_t)).contents
+        if status.version != pynvml.nvmlRepairStatus_v1:
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        status.bChannelRepairPending, status.bTpcRepairPending = int(pending[0]), int(pending[1])
+        return NVML_SUCCESS
+
+    # -- other readings ---------------------------------------------------
+    # The fake's choices: every card answers the same H100-like values; a MIG
+    # handle answers NVML_ERROR_NOT_SUPPORTED, as for temperature and power.
+
+    _PCIE_KB_PER_S: ClassVar[dict[int, int]] = {
+        pynvml.NVML_PCIE_UTIL_TX_BYTES: 412, pynvml.NVML_PCIE_UTIL_RX_BYTES: 538,
+    }
 
     def _nvmlDeviceGetEncoderUtilization(self, handle: int | None, util: int | None, period: int | None) -> int:
         self._card_only("nvmlDeviceGetEncoderUtilization", handle)
@@ -774,12 +1021,22 @@ class FakeNvml:
         return _write_uint(out, self._PCIE_KB_PER_S[counter])
 
     def _nvmlDeviceGetFieldValues(self, handle: int | None, count: int, values: int | None) -> int:
-        # The call succeeds and each field carries its own answer: none is supported here.
-        self._device("nvmlDeviceGetFieldValues", handle)
+        # The call succeeds and each field carries its own answer, from FakeCard.health; a MIG
+        # handle supports none.
+        t = self._device("nvmlDeviceGetFieldValues", handle)
         if values is None or count <= 0:
             return NVML_ERROR_INVALID_ARGUMENT
+        health = FakeHealth() if t.mig else t.card.health
         for entry in (pynvml.c_nvmlFieldValue_t * count).from_address(values):
-            entry.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
+            value = health.fields.get(entry.fieldId)
+            entry.nvmlReturn = health.field_errors.get(
+                entry.fieldId, NVML_ERROR_NOT_SUPPORTED if value is None else NVML_SUCCESS)
+            if entry.nvmlReturn == NVML_SUCCESS:
+                entry.valueType = _FIELD_TYPES.get(entry.fieldId, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)
+                if entry.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+                    entry.value.uiVal = value
+                else:
+                    entry.value.ullVal = value
         return NVML_SUCCESS
 
     def _nvmlDeviceGetProcessUtilization(self, handle: int | None, samples: int | None, count: int | None,
@@ -830,6 +1087,84 @@ class FakeNvml:
                 slot.pid, slot.usedGpuMemory, slot.gpuInstanceId, slot.computeInstanceId = pid, used, gi, ci
         return NVML_SUCCESS
 
+    # -- XID events (see _FakeEvents) -------------------------------------
+
+    @property
+    def _events(self) -> _FakeEvents:
+        return self.__dict__.setdefault("_xid_events", _FakeEvents())  # made at first use
+
+    def emit_xid(self, card_index: int, xid: int, gpu_instance_id: int | None = None,
+                 compute_instance_id: int | None = None) -> None:
+        """Queue XID ``xid`` on card ``card_index``, on the MIG instance its ids name if given."""
+        events = self._events
+        with events.cond:
+            events.queue.append((card_index, xid, NO_INSTANCE_ID if gpu_instance_id is None else gpu_instance_id,
+                                 NO_INSTANCE_ID if compute_instance_id is None else compute_instance_id))
+            events.cond.notify_all()
+
+    def _nvmlEventSetCreate(self, out: int | None) -> int:
+        self._require_init("nvmlEventSetCreate")
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        events = self._events
+        with events.cond:
+            token = events.next_token
+            events.next_token += 1
+            events.sets[token] = set()
+        return _write_handle(out, token)
+
+    def _nvmlEventSetFree(self, event_set: int | None) -> int:
+        self._require_init("nvmlEventSetFree")
+        with self._events.cond:
+            return NVML_SUCCESS if self._events.sets.pop(event_set or 0, None) is not None \
+                else NVML_ERROR_INVALID_ARGUMENT
+
+    def _nvmlDeviceGetSupportedEventTypes(self, handle: int | None, out: int | None) -> int:
+        self._card_only("nvmlDeviceGetSupportedEventTypes", handle)
+        return _write_uint(out, SUPPORTED_EVENTS, c_ulonglong)
+
+    def _nvmlDeviceRegisterEvents(self, handle: int | None, types: int, event_set: int | None) -> int:
+        t = self._card_only("nvmlDeviceRegisterEvents", handle)
+        if types & ~SUPPORTED_EVENTS:
+            return NVML_ERROR_NOT_SUPPORTED
+        with self._events.cond:
+            cards = self._events.sets.get(event_set or 0)
+            if cards is None:
+                return NVML_ERROR_INVALID_ARGUMENT
+            cards.add(t.card_index)
+        return NVML_SUCCESS
+
+    def _nvmlEventSetWait_v2(self, event_set: int | None, data: int | None, timeout_ms: int) -> int:
+        self._require_init("nvmlEventSetWait_v2")
+        events = self._events
+        deadline = time.monotonic() + timeout_ms / 1000
+        with events.cond:
+            while True:
+                cards = events.sets.get(event_set or 0)
+                if cards is None or data is None:
+                    return NVML_ERROR_INVALID_ARGUMENT
+                for card in sorted(cards):
+                    errors = self.scenario.cards[card].errors if card < len(self.scenario.cards) else {}
+                    code = errors.get("nvmlEventSetWait_v2", errors.get("*"))
+                    if code is not None:
+                        return code
+                for i, (card, xid, gi, ci) in enumerate(events.queue):
+                    if card in cards:
+                        del events.queue[i]
+                        return _write_event(data, _card_token(card), xid, gi, ci)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return pynvml.NVML_ERROR_TIMEOUT
+                events.cond.wait(min(left, _EVENT_POLL_S))
+
+
+def _write_event(data: int, device: int, xid: int, gi: int, ci: int) -> int:
+    event = pynvml.c_nvmlEventData_t.from_address(data)
+    c_void_p.from_address(data + pynvml.c_nvmlEventData_t.device.offset).value = device
+    event.eventType = pynvml.nvmlEventTypeXidCriticalError
+    event.eventData, event.gpuInstanceId, event.computeInstanceId = xid, gi, ci
+    return NVML_SUCCESS
+
 
 def _process_symbol(name: str) -> tuple[str | None, str]:
     for kind in _PROCESS_LISTS:
@@ -848,6 +1183,13 @@ def _write_uint(ptr: int | None, value: int, ctype: Any = c_uint) -> int:
         return NVML_ERROR_INVALID_ARGUMENT
     ctype.from_address(ptr).value = value
     return NVML_SUCCESS
+
+
+def _given(value: Any) -> Any:
+    """``value``, or NVML_ERROR_NOT_SUPPORTED where the scenario holds none."""
+    if value is None:
+        raise _Fail(NVML_ERROR_NOT_SUPPORTED)
+    return value
 
 
 def _write_handle(ptr: int, token: int) -> int:
@@ -903,6 +1245,98 @@ def _proc(pid: int, used_mib: int | None) -> FakeProcess:
     return FakeProcess(pid, None if used_mib is None else mib(used_mib))
 
 
+# Every clock-event reason nvidia-smi lists: what the fixtures' cards support.
+ALL_CLOCK_EVENT_REASONS = sum(getattr(pynvml, f"nvmlClocksEventReason{suffix}") for suffix in (
+    "GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "HwSlowdown", "SyncBoost", "SwThermalSlowdown",
+    "HwThermalSlowdown", "HwPowerBrakeSlowdown", "DisplayClockSetting"))
+_GRAPHICS, _SM, _MEM, _VIDEO = (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_MEM,
+                                pynvml.NVML_CLOCK_VIDEO)
+
+
+def _clocks(graphics: int, sm: int, memory: int, video: int) -> dict[int, int]:
+    return {_GRAPHICS: graphics, _SM: sm, _MEM: memory, _VIDEO: video}
+
+
+def _thresholds(shutdown: int, slowdown: int, gpu_max: int, memory_max: int | None) -> dict[int, int]:
+    """nvidia-smi's gpu_temp_max_threshold, _slow_threshold, _max_gpu_threshold, _max_mem_threshold."""
+    found = {pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: shutdown, pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: slowdown,
+             pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: gpu_max}
+    if memory_max is not None:
+        found[pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX] = memory_max
+    return found
+
+
+def _sram_dram(volatile: tuple[int, int, int, int], aggregate: tuple[int, int, int, int]) -> dict:
+    """ecc_counts from nvidia-smi's order: sram corrected, sram uncorrected, dram corrected, dram uncorrected."""
+    found = {}
+    for counter, counts in ((pynvml.NVML_VOLATILE_ECC, volatile), (pynvml.NVML_AGGREGATE_ECC, aggregate)):
+        for (error, location), count in zip(
+                ((pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_LOCATION_SRAM),
+                 (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_MEMORY_LOCATION_SRAM),
+                 (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_LOCATION_DRAM),
+                 (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_MEMORY_LOCATION_DRAM)), counts, strict=True):
+            found[error, counter, location] = count
+    return found
+
+
+NO_ECC_ERRORS = _sram_dram((0, 0, 0, 0), (0, 0, 0, 0))
+
+
+def _fixture_health(*, memory_c: int | None, limits_w: tuple[int, int, int, int, int], clocks: dict[int, int],
+                    max_clocks: dict[int, int], thresholds: dict[int, int], energy_j: int,
+                    drain_flag: bool = True, **more: Any) -> FakeHealth:
+    """A card of the nvidia-smi fixtures (driver 535/550): P0, no fan, every clock-event reason supported
+    and none active, ECC on without errors, no PCIe replays, neither a reset required nor a drain
+    recommended (gpu_reset_status), unless ``more`` says otherwise. The 550 fixtures' XML has no
+    clock-event counters, recovery action, SRAM status, repair status or margin: NVML answers
+    NOT_SUPPORTED there. The energy is NVML's alone (nvidia-smi -q -x has none)."""
+    fields = {pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: 0, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: energy_j * 1000,
+              pynvml.NVML_FI_DEV_RESET_STATUS: 0}
+    if drain_flag:  # drain_and_reset_recommended N/A where False
+        fields[pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS] = 0
+    if memory_c is not None:
+        fields[pynvml.NVML_FI_DEV_MEMORY_TEMP] = memory_c
+    values: dict[str, Any] = dict(
+        fields=fields, thresholds_c=thresholds, clocks_event_reasons=0,
+        supported_clocks_event_reasons=ALL_CLOCK_EVENT_REASONS, performance_state=0, clocks_mhz=clocks,
+        max_clocks_mhz=max_clocks, power_limits_mw=tuple(w * 1000 for w in limits_w), ecc_mode=(True, True),
+        ecc_counts=NO_ECC_ERRORS)
+    return FakeHealth(**{**values, **more})
+
+
+def _counting_sram(*migs: FakeMig, errors: Mapping[int, int] | None = None) -> tuple[FakeMig, ...]:
+    """MIG devices with their own volatile uncorrectable SRAM count: ``errors`` by slot, else 0."""
+    return tuple(replace(m, sram_uncorrectable_volatile=(errors or {}).get(m.index, 0)) for m in migs)
+
+
+A100_THRESHOLDS = _thresholds(92, 89, 85, 95)
+A100_LIMITS_W = (400, 400, 400, 100, 400)
+HOPPER_THRESHOLDS = _thresholds(92, 89, 87, 95)
+HOPPER_LIMITS_W = (700, 700, 700, 200, 700)
+
+
+def _a100(memory_c: int, memory_mhz: int, energy_j: int, **more: Any) -> FakeHealth:
+    """An A100 of the fixtures: 1410 MHz graphics and SM, video 1275 (max 1290)."""
+    return _fixture_health(memory_c=memory_c, limits_w=A100_LIMITS_W, thresholds=A100_THRESHOLDS, energy_j=energy_j,
+                           clocks=_clocks(1410, 1410, memory_mhz, 1275),
+                           max_clocks=_clocks(1410, 1410, memory_mhz, 1290), **more)
+
+
+def _hopper(memory_c: int, margin_c: int, memory_mhz: int, energy_j: int) -> FakeHealth:
+    """An H100/H200 of the fixtures: 1980 MHz graphics and SM, video 1755 (max 1545), T.Limit margin."""
+    return _fixture_health(memory_c=memory_c, limits_w=HOPPER_LIMITS_W, thresholds=HOPPER_THRESHOLDS,
+                           energy_j=energy_j, margin_c=margin_c, clocks=_clocks(1980, 1980, memory_mhz, 1755),
+                           max_clocks=_clocks(1980, 1980, memory_mhz, 1545))
+
+
+def h100_fixture_health() -> FakeHealth:
+    """The health of h100-mig-processes.xml's card, for machines built from that XML (benchmarks/), less
+    the energy: their snapshots are compared value for value with the XML's, which has none."""
+    health = _hopper(61, 35, 2619, 0)
+    energy = pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
+    return replace(health, fields={k: v for k, v in health.fields.items() if k != energy})
+
+
 A100_80GB = dict(name="NVIDIA A100-SXM4-80GB", pci_device_id=0x20B210DE, pci_subsystem_id=0x147F10DE)
 A100_40GB = dict(name="NVIDIA A100-SXM4-40GB", pci_device_id=0x20B010DE, pci_subsystem_id=0x134F10DE)
 H100 = dict(name="NVIDIA H100 80GB HBM3", pci_device_id=0x233010DE, pci_subsystem_id=0x16C110DE)
@@ -918,24 +1352,28 @@ def demo() -> FakeNvmlScenario:
             FakeCard(
                 **A100_80GB,
                 uuid="GPU-a84bba07-931d-b925-306a-0799dc6ebd71",
+                health=_a100(41, 1593, 5_210_333, ecc_counts=_sram_dram((0, 1, 0, 0), (0, 1, 0, 0))),
                 pci_bus_id="00000000:07:00.0",
                 memory=_mem(81920, 562, 20971, 60387),
                 mig_mode=(True, True),
                 temperature_c=34,
                 power_mw=87230,
                 gpu_util_percent=None,
-                mig_devices=(
+                mig_devices=_counting_sram(
                     FakeMig(0, 2, 0, "3g.40gb", "MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b",
                             _mem(40192, 0, 11663, 28529), compute_processes=(_proc(48213, 11520),)),
                     FakeMig(1, 3, 0, "2g.20gb", "MIG-bd142880-e842-57ab-bec1-2975fd55911e",
                             _mem(19968, 0, 9251, 10717), compute_processes=(_proc(51877, 9216),)),
                     FakeMig(2, 9, 0, "1g.10gb", "MIG-a2cbd390-b656-5a4d-8bad-821df997d529",
                             _mem(9728, 0, 13, 9715)),
+                    errors={0: 1},
                 ),
             ),
             FakeCard(
                 **A100_80GB,
                 uuid="GPU-975dcb6d-e070-3b4a-b7ed-013e50181d96",
+                health=_a100(58, 1593, 18_602_915, ecc_counts=_sram_dram((0, 0, 0, 1), (0, 0, 0, 1)),
+                              remapped_rows=(0, 1, True, False), remapper_histogram=(639, 1, 0, 0, 0)),
                 pci_bus_id="00000000:0F:00.0",
                 memory=_mem(81920, 562, 22110, 59248),
                 mig_mode=(False, False),
@@ -965,13 +1403,14 @@ def h100_mig_processes() -> FakeNvmlScenario:
             FakeCard(
                 **H100,
                 uuid="GPU-0e9558c1-530a-493a-fbb8-b64cb580fac2",
+                health=_hopper(61, 35, 2619, 30_118_402),
                 pci_bus_id="00000000:19:00.0",
                 memory=_mem(81559, 479, 11125, 69955),
                 mig_mode=(True, True),
                 temperature_c=52,
                 power_mw=432170,
                 gpu_util_percent=None,
-                mig_devices=(
+                mig_devices=_counting_sram(
                     FakeMig(0, 2, 0, "3g.40gb", "MIG-12b47fa4-2f93-5cea-b2ff-bf3e0b6e9aba",
                             _mem(40448, 0, 3594, 36854),
                             compute_processes=(_proc(21180, 2296), _proc(21181, 1272))),
@@ -998,13 +1437,14 @@ def h200_shared_gpu_instance() -> FakeNvmlScenario:
             FakeCard(
                 **H200,
                 uuid="GPU-68c6414c-e9da-201e-0c0d-1a0dc00f0e71",
+                health=_hopper(55, 40, 3201, 22_407_119),
                 pci_bus_id="00000000:4C:00.0",
                 memory=_mem(143771, 586, 34390, 108795),
                 mig_mode=(True, True),
                 temperature_c=47,
                 power_mw=311620,
                 gpu_util_percent=None,
-                mig_devices=(
+                mig_devices=_counting_sram(
                     FakeMig(0, 1, 0, "1c.3g.71gb", "MIG-a714a16e-81c1-5aad-836d-31def0b9d299", gi1,
                             compute_processes=(_proc(7001, 20480),)),
                     FakeMig(1, 1, 1, "2c.3g.71gb", "MIG-3134b65a-b3ad-5f32-a1cc-8fa650bdf659", gi1,
@@ -1034,6 +1474,7 @@ def a100_mig_nothing_carved() -> FakeNvmlScenario:
             FakeCard(
                 **A100_40GB,
                 uuid="GPU-d21b54fa-8973-381f-412a-0a4f9fa42335",
+                health=_a100(38, 1215, 3_310_054, clocks_event_reasons=pynvml.nvmlClocksEventReasonGpuIdle),
                 pci_bus_id="00000000:07:00.0",
                 memory=_mem(40960, 605, 0, 40355),
                 mig_mode=(True, True),
@@ -1044,13 +1485,14 @@ def a100_mig_nothing_carved() -> FakeNvmlScenario:
             FakeCard(
                 **A100_40GB,
                 uuid="GPU-0b233931-da53-f50a-0be5-2d057e0bd04a",
+                health=_a100(46, 1215, 7_012_660),
                 pci_bus_id="00000000:0F:00.0",
                 memory=_mem(40960, 605, 4117, 36238),
                 mig_mode=(True, True),
                 temperature_c=38,
                 power_mw=118360,
                 gpu_util_percent=None,
-                mig_devices=(
+                mig_devices=_counting_sram(
                     # GPU instance id 0 is a real id.
                     FakeMig(0, 0, 0, "7g.40gb", "MIG-b3005440-698c-5839-a8e1-705bb7a7af3d",
                             _mem(40192, 0, 4105, 36087), compute_processes=(_proc(3301, 4092),)),
@@ -1070,6 +1512,8 @@ def a100_mig_pending() -> FakeNvmlScenario:
             FakeCard(
                 **A100_80GB,
                 uuid="GPU-2e2425ba-9682-1709-05f4-ec5a399fc47f",
+                health=_a100(47, 1593, 6_120_775, remapped_rows=(0, 0, False, False),
+                             remapper_histogram=(640, 0, 0, 0, 0)),
                 pci_bus_id="00000000:87:00.0",
                 memory=_mem(81920, 562, 5123, 76235),
                 mig_mode=(False, True),
@@ -1095,6 +1539,10 @@ def na_memory() -> FakeNvmlScenario:
                 pci_device_id=0x223710DE,
                 pci_subsystem_id=0x152F10DE,
                 uuid="GPU-5edbada5-14e2-87ba-0547-69ba41cbb44f",
+                health=_fixture_health(
+                    memory_c=None, limits_w=(300, 300, 300, 100, 300), thresholds=_thresholds(98, 95, 88, None),
+                    energy_j=1_500_210, clocks={}, max_clocks=_clocks(1710, 1710, 6251, 1500), fan_percent=0,
+                    ecc_counts={}),
                 pci_bus_id="00000000:3B:00.0",
                 memory=None,
                 mig_mode=None,
@@ -1109,6 +1557,10 @@ def na_memory() -> FakeNvmlScenario:
                 pci_device_id=0x1EB810DE,
                 pci_subsystem_id=0x12A210DE,
                 uuid="GPU-07539038-7071-2d5f-63ad-fa395d6cff31",
+                health=_fixture_health(
+                    memory_c=None, limits_w=(70, 70, 70, 60, 70), thresholds=_thresholds(96, 93, 85, None),
+                    energy_j=402_117, clocks=_clocks(300, 300, 405, 540), max_clocks=_clocks(1590, 1590, 5001, 1470),
+                    performance_state=8, clocks_event_reasons=pynvml.nvmlClocksEventReasonGpuIdle, drain_flag=False),
                 pci_bus_id="00000000:AF:00.0",
                 memory=_mem(15360, 257, 2, 15101),
                 mig_mode=None,
@@ -1177,6 +1629,85 @@ def one_lost_one_no_permission() -> FakeNvmlScenario:
             ),
         ),
         process_names={61001: "/usr/bin/python3"},
+    )
+
+
+# ---------------------------------------------------------------------------
+# Health scenarios without an nvidia-smi fixture: NVML only (tests/test_nvml_health.py)
+# ---------------------------------------------------------------------------
+
+# What a 470-era driver lacks of the health calls (beside OLD_DRIVER_MISSING).
+R470_HEALTH_MISSING = frozenset({
+    "nvmlDeviceGetTemperatureV", "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetSupportedClocksEventReasons",
+    "nvmlDeviceGetMarginTemperature", "nvmlDeviceGetSramEccErrorStatus", "nvmlDeviceGetRepairStatus",
+})
+_ECC = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)
+_VOL, _AGG = pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC
+_OLDER_LOCATIONS = (pynvml.NVML_MEMORY_LOCATION_DEVICE_MEMORY, pynvml.NVML_MEMORY_LOCATION_REGISTER_FILE,
+                    pynvml.NVML_MEMORY_LOCATION_L1_CACHE, pynvml.NVML_MEMORY_LOCATION_L2_CACHE,
+                    pynvml.NVML_MEMORY_LOCATION_TEXTURE_MEMORY, pynvml.NVML_MEMORY_LOCATION_TEXTURE_SHM)
+
+
+def pascal_page_retirement() -> FakeNvmlScenario:
+    """A Tesla P100 on a 470 driver: no MIG, ECC by the older locations (no CBU), three retired pages
+    and one retirement pending, the pre-535 clock-throttle names, no margin or SRAM status."""
+    def counts(single: int, double: int) -> tuple[int, ...]:
+        return (single, 0, 0, 0, 0, 0), (double, 0, 0, 0, 0, 0)  # device_memory first
+    ecc = {}
+    for scope, (single, double) in ((_VOL, counts(3, 0)), (_AGG, counts(12, 1))):
+        for error, values in zip(_ECC, (single, double), strict=True):
+            ecc.update({(error, scope, location): n for location, n in zip(_OLDER_LOCATIONS, values, strict=True)})
+    health = FakeHealth(
+        fields={pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: 7, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: 912_345_678},
+        thresholds_c=_thresholds(85, 82, 80, None), clocks_event_reasons=pynvml.nvmlClocksThrottleReasonSwPowerCap,
+        supported_clocks_event_reasons=ALL_CLOCK_EVENT_REASONS & ~pynvml.nvmlClocksThrottleReasonSyncBoost
+        & ~pynvml.nvmlClocksThrottleReasonDisplayClockSetting,
+        performance_state=0, clocks_mhz=_clocks(1189, 1189, 715, 1063),
+        max_clocks_mhz=_clocks(1328, 1328, 715, 1189), power_limits_mw=(250_000, 250_000, 250_000, 125_000, 250_000),
+        ecc_mode=(True, True), ecc_counts=ecc,
+        retired_pages={pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: (0x1A2B000, 0x1A2C000),
+                       pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: (0x3F00000,)},
+        retired_pending=True)
+    return FakeNvmlScenario(
+        driver_version="470.256.02",
+        cuda_version=11040,
+        cards=(FakeCard(name="Tesla P100-PCIE-16GB", pci_device_id=0x15F810DE, pci_subsystem_id=0x118F10DE,
+                        uuid="GPU-5b1f0e7c-2d4a-4c8e-9f13-7a6b2c9d0e44", pci_bus_id="00000000:3B:00.0",
+                        memory=_mem(16384, 0, 1203, 15181), mig_mode=None, temperature_c=44, power_mw=31_250,
+                        gpu_util_percent=0, memory_util_percent=0, health=health),),
+        missing_functions=OLD_DRIVER_MISSING | R470_HEALTH_MISSING,
+    )
+
+
+def h100_r570_sram_split() -> FakeNvmlScenario:
+    """An H100 (whole card) on a 570 driver with the SRAM status split into parity and SEC-DED past its
+    threshold, a drain-and-reset advice, clocks held by the power cap, the clock-event counters, a TPC
+    repair pending (590+'s call) and two remapped rows."""
+    sram = FakeSramStatus(volatile_parity=2, volatile_secded=1, volatile_correctable=5, aggregate_parity=3,
+                          aggregate_secded=2, aggregate_correctable=9, threshold_exceeded=True)
+    health = FakeHealth(
+        fields={pynvml.NVML_FI_DEV_MEMORY_TEMP: 71, pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: 2,
+                pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: 4_200_000_123,
+                pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET,
+                pynvml.NVML_FI_DEV_RESET_STATUS: 0, pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS: 0,
+                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP: 1_500_000_000,
+                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST: 0,
+                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN: 250_000_000,
+                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN: 0,
+                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN: 0},
+        margin_c=3, thresholds_c={**HOPPER_THRESHOLDS, pynvml.NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_CURR: 83},
+        clocks_event_reasons=pynvml.nvmlClocksEventReasonSwPowerCap,
+        supported_clocks_event_reasons=ALL_CLOCK_EVENT_REASONS, performance_state=0,
+        clocks_mhz=_clocks(1755, 1755, 2619, 1605), max_clocks_mhz=_clocks(1980, 1980, 2619, 1545),
+        fan_percent=None, power_limits_mw=(650_000, 650_000, 700_000, 200_000, 700_000), ecc_mode=(True, True),
+        ecc_counts=_sram_dram((5, 3, 1, 0), (9, 5, 4, 0)), sram=sram, remapped_rows=(2, 0, False, False),
+        remapper_histogram=(638, 2, 0, 0, 0), repair_pending=(False, True))
+    return FakeNvmlScenario(
+        driver_version="570.86.15",
+        cuda_version=12080,
+        cards=(FakeCard(**H100, uuid="GPU-1d7e3c90-8b2a-4f61-a5c3-9e0f2b4d6a88", pci_bus_id="00000000:9A:00.0",
+                        memory=_mem(81559, 479, 60211, 20869), mig_mode=(False, False), temperature_c=80,
+                        power_mw=648_900, gpu_util_percent=100, memory_util_percent=64, health=health),),
     )
 
 

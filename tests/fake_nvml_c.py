@@ -24,7 +24,9 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from fake_nvml import FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess
+import pynvml
+
+from fake_nvml import _FIELD_TYPES, FakeCard, FakeHealth, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess
 
 SOURCE_DIR = Path(__file__).resolve().parent / "fake_libnvml"
 SONAME = "libnvidia-ml.so.1"
@@ -86,6 +88,55 @@ def _memory(memory: FakeMemory | None) -> list[str]:
     return [f"memory {memory.total_bytes} {memory.reserved_bytes} {memory.used_bytes} {memory.free_bytes}"]
 
 
+_RETIRED_PER_LINE = 32  # addresses on one "retired" line; the library appends lines of one cause
+
+
+def _optional(value: int | bool | None) -> str:
+    return "-" if value is None else str(int(value))
+
+
+def _health(health: FakeHealth) -> list[str]:
+    """A card's FakeHealth as scenario lines; what it leaves None gets no line (NOT_SUPPORTED)."""
+    lines = [f"field {fid} {_FIELD_TYPES.get(fid, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)} {value}"
+             for fid, value in health.fields.items()]
+    lines += [f"field_error {fid} {code}" for fid, code in health.field_errors.items()]
+    if health.margin_c is not None:
+        lines.append(f"margin {health.margin_c}")
+    lines += [f"threshold {kind} {c}" for kind, c in health.thresholds_c.items()]
+    if (health.clocks_event_reasons, health.supported_clocks_event_reasons) != (None, None):
+        lines.append(f"clock_events {_optional(health.clocks_event_reasons)} "
+                     f"{_optional(health.supported_clocks_event_reasons)}")
+    if health.performance_state is not None:
+        lines.append(f"pstate {health.performance_state}")
+    lines += [f"clock {kind} {mhz}" for kind, mhz in health.clocks_mhz.items()]
+    lines += [f"max_clock {kind} {mhz}" for kind, mhz in health.max_clocks_mhz.items()]
+    if health.fan_percent is not None:
+        lines.append(f"fan {health.fan_percent}")
+    if any(limit is not None for limit in health.power_limits_mw):
+        lines.append("power_limits " + " ".join(map(_optional, health.power_limits_mw)))
+    if health.ecc_mode is not None:
+        lines.append(f"ecc_mode {int(health.ecc_mode[0])} {int(health.ecc_mode[1])}")
+    lines += [f"ecc {error} {counter} {location} {count}"
+              for (error, counter, location), count in health.ecc_counts.items()]
+    if (sram := health.sram) is not None:
+        lines.append(f"sram {sram.volatile_parity} {sram.volatile_secded} {sram.volatile_correctable} "
+                     f"{sram.aggregate_parity} {sram.aggregate_secded} {sram.aggregate_correctable} "
+                     f"{int(sram.threshold_exceeded)}")
+    if health.remapped_rows is not None:
+        lines.append("remapped " + " ".join(map(_optional, health.remapped_rows)))
+    if health.remapper_histogram is not None:
+        lines.append("histogram " + " ".join(map(str, health.remapper_histogram)))
+    if health.retired_pages is not None:  # {} too: the call is supported, and no page retired
+        lines += [f"retired {cause} " + " ".join(f"{a:#x}" for a in pages[i:i + _RETIRED_PER_LINE])
+                  for cause, pages in (health.retired_pages or {0: ()}).items()
+                  for i in range(0, max(len(pages), 1), _RETIRED_PER_LINE)]
+    if health.retired_pending is not None:
+        lines.append(f"retired_pending {int(health.retired_pending)}")
+    if health.repair_pending is not None:
+        lines.append(f"repair {int(health.repair_pending[0])} {int(health.repair_pending[1])}")
+    return [line.rstrip() for line in lines]
+
+
 def _device(errors: Mapping[str, int], lists: FakeCard | FakeMig) -> list[str]:
     lines = [f"error {_text(name)} {code}" for name, code in errors.items()]
     for letter, attribute in _LISTS:
@@ -125,12 +176,14 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
             lines.append(f"power {card.power_mw}")
         if card.gpu_util_percent is not None:
             lines.append(f"utilization {card.gpu_util_percent} {card.memory_util_percent}")
-        lines += _device(card.errors, card)
+        lines += _health(card.health) + _device(card.errors, card)
         if (index, None) in grow:
             lines.append(f"grow C {grow.pop((index, None))}")
         for mig in card.mig_devices:
             lines += [f"mig {mig.index} {mig.gpu_instance_id} {mig.compute_instance_id} {_text(mig.profile)} "
                       f"{_text(mig.uuid)}", *_memory(mig.memory), *_device(mig.errors, mig)]
+            if mig.sram_uncorrectable_volatile is not None:
+                lines.append(f"sram_unc {mig.sram_uncorrectable_volatile}")
             if (index, mig.index) in grow:
                 lines.append(f"grow C {grow.pop((index, mig.index))}")
     if grow:
@@ -149,3 +202,15 @@ def environment(library_dir: Path, scenario_file: Path, base: Mapping[str, str] 
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(library_dir), env.get("LD_LIBRARY_PATH")) if p)
     env[SCENARIO_VARIABLE] = str(scenario_file)
     return env
+
+
+# -- XID events (src/mig_exporter/sources/xid.py) -------------------------------------------------
+
+
+def xid_lines(*events: tuple[int, int, int | None, int | None, int]) -> str:
+    """Scenario lines queueing XID events, to append to a scenario file: each ``(card, xid,
+    gpu_instance_id, compute_instance_id, after_ms)``, the ids ``None`` for an event on no MIG
+    instance; delivered to a wait on a set where the card is registered, once ``after_ms`` have
+    passed since the library read the file (tests/fake_libnvml/fake_libnvml.c's XID region)."""
+    return "".join(f"xid {card} {xid} {'-' if gi is None else gi} {'-' if ci is None else ci} {after}\n"
+                   for card, xid, gi, ci, after in events)

@@ -60,14 +60,14 @@ def test_committed_json_is_what_the_generator_makes():
         assert (GRAFANA / name).read_text() == gen.render(build), f"run dashboards/grafana/generate.py ({name})"
 
 
-@pytest.mark.parametrize("name", ["overview.json", "node.json"])
+@pytest.mark.parametrize("name", ["overview.json", "node.json", "health.json"])
 def test_dashboard_structure(name):
     d = _dashboards()[name]
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
     variables = [v["name"] for v in d["templating"]["list"]]
     assert variables[:2] == ["datasource", "node"]
-    if name == "node.json":
+    if name in ("node.json", "health.json"):
         assert "card" in variables
     ids += [p["id"] for row in d["panels"] if row["type"] == "row" for p in row["panels"]]
     assert len(ids) == len(set(ids))
@@ -191,7 +191,7 @@ def test_the_engines_stat_and_table_are_the_alert():
         f'count(({expr}) and on (job, instance) mig_exporter_build_info{{instance=~"$node"}}) or vector(0)')
 
 
-@pytest.mark.parametrize("name", ["overview.json", "node.json"])
+@pytest.mark.parametrize("name", ["overview.json", "node.json", "health.json"])
 def test_all_nodes_are_the_exporters_not_their_probe_targets(name):
     """"All" in $node is the instances that export mig_exporter_build_info (Grafana
     joins them as a regex), not ".*", which also matches /probe targets: a node read
@@ -241,10 +241,64 @@ def test_every_per_device_view_names_the_device():
                 if any(_is_per_device(t["expr"], per_device) for t in panel["targets"]):
                     assert organize["renameByName"].get("device") == "Device", f"{where}: no Device column"
                     checked.append(where)
-    # The per-device views: both "Memory used by device", "Memory free by device", and the
-    # MIG layout, processes and allocations tables.
+    # The per-device views: both "Memory used by device", "Memory free by device", the
+    # MIG layout, processes and allocations tables, and the MIG instances' own ECC errors.
     assert sorted(checked) == sorted([
         "overview.json / Memory used by device", "overview.json / MIG layout",
         "overview.json / Top processes by GPU memory", "overview.json / GPU allocations",
         "node.json / Memory used by device", "node.json / Memory free by device", "node.json / Processes",
+        "health.json / ECC errors since the driver loaded",
     ]), checked
+
+
+# --- the card-health dashboard ------------------------------------------------------------------
+
+HEALTH_FAMILIES = {
+    "mig_exporter_card_temperature_celsius", "mig_exporter_card_memory_temperature_celsius",
+    "mig_exporter_card_temperature_threshold_celsius", "mig_exporter_card_temperature_margin_celsius",
+    "mig_exporter_card_power_draw_watts", "mig_exporter_card_power_limit_watts",
+    "mig_exporter_card_clock_event_active", "mig_exporter_card_clock_event_seconds_total",
+    "mig_exporter_card_clock_hertz", "mig_exporter_card_ecc_errors_total", "mig_exporter_device_ecc_errors_total",
+    "mig_exporter_card_remapped_rows", "mig_exporter_card_row_remap_pending", "mig_exporter_card_row_remap_failure",
+    "mig_exporter_card_row_remap_availability_banks", "mig_exporter_card_retired_pages",
+    "mig_exporter_card_retired_pages_pending", "mig_exporter_xid_errors_total", "mig_exporter_xid_last_seconds",
+    "mig_exporter_card_recovery_action", "mig_exporter_card_health",
+}
+
+
+def test_the_health_dashboard_reads_every_health_family_per_card():
+    """Heat, power and wear are the card's: every query selects by node and card, and
+    none of them adds cards up."""
+    read = set()
+    for dash, title, expr in dashboard_queries():
+        if dash != "health.json":
+            continue
+        read |= set(re.findall(r"\bmig_exporter_[a-z_]+", expr))
+        for selector in re.findall(r"mig_exporter_[a-z_]+\{([^}]*)\}", expr):
+            assert selector.startswith('instance=~"$node", card=~"$card"'), f"{title}: {{{selector}}}"
+        for clause in re.findall(r"\bby\s*\(([^)]*)\)", expr):
+            assert "card" in clause, f"{title}: by ({clause}) mixes cards"
+    assert read >= HEALTH_FAMILIES, sorted(HEALTH_FAMILIES - read)
+
+
+def test_the_health_states_read_as_the_landing_page_and_doctor_write_them():
+    """The table's State and the timeline map mig_exporter_card_health's states, worst first
+    as numbers, to the words of model/health.py's Verdict.label."""
+    from mig_exporter.model.health import HEALTH_STATES, Verdict
+
+    gen = _generator()
+    labels = [Verdict(state, ()).label for state in HEALTH_STATES]
+    assert [text for text, _ in gen.HEALTH_STATE_TEXT.values()] == labels == ["ok", "warning", "needs reset", "replace"]
+    assert list(gen.HEALTH_STATE_TEXT) == list(range(len(HEALTH_STATES)))
+    panels = {p["title"]: p for p in all_panels(_dashboards()["health.json"])}
+    (override,) = [o for o in panels["Card health"]["fieldConfig"]["overrides"]
+                   if o["matcher"]["options"] == "Value #B" and any(p["id"] == "mappings" for p in o["properties"])]
+    (mapping,) = next(p["value"] for p in override["properties"] if p["id"] == "mappings")
+    assert {int(k): v["text"] for k, v in mapping["options"].items()} == dict(enumerate(labels))
+    (timeline_mapping,) = panels["Health over time"]["fieldConfig"]["defaults"]["mappings"]
+    assert timeline_mapping == mapping
+    # Each state's number: state="warning" as 1, "reset" as 2, "replace" as 3 ("ok" is what is left: 0).
+    (target,) = panels["Health over time"]["targets"]
+    assert target["expr"] == panels["Card health"]["targets"][1]["expr"]
+    for number, state in enumerate(HEALTH_STATES[1:], 1):
+        assert f'state="{state}"}}' + (f" * {number}" if number > 1 else "") in target["expr"]

@@ -12,7 +12,19 @@ from click.testing import CliRunner
 from conftest import fixture_bytes
 from fake_nvml import SCENARIOS
 from mig_exporter.cli import cli
-from mig_exporter.doctor import PathReading, compare, diagnose, timed_read
+from mig_exporter.doctor import (
+    NO_XIDS_WITHOUT_NVML,
+    PathReading,
+    XidWatch,
+    as_json,
+    compare,
+    diagnose,
+    render_text,
+    timed_read,
+    xid_watch,
+)
+from mig_exporter.model.health import CardHealth, ClockReading, EccCount
+from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
 
@@ -210,15 +222,176 @@ def test_an_unreadable_card_is_an_error_even_when_both_paths_read(fake_nvml_lib,
     assert result.stdout.rstrip().endswith("problems found: 1 error(s), 0 warning(s) (exit 1)")
 
 
-def test_doctor_demo_shows_a_healthy_report_without_a_gpu():
+def test_doctor_demo_shows_the_sample_and_its_card_that_needs_a_reset_without_a_gpu():
+    """The sample's whole A100 (card 1) has a pending row remap: doctor --demo exits 3 for it, on
+    purpose, so the report shows what a card that needs a reset looks like. Card 0's instance
+    0/mig0 has an uncorrectable SRAM error (a warning), and card 0, in MIG mode, cannot report
+    its remapped rows. No NVML: no XIDs, and it says so."""
     result = CliRunner().invoke(cli, ["doctor", "--demo"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output
     out = result.stdout
     assert out.startswith("demo: ok, 2 card(s), 4 device(s) in ")
-    assert "nvml" not in out, "the sample is nvidia-smi output; no NVML is read or blamed"
+    assert "[nvml" not in out and "nvml:" not in out, "the sample is nvidia-smi output; no NVML is read or blamed"
     assert ("  device 0/mig0 (1000): MIG 3g.40gb GI 2 CI 0 MIG-8b8c764d-1c0a-5cb3-bea1-3519a60a077b - "
             "11663 MiB used of 40192 MiB") in out
     assert "    pid 50102 G /usr/local/bin/llama-server 20480 MiB" in out
-    assert out.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
+    assert ("  health: needs reset\n    - a row remap is pending: reset the card to apply it\n"
+            "    - 1 uncorrectable ECC error(s) since the driver loaded\n") in out
+    assert "  health: warning\n    - 1 uncorrectable ECC error(s) since the driver loaded\n" in out
+    assert ("ERROR [card-needs-reset] card 1 (NVIDIA A100-SXM4-80GB) needs a reset: a row remap is pending: "
+            "reset the card to apply it; 1 uncorrectable ECC error(s) since the driver loaded") in out
+    assert "      fix: drain its workloads and reset it when idle (nvidia-smi -r -i 1)" in out
+    assert "WARNING [card-health-warning] card 0 (NVIDIA A100-SXM4-80GB): 1 uncorrectable ECC error(s)" in out
+    assert "NOTE [remapped-rows-unknown] card 0 (NVIDIA A100-SXM4-80GB) is in MIG mode: it cannot report" in out
+    assert "XIDs 63 and 64 (row remapping) and 94 and 95" in out and "recovery action" in out
+    assert "NOTE [xids-not-watched] no XID family: nvidia-smi gives none; use --source nvml" in out
+    assert out.rstrip().endswith("a card needs a reset or replacing: 1 error(s), 1 warning(s) (exit 3)")
     doc = json.loads(CliRunner().invoke(cli, ["doctor", "--demo", "--format", "json"]).stdout)
-    assert doc["exit_code"] == 0 and doc["warnings"] == [] and [r["source"] for r in doc["reads"]] == ["demo"]
+    assert doc["exit_code"] == 3 and [r["source"] for r in doc["reads"]] == ["demo"]
+    assert [(w["code"], w["severity"]) for w in doc["warnings"]] == [
+        ("card-health-warning", "warning"), ("card-needs-reset", "error")]
+    assert [c["health"] for c in doc["cards"]] == [
+        {"state": "warning", "label": "warning", "reasons": ["1 uncorrectable ECC error(s) since the driver loaded"],
+         "remapped_rows_reported": False},
+        {"state": "reset", "label": "needs reset", "reasons": [
+            "a row remap is pending: reset the card to apply it",
+            "1 uncorrectable ECC error(s) since the driver loaded"], "remapped_rows_reported": True},
+    ]
+    assert [n["code"] for n in doc["notes"]] == ["remapped-rows-unknown", "xids-not-watched"]
+    assert doc["xids"] == {"watching": False, "cards": 0, "reason": NO_XIDS_WITHOUT_NVML}
+
+
+# --- card health: each state, its finding and the exit code -----------------------------------
+
+def _with_health(name: str, **health) -> Snapshot:
+    """The scenario with its first card's health replaced (the others' cleared)."""
+    from conftest import scenario
+
+    snapshot = scenario(name)
+    cards = tuple(dataclasses.replace(c, health=CardHealth(**(health if i == 0 else {})))
+                  for i, c in enumerate(snapshot.cards))
+    devices = tuple(dataclasses.replace(d, ecc_errors=()) for d in snapshot.devices)
+    return dataclasses.replace(snapshot, cards=cards, devices=devices)
+
+
+def _diagnose(snapshot: Snapshot):
+    return diagnose(None, PathReading("nvidia-smi", snapshot, None, 0.1))
+
+
+@pytest.mark.parametrize(("health", "code", "severity", "exit_code", "reasons"), [
+    ({}, None, None, 0, []),
+    ({"row_remap_failure": True}, "card-needs-replacing", "error", 3,
+     ["row remapping failed: the card has no spare rows left for a failing bank"]),
+    ({"retired_pages_pending": True}, "card-needs-reset", "error", 3,
+     ["a page retirement is pending: reset the card to apply it"]),
+    ({"recovery_action": 2}, "card-needs-reset", "error", 3, ["the driver advises a node reboot"]),
+    ({"clock_events_active": (("hw_thermal_slowdown", True), ("hw_power_brake_slowdown", True))},
+     "card-health-warning", "warning", 0,
+     ["clocks held down: hw thermal slowdown", "clocks held down: hw power brake slowdown"]),
+    ({"ecc_errors": (EccCount("volatile", "dram", "uncorrectable", 2),)}, "card-health-warning", "warning", 0,
+     ["2 uncorrectable ECC error(s) since the driver loaded"]),
+])
+def test_each_health_state_is_a_finding_with_its_reasons_and_exit_code(health, code, severity, exit_code, reasons):
+    report = _diagnose(_with_health("a100-mig-pending", **health))
+    found = [f for f in report.findings if f.code.startswith("card-")]
+    assert [(f.code, f.severity) for f in found] == ([(code, severity)] if code else [])
+    for reason in reasons:
+        assert reason in found[0].message
+    assert [f.code for f in report.findings if not f.code.startswith("card-")] == ["mig-reset-pending"]
+    assert report.exit_code == exit_code
+
+
+def test_the_fix_follows_the_reason():
+    hot = _diagnose(_with_health("a100-mig-pending", clock_events_active=(("hw_thermal_slowdown", True),)))
+    assert "cooling" in next(f for f in hot.findings if f.code == "card-health-warning").fix
+    failed = _diagnose(_with_health("a100-mig-pending", row_remap_failure=True))
+    assert "replaced (RMA)" in next(f for f in failed.findings if f.code == "card-needs-replacing").fix
+
+
+def test_a_card_that_needs_a_reset_comes_before_another_error_and_nothing_read_before_both():
+    """3 before 1: a node with a MIG card with nothing carved (an error) and a card whose recovery
+    action is a GPU reset exits 3; an unreadable card has no health at all."""
+    snapshot = _with_health("a100-mig-nothing-carved")
+    cards = (snapshot.cards[0], dataclasses.replace(snapshot.cards[1], health=CardHealth(recovery_action=1)))
+    report = _diagnose(dataclasses.replace(snapshot, cards=cards))
+    assert [f.code for f in report.findings] == ["mig-nothing-carved", "card-needs-reset"]
+    assert report.exit_code == 3
+    lost = dataclasses.replace(cards[1], error="GPU is lost")
+    report = _diagnose(dataclasses.replace(snapshot, cards=(cards[0], lost)))
+    assert [f.code for f in report.findings] == ["mig-nothing-carved", "card-unreadable"]
+    assert report.exit_code == 1
+    assert as_json(report)["cards"][1]["health"] is None
+    assert diagnose(None, PathReading("nvidia-smi", None, "no", 0.1)).exit_code == 2
+
+
+def test_a_mig_card_without_remapped_rows_gets_a_note_naming_what_still_covers_it():
+    mig = _diagnose(_with_health("a100-mig-nothing-carved"))
+    notes = [n for n in mig.notes if n.code == "remapped-rows-unknown"]
+    assert [n.message.split(" (")[0] for n in notes] == ["card 0", "card 1"]
+    assert all(n.severity == "note" for n in mig.notes) and mig.exit_code == 1  # notes count for nothing
+    for signal in ("XIDs 63 and 64", "94 and 95", "recovery action", "mig_exporter_device_ecc_errors_total"):
+        assert signal in notes[0].fix
+    assert "remapped rows: not reported in MIG mode" in render_text(mig)
+    known = _diagnose(_with_health("a100-mig-nothing-carved", remapped_rows_correctable=0,
+                                   remapped_rows_uncorrectable=0, row_remap_pending=False))
+    assert [n.message.split(" (")[0] for n in known.notes if n.code == "remapped-rows-unknown"] == ["card 1"]
+    whole = _diagnose(_with_health("a100-mig-pending"))  # MIG pending, not current
+    assert [n.code for n in whole.notes] == ["xids-not-watched"]
+
+
+# --- XIDs: watched through NVML, or why not -----------------------------------------------------
+
+def test_xids_not_watched_on_nvml_say_the_watchers_reason(fake_nvml_lib, fake_nvidia_smi):
+    fake_nvml_lib("h100-mig-processes")
+    smi = fake_nvidia_smi(*_fixture("h100-mig-processes"))
+    nvml, smi_read = timed_read("nvml", NvmlSource().read), timed_read("nvidia-smi", NvidiaSmiSource(str(smi)).read)
+    report = diagnose(nvml, smi_read, xids=XidWatch(False, 0, "nvmlDeviceRegisterEvents: NOT_SUPPORTED on card 0"))
+    assert [(n.code, n.message) for n in report.notes if n.code == "xids-not-watched"] == [
+        ("xids-not-watched", "XIDs cannot be watched: nvmlDeviceRegisterEvents: NOT_SUPPORTED on card 0")]
+    watched = diagnose(nvml, smi_read, xids=XidWatch(True, 1, None))
+    assert [n.code for n in watched.notes if n.code == "xids-not-watched"] == []
+    assert "XIDs: watched through NVML events on 1 card(s)" in render_text(watched)
+    assert as_json(watched)["xids"] == {"watching": True, "cards": 1, "reason": None}
+
+
+def test_the_xid_watcher_is_asked_lazily_and_its_absence_is_a_reason(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "mig_exporter.sources.xid", None)  # as if not built
+    absent = xid_watch()
+    assert not absent.watching and "no XID watcher" in (absent.reason or "")
+    module = types.ModuleType("mig_exporter.sources.xid")
+    module.xid_watch_status = lambda: types.SimpleNamespace(watching=True, cards=2, reason=None)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mig_exporter.sources.xid", module)
+    assert xid_watch() == XidWatch(True, 2, None)
+
+    def broken():
+        raise RuntimeError("event set")
+
+    module.xid_watch_status = broken  # type: ignore[attr-defined]
+    assert xid_watch() == XidWatch(False, 0, "the XID watcher failed: RuntimeError: event set")
+
+
+# --- the two paths' health compared ----------------------------------------------------------
+
+def test_compare_reports_health_differences_but_not_nvml_only_or_moving_readings():
+    base = _with_health("a100-mig-pending", ecc_errors=(EccCount("volatile", "dram", "uncorrectable", 1),),
+                        recovery_action=0, energy_joules=10.0, clocks=(ClockReading("sm", "current", 1e9),))
+    other = dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], health=CardHealth(
+        ecc_errors=(EccCount("volatile", "dram", "uncorrectable", 0),), recovery_action=0,
+        clocks=(ClockReading("sm", "current", 1.4e9),))),))
+    assert compare(base, other) == ["card 0 ecc volatile dram uncorrectable: 1 vs 0"]
+    pending = dataclasses.replace(other, cards=(dataclasses.replace(other.cards[0], health=dataclasses.replace(
+        base.cards[0].health, row_remap_pending=True, energy_joules=None)),))
+    assert compare(base, pending) == ["card 0 row_remap_pending: None vs True"]
+    # A MIG instance's own counts too.
+    from conftest import scenario
+
+    mig = scenario("h100-mig-processes")
+    sram = (EccCount("volatile", "sram", "uncorrectable", 1),)
+    counted = dataclasses.replace(mig, devices=tuple(
+        dataclasses.replace(d, ecc_errors=sram if d.index == 1002 else d.ecc_errors) for d in mig.devices))
+    assert compare(counted, mig)[-1:] == [
+        f"device 0/mig2 (1002) ecc volatile sram uncorrectable: 1 vs "
+        f"{next((e.errors for e in mig.device(1002).ecc_errors), 'none')}"]

@@ -22,12 +22,24 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from click.testing import CliRunner
 
+import fake_nvml
 import mig_exporter
 from benchmarks import scenarios as bench
 from conftest import fixture_bytes
-from fake_nvml import _SIGNATURES, NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, SCENARIOS, FakeNvmlScenario
+from fake_nvml import (
+    _SIGNATURES,
+    NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_NOT_SUPPORTED,
+    RETIRED_AT,
+    SCENARIOS,
+    FakeHealth,
+    FakeNvmlScenario,
+)
 from fake_nvml_c import SONAME, scenario_text
+from mig_exporter.cli import cli
+from test_source_nvml import NVML_ONLY_LINES
 
 PACKAGE_ROOT = str(Path(mig_exporter.__file__).resolve().parent.parent)
 FIXTURE_SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved",
@@ -44,6 +56,21 @@ LAYOUTS = {
     "nvmlTemperature_v1_t": pynvml.c_nvmlTemperature_v1_t,
     "nvmlFieldValue_t": pynvml.c_nvmlFieldValue_t,
     "nvmlProcessUtilizationSample_t": pynvml.c_nvmlProcessUtilizationSample_t,
+    "nvmlMarginTemperature_v1_t": pynvml.c_nvmlMarginTemperature_v1_t,
+    "nvmlEccSramErrorStatus_v1_t": pynvml.c_nvmlEccSramErrorStatus_v1_t,
+    "nvmlRowRemapperHistogramValues_t": pynvml.c_nvmlRowRemapperHistogramValues,
+    "nvmlRepairStatus_v1_t": pynvml.c_nvmlRepairStatus_t,
+}
+# The version words, enum bounds and field ids the library checks or answers from, as pynvml has them
+# (and RETIRED_AT, the Python fake's timestamp of the first retired page).
+CONSTANTS = {
+    **{name: getattr(pynvml, name) for name in (
+        "nvmlMemory_v2", "nvmlTemperature_v1", "nvmlMarginTemperature_v1", "nvmlEccSramErrorStatus_v1",
+        "nvmlRepairStatus_v1", "NVML_CLOCK_COUNT", "NVML_TEMPERATURE_THRESHOLD_COUNT", "NVML_MEMORY_LOCATION_COUNT",
+        "NVML_MEMORY_LOCATION_SRAM", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC",
+        "NVML_PAGE_RETIREMENT_CAUSE_COUNT", "NVML_VALUE_TYPE_UNSIGNED_INT", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        "NVML_FI_DEV_PCIE_REPLAY_COUNTER")},
+    "RETIRED_AT": RETIRED_AT,
 }
 
 
@@ -65,8 +92,11 @@ def _read(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _without_volatile(text: str) -> str:
-    """Exposition minus the per-read duration, with the source label made neutral."""
-    lines = [line for line in text.splitlines() if not line.startswith("mig_exporter_read_duration_seconds{")]
+    """Exposition minus the per-read duration and what only NVML gives (the energy, which
+    ``nvidia-smi -q -x`` lacks: test_source_nvml.py's NVML_ONLY_LINES), with the source label
+    made neutral."""
+    skipped = ("mig_exporter_read_duration_seconds{", *NVML_ONLY_LINES)
+    lines = [line for line in text.splitlines() if not line.startswith(skipped)]
     return re.sub(r'source="[^"]+"', 'source="*"', "\n".join(lines))
 
 
@@ -92,14 +122,15 @@ def _layouts(library: Path, names: list[str]) -> dict[str, int]:
 
 def test_every_struct_has_nvml_h_layout_as_pynvml_declares_it(fake_libnvml_dir):
     classes = {**LAYOUTS, "nvmlProcessInfo_v1_t": ProcessInfoV1}
-    expected = {"nvmlMemory_v2": pynvml.nvmlMemory_v2, "nvmlTemperature_v1": pynvml.nvmlTemperature_v1}
+    expected = dict(CONSTANTS)
     for c_name, cls in classes.items():
         expected[c_name] = ctypes.sizeof(cls)
         for field_name, *_ in cls._fields_:
             expected[f"{c_name}.{field_name}"] = getattr(cls, field_name).offset
-    assert len(expected) == 2 + 9 + 39  # the version words, nine structs, every field
+    assert len(expected) == 16 + 13 + 62  # the constants, thirteen structs, every field
     assert _layouts(fake_libnvml_dir / SONAME, list(expected)) == expected
     assert expected["nvmlMemory_v2"] == 0x02000028
+    assert expected["nvmlEccSramErrorStatus_v1_t"] == 104  # version, eleven 64-bit counters, the flag
 
 
 def test_it_exports_every_function_the_python_fake_serves(fake_libnvml_dir):
@@ -123,6 +154,280 @@ def test_the_scenario_file_keeps_odd_strings_and_refuses_what_a_library_cannot_d
         scenario_text(base, grow={(0, 9): 5})
 
 
+# -- card health: the same answers as the Python fake ------------------------------------
+
+
+def _health_scenario() -> FakeNvmlScenario:
+    """Every FakeHealth field set on some card: a whole H100 on 570 (SRAM split, repair, histogram,
+    field errors, 40 retired pages over two lines), an A100 in MIG mode whose instances count their
+    own SRAM errors (one cannot), a P100 with the older ECC locations, and an A100 with ECC off
+    and limits NVML half knows."""
+    h100 = fake_nvml.h100_r570_sram_split()
+    demo = SCENARIOS["demo"]()
+    pascal = fake_nvml.pascal_page_retirement().cards[0]
+    double_bit = pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+    whole = dataclasses.replace(h100.cards[0], health=dataclasses.replace(
+        h100.cards[0].health, fan_percent=40, retired_pending=False,
+        retired_pages={double_bit: tuple(0x7F000000 + 0x1000 * i for i in range(40)),
+                       pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: ()},
+        field_errors={pynvml.NVML_FI_DEV_MEMORY_TEMP: pynvml.NVML_ERROR_NO_PERMISSION,
+                      pynvml.NVML_FI_DEV_ECC_CURRENT: pynvml.NVML_ERROR_UNKNOWN}))
+    mig_card = dataclasses.replace(demo.cards[0], mig_devices=(
+        dataclasses.replace(demo.cards[0].mig_devices[0], sram_uncorrectable_volatile=4),
+        *demo.cards[0].mig_devices[1:2],
+        dataclasses.replace(demo.cards[0].mig_devices[2], sram_uncorrectable_volatile=None)))
+    ecc_off = dataclasses.replace(demo.cards[1], health=dataclasses.replace(
+        demo.cards[1].health, ecc_mode=(False, True), clocks_event_reasons=None,
+        power_limits_mw=(None, 250_000, None, 100_000, None)))
+    return FakeNvmlScenario(driver_version="570.86.15", cuda_version=12080,
+                            cards=(whole, mig_card, pascal, ecc_off))
+
+
+# Run over pynvml, loaded on the C library in a child or on the Python fake here: every health call
+# on every card and MIG handle, each answer a value or "E<code>", as JSON-ready values.
+_HEALTH_PROBE = r"""
+import ctypes, json
+
+
+def answers(pynvml, field_ids):
+    def plain(value):
+        if isinstance(value, ctypes.Structure):
+            return {name: plain(getattr(value, name)) for name, *_ in value._fields_}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    def ask(function, *args):
+        try:
+            return plain(function(*args))
+        except pynvml.NVMLError as e:
+            return f"E{e.value}"
+
+    def version_zero(name, struct, handle):  # the call's code for a struct of an unknown version
+        value = struct()
+        value.version = 0
+        return pynvml._nvmlGetFunctionPointer(name)(handle, ctypes.byref(value))
+
+    def device(h):
+        out = {}
+        fields = pynvml.nvmlDeviceGetFieldValues(h, field_ids)
+        out["fields"] = [[f.fieldId, f.nvmlReturn, f.valueType,
+                          f.value.uiVal if f.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT else f.value.ullVal]
+                         for f in fields]
+        out["temperature"] = ask(pynvml.nvmlDeviceGetTemperatureV, h, pynvml.NVML_TEMPERATURE_GPU)
+        out["thresholds"] = [ask(pynvml.nvmlDeviceGetTemperatureThreshold, h, t)
+                             for t in range(pynvml.NVML_TEMPERATURE_THRESHOLD_COUNT + 1)]
+        out["margin"] = ask(pynvml.nvmlDeviceGetMarginTemperature, h)
+        for name in ("CurrentClocksEventReasons", "SupportedClocksEventReasons", "CurrentClocksThrottleReasons",
+                     "SupportedClocksThrottleReasons", "PerformanceState", "FanSpeed", "EnforcedPowerLimit",
+                     "PowerManagementLimit", "PowerManagementDefaultLimit", "PowerManagementLimitConstraints",
+                     "TotalEnergyConsumption", "PcieReplayCounter", "EccMode", "RemappedRows",
+                     "RowRemapperHistogram", "RetiredPagesPendingStatus", "RepairStatus"):
+            out[name] = ask(getattr(pynvml, "nvmlDeviceGet" + name), h)
+        for name in ("ClockInfo", "MaxClockInfo"):
+            out[name] = [ask(getattr(pynvml, "nvmlDeviceGet" + name), h, c) for c in range(pynvml.NVML_CLOCK_COUNT + 1)]
+        out["ecc"] = {f"{e} {c} {loc}": ask(pynvml.nvmlDeviceGetMemoryErrorCounter, h, e, c, loc)
+                      for e in range(3) for c in range(2) for loc in range(pynvml.NVML_MEMORY_LOCATION_COUNT + 1)}
+        status = pynvml.c_nvmlEccSramErrorStatus_v1_t()
+        out["sram"] = [ask(pynvml.nvmlDeviceGetSramEccErrorStatus, h, ctypes.byref(status)), plain(status)]
+        out["retired"] = [ask(pynvml.nvmlDeviceGetRetiredPages_v2, h, cause)
+                          for cause in range(pynvml.NVML_PAGE_RETIREMENT_CAUSE_COUNT + 1)]
+        out["version_zero"] = {name: version_zero(name, struct, h) for name, struct in (
+            ("nvmlDeviceGetTemperatureV", pynvml.c_nvmlTemperature_v1_t),
+            ("nvmlDeviceGetMarginTemperature", pynvml.c_nvmlMarginTemperature_v1_t),
+            ("nvmlDeviceGetSramEccErrorStatus", pynvml.c_nvmlEccSramErrorStatus_v1_t),
+            ("nvmlDeviceGetRepairStatus", pynvml.c_nvmlRepairStatus_t))}
+        return out
+
+    result = {}
+    pynvml.nvmlInit()
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        card = pynvml.nvmlDeviceGetHandleByIndex(i)
+        result[f"card{i}"] = device(card)
+        for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(card)):
+            try:
+                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(card, slot)
+            except pynvml.NVMLError:
+                continue
+            result[f"card{i}/mig{slot}"] = device(mig)
+    pynvml.nvmlShutdown()
+    return json.loads(json.dumps(result))
+"""
+
+
+def _field_ids(scenario: FakeNvmlScenario) -> list[int]:
+    """Every field id a card of the scenario answers or fails, and one that none lists."""
+    ids = {fid for card in scenario.cards for fid in (*card.health.fields, *card.health.field_errors)}
+    unlisted = pynvml.NVML_FI_DEV_ECC_PENDING
+    assert unlisted not in ids
+    return [*sorted(ids), unlisted]
+
+
+def _health_over_the_library(env: dict[str, str], field_ids: list[int]) -> dict:
+    code = _HEALTH_PROBE + "\nimport pynvml, sys\nprint(json.dumps(answers(pynvml, json.loads(sys.argv[1]))))\n"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(field_ids)], env=env, capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    return json.loads(out)
+
+
+def test_the_health_scenario_sets_every_health_field():
+    scenario = _health_scenario()
+    for f in dataclasses.fields(FakeHealth):
+        assert any(getattr(card.health, f.name) != getattr(FakeHealth(), f.name) for card in scenario.cards), f.name
+    migs = [m.sram_uncorrectable_volatile for card in scenario.cards for m in card.mig_devices]
+    assert 4 in migs and None in migs
+
+
+def test_health_through_the_library_answers_as_the_python_fake(fake_libnvml_env, fake_nvml_lib):
+    """The same pynvml calls on the same scenario: the C library in a child, the Python fake here."""
+    scenario = _health_scenario()
+    ids = _field_ids(scenario)
+    over_c = _health_over_the_library(fake_libnvml_env(scenario), ids)
+    probe: dict = {}
+    exec(_HEALTH_PROBE, probe)
+    fake = fake_nvml_lib(scenario)
+    over_python = probe["answers"](pynvml, ids)
+    assert fake.exceptions == []
+    assert list(over_c) == ["card0", "card1", "card1/mig0", "card1/mig1", "card1/mig2", "card2", "card3"]
+    for device in over_c:
+        assert over_c[device] == over_python[device], device
+    # and what they agree on is the scenario's, not an error everywhere
+    not_supported = f"E{NVML_ERROR_NOT_SUPPORTED}"
+    h100, mig0, pascal, ecc_off = over_c["card0"], over_c["card1/mig0"], over_c["card2"], over_c["card3"]
+    assert h100["sram"] == [0, {**h100["sram"][1], "version": pynvml.nvmlEccSramErrorStatus_v1,
+                                "volatileUncParity": 2, "volatileUncSecDed": 1, "volatileCor": 5,
+                                "aggregateUncParity": 3, "aggregateUncSecDed": 2, "aggregateCor": 9,
+                                "bThresholdExceeded": 1}]
+    assert h100["margin"] == 3 and h100["FanSpeed"] == 40 and h100["RepairStatus"] == [0, 1]
+    assert h100["RowRemapperHistogram"] == {"max": 638, "high": 2, "partial": 0, "low": 0, "none": 0}
+    assert h100["TotalEnergyConsumption"] == 4_200_000_123 and h100["PcieReplayCounter"] == 2
+    assert h100["thresholds"][pynvml.NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_CURR] == 83
+    assert h100["thresholds"][-1] == h100["ClockInfo"][-1] == f"E{pynvml.NVML_ERROR_INVALID_ARGUMENT}"
+    assert h100["retired"][0] == [] and len(h100["retired"][1]) == 40
+    assert h100["retired"][1][39] == {"address": 0x7F000000 + 0x1000 * 39, "timestamp": RETIRED_AT + 39}
+    assert h100["version_zero"] == dict.fromkeys(h100["version_zero"], pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    sram_unc = " ".join(map(str, (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC,
+                                  pynvml.NVML_MEMORY_LOCATION_SRAM)))
+    assert mig0["ecc"][sram_unc] == 4 and over_c["card1/mig2"]["ecc"][sram_unc] == not_supported
+    invalid = f"E{pynvml.NVML_ERROR_INVALID_ARGUMENT}"
+    for key, answer in mig0["ecc"].items():  # a bad error type or location is refused before the handle's kind
+        bad = key.startswith("2 ") or key.endswith(f" {pynvml.NVML_MEMORY_LOCATION_COUNT}")
+        assert answer == (invalid if bad else 4 if key == sram_unc else not_supported), key
+    assert mig0["margin"] == mig0["RemappedRows"] == mig0["EccMode"] == not_supported
+    assert over_c["card1"]["RemappedRows"] == not_supported  # in MIG mode
+    device_memory = pynvml.NVML_MEMORY_LOCATION_DEVICE_MEMORY
+    assert pascal["ecc"][f"0 {pynvml.NVML_AGGREGATE_ECC} {device_memory}"] == 12
+    assert pascal["ecc"][f"0 0 {pynvml.NVML_MEMORY_LOCATION_SRAM}"] == not_supported
+    assert pascal["retired"][:2] == [[{"address": 0x1A2B000, "timestamp": RETIRED_AT},
+                                      {"address": 0x1A2C000, "timestamp": RETIRED_AT + 1}],
+                                     [{"address": 0x3F00000, "timestamp": RETIRED_AT}]]
+    assert pascal["RetiredPagesPendingStatus"] == 1 and pascal["sram"][0] == not_supported
+    assert ecc_off["ecc"]["0 0 2"] == not_supported and ecc_off["EccMode"] == [0, 1]
+    assert ecc_off["CurrentClocksEventReasons"] == not_supported and ecc_off["SupportedClocksEventReasons"] == 511
+    assert ecc_off["PowerManagementLimit"] == 250_000 and ecc_off["EnforcedPowerLimit"] == not_supported
+    assert ecc_off["PowerManagementLimitConstraints"] == not_supported
+
+
+def test_field_values_answer_each_entry_its_own_code_in_a_call_that_succeeds(fake_libnvml_env):
+    scenario = _health_scenario()
+    ids = _field_ids(scenario)
+    answers = _health_over_the_library(fake_libnvml_env(scenario), ids)
+    by_id = {fid: rest for fid, *rest in answers["card0"]["fields"]}
+    assert by_id[pynvml.NVML_FI_DEV_MEMORY_TEMP][0] == pynvml.NVML_ERROR_NO_PERMISSION  # its field_errors
+    assert by_id[pynvml.NVML_FI_DEV_ECC_CURRENT][0] == pynvml.NVML_ERROR_UNKNOWN  # an error, no value
+    assert by_id[pynvml.NVML_FI_DEV_ECC_PENDING] == [NVML_ERROR_NOT_SUPPORTED, 0, 0]  # listed nowhere
+    assert by_id[pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER] == [0, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 2]
+    assert by_id[pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION] == [0, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+                                                                  4_200_000_123]
+    assert {rest[0] for _, *rest in answers["card1/mig0"]["fields"]} == {NVML_ERROR_NOT_SUPPORTED}
+
+
+def test_the_exporter_reads_the_same_health_over_the_library_as_over_the_python_fake(fake_libnvml_env, fake_nvml_lib):
+    """sources/nvml_health.py end to end: ``read --source nvml`` in a child over the C library, and
+    in this process over the Python fake, print the same series, energy included."""
+    scenario = _health_scenario()
+    via_c = _read(fake_libnvml_env(scenario), "--source", "nvml")
+    fake_nvml_lib(scenario)
+    via_python = CliRunner().invoke(cli, ["read", "--source", "nvml"])
+    assert via_c.returncode == 0 and via_python.exit_code == 0, via_c.stderr
+
+    def series(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith("mig_exporter_read_duration_seconds{")]
+
+    assert series(via_c.stdout) == series(via_python.stdout)
+    health = [line for line in series(via_c.stdout) if line.startswith("mig_exporter_card_")
+              and not line.startswith(("mig_exporter_card_read_", "mig_exporter_card_info", "mig_exporter_card_mig_"))]
+    assert len(health) > 50, health
+    assert any(line.startswith("mig_exporter_card_energy_joules_total{") for line in health)
+
+
+@pytest.mark.parametrize("line", ["threshold 8 80", "retired 2 0x1000", "ecc 0 0 2 many", "sram_unc 3",
+                                  "power_limits 1 2 3"])
+def test_a_bad_health_line_fails_init_and_names_its_line(tmp_path, fake_libnvml_dir, line):
+    """An out-of-range kind, a bad number, a MIG line on a card, a short line: UNKNOWN at nvmlInit."""
+    from fake_nvml_c import environment
+
+    scenario = tmp_path / "bad.txt"
+    scenario.write_text(f"# {'many words ' * 30}\ndriver 570.86.15\ncard\nname x\n{line}\n")
+    code = "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).nvmlInitWithFlags(0))"
+    done = subprocess.run([sys.executable, "-c", code, str(fake_libnvml_dir / SONAME)],
+                          env=environment(fake_libnvml_dir, scenario), capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == str(pynvml.NVML_ERROR_UNKNOWN)
+    assert f"{scenario}:5: " in done.stderr
+
+
+_RETIRED_CHILD = """
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1])
+out = {"init": lib.nvmlInitWithFlags(0)}
+card, mig, parent = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+lib.nvmlDeviceGetHandleByIndex_v2(2, ctypes.byref(card))
+lib.nvmlDeviceGetHandleByIndex_v2(1, ctypes.byref(parent))
+lib.nvmlDeviceGetMigDeviceHandleByIndex(parent, 0, ctypes.byref(mig))
+pages = lib.nvmlDeviceGetRetiredPages_v2
+addresses, times = (ctypes.c_ulonglong * 8)(), (ctypes.c_ulonglong * 8)()
+count = ctypes.c_uint(0)
+out["sizing"] = [pages(card, 0, ctypes.byref(count), None), count.value]  # four arguments, as pynvml sizes
+short = ctypes.c_uint(1)
+out["short"] = [pages(card, 0, ctypes.byref(short), addresses, times), short.value, addresses[0]]
+exact = ctypes.c_uint(2)
+out["read"] = [pages(card, 0, ctypes.byref(exact), addresses, times), exact.value, list(addresses[:2]), list(times[:2])]
+room = ctypes.c_uint(8)
+out["no_timestamps"] = [pages(card, 1, ctypes.byref(room), addresses, None), room.value, addresses[0]]
+out["bad_cause"] = pages(card, 2, ctypes.byref(count), None)
+out["no_count"] = pages(card, 0, None, None)
+out["mig"] = pages(mig, 0, ctypes.byref(count), None)
+values = (ctypes.c_byte * 40)()
+out["fields_none"] = lib.nvmlDeviceGetFieldValues(card, 0, values)
+out["fields_null"] = lib.nvmlDeviceGetFieldValues(card, 1, None)
+import pynvml  # loads this same library, by its soname
+pynvml.nvmlInit()
+out["pynvml"] = pynvml.nvmlDeviceGetRetiredPages_v2(pynvml.nvmlDeviceGetHandleByIndex(2), 0)
+print(json.dumps(out))
+"""
+
+
+def test_retired_pages_answer_the_two_call_protocol_pynvml_makes(fake_libnvml_env, fake_libnvml_dir):
+    """nvmlDeviceGetRetiredPages_v2 as pynvml calls it: sized with a NULL array and no timestamps
+    (four arguments), then read with both; a short array answers INSUFFICIENT_SIZE and the count."""
+    env = fake_libnvml_env(_health_scenario())
+    out = subprocess.run([sys.executable, "-c", _RETIRED_CHILD, str(fake_libnvml_dir / SONAME)], env=env,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    insufficient, invalid = pynvml.NVML_ERROR_INSUFFICIENT_SIZE, pynvml.NVML_ERROR_INVALID_ARGUMENT
+    assert json.loads(out) == {
+        "init": 0,
+        "sizing": [insufficient, 2],  # the P100's two pages retired for single-bit errors
+        "short": [insufficient, 2, 0],  # nothing written
+        "read": [0, 2, [0x1A2B000, 0x1A2C000], [RETIRED_AT, RETIRED_AT + 1]],
+        "no_timestamps": [0, 1, 0x3F00000],
+        "bad_cause": invalid, "no_count": invalid,
+        "mig": NVML_ERROR_NOT_SUPPORTED,
+        "fields_none": invalid, "fields_null": invalid,
+        "pynvml": [{"address": 0x1A2B000, "timestamp": RETIRED_AT},
+                   {"address": 0x1A2C000, "timestamp": RETIRED_AT + 1}],
+    }
+
+
 # -- the exporter in a process of its own, over the library ---------------------------
 
 
@@ -134,6 +439,7 @@ def test_read_source_nvml_over_the_library_equals_nvidia_smi(fake_libnvml_env, f
     assert via_nvml.returncode == 0, via_nvml.stderr
     assert via_smi.returncode == 0, via_smi.stderr
     assert _sample(via_nvml.stdout, 'mig_exporter_read_success{source="nvml"}') == "1.0"
+    assert "mig_exporter_card_energy_joules_total{" in via_nvml.stdout  # what parity skips is there
     assert _without_volatile(via_nvml.stdout) == _without_volatile(via_smi.stdout)
 
 
@@ -348,8 +654,10 @@ def test_a_device_call_hung_for_good_fails_every_later_read_at_its_deadline_whil
 def test_a_hung_device_count_fails_reads_and_readiness_alike(fake_libnvml_env, serve):
     """Hung in nvmlDeviceGetCount, the call /-/ready's check makes too: both answer at their
     deadlines, reads failed and /-/ready 503, /-/healthy at once."""
-    # One call at startup's readiness check, one in the first read; the third never returns.
-    served = serve(fake_libnvml_env("demo", hang=("nvmlDeviceGetCount_v2", 2)), "--timeout", "1")
+    # One call at startup's readiness check, one in the first read; the third never returns. No XID
+    # listener: it calls nvmlDeviceGetCount too, at a moment of its own.
+    served = serve(fake_libnvml_env("demo", hang=("nvmlDeviceGetCount_v2", 2)), "--timeout", "1",
+                   "--no-collector.xid")
     assert _sample(served.get("/metrics")[1], 'mig_exporter_read_success{source="nvml"}') == "1.0"
     for _ in range(2):
         status, body, took = served.get("/metrics")

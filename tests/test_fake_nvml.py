@@ -27,9 +27,11 @@ from fake_nvml import (
     demo,
     fake_nvml,
     h100_mig_processes,
+    h100_r570_sram_split,
     h200_shared_gpu_instance,
     one_lost_one_no_permission,
 )
+from mig_exporter.model.health import NO_HEALTH
 from mig_exporter.model.snapshot import CardReading, Memory, MigInstance, ProcessReading
 from mig_exporter.nvidia_smi.listing import apply_listing, parse_list
 from mig_exporter.nvidia_smi.query_xml import parse_query_xml
@@ -97,6 +99,28 @@ def _memory_v2(handle) -> Memory:
     return Memory(total_bytes=m.total, used_bytes=m.used, free_bytes=m.free, reserved_bytes=m.reserved)
 
 
+def _health_as_nvidia_smi_reads_it(index: int) -> tuple[object, ...]:
+    """Memory temperature, enforced power limit (W), performance state, PCIe replays, the card's volatile
+    uncorrectable ECC counts (sram, dram) and its MIG devices' own, through pynvml alone."""
+    h = handles(index)
+    temp, replays = pynvml.nvmlDeviceGetFieldValues(h, [pynvml.NVML_FI_DEV_MEMORY_TEMP,
+                                                        pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER])
+    limit = optional(pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
+    counts = [optional(pynvml.nvmlDeviceGetMemoryErrorCounter, h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                       pynvml.NVML_VOLATILE_ECC, location)
+              for location in (pynvml.NVML_MEMORY_LOCATION_SRAM, pynvml.NVML_MEMORY_LOCATION_DRAM)]
+    own = [optional(pynvml.nvmlDeviceGetMemoryErrorCounter, m, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                    pynvml.NVML_VOLATILE_ECC, pynvml.NVML_MEMORY_LOCATION_SRAM) for m in mig_handles(h).values()]
+    return (
+        float(temp.value.uiVal) if temp.nvmlReturn == pynvml.NVML_SUCCESS else None,
+        None if limit is None else limit / 1000,
+        pynvml.nvmlDeviceGetPerformanceState(h),
+        replays.value.uiVal if replays.nvmlReturn == pynvml.NVML_SUCCESS else None,
+        [c for c in counts if c is not None],
+        [c for c in own if c is not None],
+    )
+
+
 def _card_as_nvidia_smi_reads_it(index: int) -> CardReading:
     """What nvidia-smi -q -x and -L would say about card ``index``, read only through pynvml."""
     h = handles(index)
@@ -161,12 +185,21 @@ def test_scenario_matches_its_nvidia_smi_fixture(nvml, name):
     assert f"{cuda // 1000}.{cuda % 1000 // 10}" == report.cuda_version
     assert pynvml.nvmlDeviceGetCount() == len(cards)
     for card in cards:
+        # Health is compared whole by test_source_nvml's parity tests, through sources/nvml_health.py;
+        # here, a few of its values through pynvml alone (_health_as_nvidia_smi_reads_it).
         expected = dataclasses.replace(
             card,
-            instances=tuple(sorted(card.instances, key=lambda i: i.mig_index)),
+            instances=tuple(sorted((i._replace(ecc_errors=()) for i in card.instances),
+                                   key=lambda i: i.mig_index)),
             processes=tuple(sorted(card.processes, key=lambda p: p.pid)),
+            health=NO_HEALTH,
         )
         assert _card_as_nvidia_smi_reads_it(card.index) == expected
+        assert _health_as_nvidia_smi_reads_it(card.index) == (
+            card.health.memory_temperature_celsius, dict(card.health.power_limits_watts).get("current"),
+            card.health.performance_state, card.health.pcie_replays,
+            [e.errors for e in card.health.ecc_errors if e.scope == "volatile" and e.type == "uncorrectable"],
+            [e.errors for i in sorted(card.instances, key=lambda i: i.mig_index) for e in i.ecc_errors])
     # nvidia-smi's utilization/memory_util, which our parser does not keep.
     gpus = etree.parse(str(xml_path)).getroot().findall("gpu")
     for index, gpu in enumerate(gpus):
@@ -566,7 +599,7 @@ def test_a_scenario_refuses_half_a_utilisation_reading():
 
 
 # ---------------------------------------------------------------------------
-# Readings only other exporters take (benchmarks/ runs nvitop-exporter here)
+# Health readings, and readings only other exporters take (benchmarks/ runs nvitop-exporter here)
 # ---------------------------------------------------------------------------
 
 
@@ -576,8 +609,8 @@ def test_other_readings_answer_on_a_card_and_not_on_a_mig_device(nvml):
     assert pynvml.nvmlDeviceGetTemperatureV(card, pynvml.NVML_TEMPERATURE_GPU) == 51
     assert [pynvml.nvmlDeviceGetClockInfo(card, c) for c in (pynvml.NVML_CLOCK_GRAPHICS, pynvml.NVML_CLOCK_SM,
                                                              pynvml.NVML_CLOCK_MEM, pynvml.NVML_CLOCK_VIDEO)] \
-        == [1980, 1980, 2619, 1755]
-    assert pynvml.nvmlDeviceGetPowerManagementLimit(card) == 700_000
+        == [1410, 1410, 1593, 1275]  # demo.xml's clocks, from the scenario's health
+    assert pynvml.nvmlDeviceGetPowerManagementLimit(card) == 400_000
     assert pynvml.nvmlDeviceGetEncoderUtilization(card) == [0, 167_000]
     assert pynvml.nvmlDeviceGetDecoderUtilization(card) == [0, 167_000]
     assert pynvml.nvmlDeviceGetPcieThroughput(card, pynvml.NVML_PCIE_UTIL_TX_BYTES) == 412
@@ -613,4 +646,53 @@ def test_other_readings_honour_injected_errors_and_a_card_without_a_sensor(nvml)
     with pytest.raises(pynvml.NVMLError_GpuIsLost):
         pynvml.nvmlDeviceGetClockInfo(card, pynvml.NVML_CLOCK_SM)
     assert fake.called("nvmlDeviceGetClockInfo", "card0") == 1
+    assert fake.exceptions == []
+
+
+def test_health_readings_answer_from_the_scenario_through_pynvml(nvml):
+    fake = nvml(h100_r570_sram_split())
+    card = handles(0)
+    assert pynvml.nvmlDeviceGetTemperatureThreshold(card, pynvml.NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_CURR) == 83
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # a threshold the scenario does not hold
+        pynvml.nvmlDeviceGetTemperatureThreshold(card, pynvml.NVML_TEMPERATURE_THRESHOLD_GPS_CURR)
+    assert pynvml.nvmlDeviceGetMarginTemperature(card) == 3
+    assert pynvml.nvmlDeviceGetCurrentClocksEventReasons(card) == pynvml.nvmlClocksEventReasonSwPowerCap
+    assert pynvml.nvmlDeviceGetSupportedClocksThrottleReasons(card) == 0x1FF
+    assert pynvml.nvmlDeviceGetPerformanceState(card) == 0
+    assert pynvml.nvmlDeviceGetMaxClockInfo(card, pynvml.NVML_CLOCK_VIDEO) == 1545
+    assert pynvml.nvmlDeviceGetPowerManagementLimitConstraints(card) == [200_000, 700_000]
+    assert (pynvml.nvmlDeviceGetEnforcedPowerLimit(card), pynvml.nvmlDeviceGetPowerManagementDefaultLimit(card)) \
+        == (650_000, 700_000)
+    assert pynvml.nvmlDeviceGetTotalEnergyConsumption(card) == 4_200_000_123
+    assert pynvml.nvmlDeviceGetPcieReplayCounter(card) == 2
+    assert pynvml.nvmlDeviceGetEccMode(card) == [1, 1]
+    status = pynvml.c_nvmlEccSramErrorStatus_v1_t()
+    pynvml.nvmlDeviceGetSramEccErrorStatus(card, ctypes.byref(status))
+    assert (status.volatileUncParity, status.volatileUncSecDed, status.bThresholdExceeded) == (2, 1, 1)
+    assert pynvml.nvmlDeviceGetRemappedRows(card) == (2, 0, 0, 0)
+    histogram = pynvml.nvmlDeviceGetRowRemapperHistogram(card)
+    assert (histogram.max, histogram.high, histogram.none) == (638, 2, 0)
+    assert pynvml.nvmlDeviceGetRepairStatus(card) == [0, 1]
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # an H100 retires rows, not pages
+        pynvml.nvmlDeviceGetRetiredPagesPendingStatus(card)
+    values = pynvml.nvmlDeviceGetFieldValues(card, [pynvml.NVML_FI_DEV_MEMORY_TEMP,
+                                                    pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN,
+                                                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX])
+    assert [v.nvmlReturn for v in values] == [pynvml.NVML_SUCCESS, pynvml.NVML_SUCCESS,
+                                              pynvml.NVML_ERROR_NOT_SUPPORTED]
+    assert (values[0].valueType, values[0].value.uiVal) == (pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 71)
+    assert (values[1].valueType, values[1].value.ullVal) == (pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 250_000_000)
+    assert fake.exceptions == []
+
+
+def test_health_structs_are_checked_for_their_version(nvml):
+    fake = nvml(h100_r570_sram_split())
+    card = handles(0)
+    fn = pynvml._nvmlGetFunctionPointer
+    margin = pynvml.c_nvmlMarginTemperature_v1_t()  # version 0: no version set
+    assert fn("nvmlDeviceGetMarginTemperature")(card, ctypes.byref(margin)) == \
+        pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    repair = pynvml.c_nvmlRepairStatus_t()
+    repair.version = 0
+    assert fn("nvmlDeviceGetRepairStatus")(card, ctypes.byref(repair)) == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
     assert fake.exceptions == []

@@ -502,3 +502,90 @@ def test_a_card_that_could_not_be_read_shows_its_error_beside_the_others():
     assert card_1.find("p", "card-error").text == \
         "This card could not be read: section unreadable: <minor_number> missing"
     assert root.find("section", "problems").find("li").text == "card 1: <unreadable>"
+
+
+# --- each card's health mark --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mark:
+    """A card's health mark as the page shows it: its state, its words and its reasons."""
+
+    state: str
+    label: str
+    reasons: list[str]
+
+
+def marks(root: Node) -> dict[str, Mark | None]:
+    """Each card's health mark by the card's heading; None where the card shows none."""
+    out: dict[str, Mark | None] = {}
+    for section in root.find_all("section", "card"):
+        found = section.find_all("div", "health")
+        out[section.find("h2").text] = None if not found else Mark(
+            found[0].attrs["data-state"], found[0].find("span", "mark").text,
+            [li.text for li in found[0].find_all("li")])
+    return out
+
+
+def test_each_card_shows_its_health_mark_and_every_reason():
+    """The grade of model/health.py, as mig_exporter_card_health has it: an ok card says ok and
+    nothing more, a worse one its state's words and every reason, worst first; a MIG instance's
+    own uncorrectable SRAM error counts where its card gives no count of its own; a card that
+    could not be read has no mark at all (its health is unknown, not ok)."""
+    from conftest import scenario
+    from mig_exporter.model.health import CardHealth, EccCount
+
+    base = scenario("h100-mig-processes")
+    sram = EccCount("volatile", "sram", "uncorrectable", 1)
+    card = dataclasses.replace(base.cards[0], health=CardHealth())
+    devices = tuple(dataclasses.replace(d, ecc_errors=(sram,) if d.index == 1002 else ()) for d in base.devices)
+
+    def shown(card, devices=base.devices) -> Mark | None:
+        snapshot = dataclasses.replace(base, cards=(card,), devices=devices)
+        (mark,) = marks(dom(landing.page(ReadOutcome(snapshot, 0.1), version="0", source="x"))).values()
+        return mark
+
+    assert shown(card) == Mark("ok", "ok", [])
+    assert shown(card, devices) == Mark("warning", "warning", ["1 uncorrectable ECC error(s) since the driver loaded"])
+    pending = dataclasses.replace(card, health=CardHealth(row_remap_pending=True, recovery_action=1,
+                                                          clock_events_active=(("hw_thermal_slowdown", True),)))
+    assert shown(pending) == Mark("reset", "needs reset", [
+        "a row remap is pending: reset the card to apply it", "the driver advises a GPU reset",
+        "clocks held down: hw thermal slowdown"])
+    failed = dataclasses.replace(card, health=CardHealth(row_remap_failure=True, row_remap_pending=True))
+    assert shown(failed) == Mark("replace", "replace", [
+        "row remapping failed: the card has no spare rows left for a failing bank",
+        "a row remap is pending: reset the card to apply it"])
+    assert shown(dataclasses.replace(failed, error="GPU is lost")) is None
+
+
+def test_a_health_reason_is_escaped():
+    from conftest import scenario
+    from mig_exporter.model.health import CardHealth
+
+    snapshot = scenario("h100-mig-processes")
+    odd = dataclasses.replace(snapshot.cards[0], health=CardHealth(repair_pending=(("<b>tpc</b>", True),)))
+    page = landing.page(ReadOutcome(dataclasses.replace(snapshot, cards=(odd,)), 0.1), version="0", source="x")
+    assert "<b>" not in page and "a &lt;b&gt;tpc&lt;/b&gt; repair is pending" in page
+
+
+@pytest.mark.browser
+def test_chromium_shows_the_demo_card_that_needs_a_reset_in_red(serve, tmp_path):
+    """The demo: card 1 has a pending row remap (and a DRAM error), card 0 an uncorrectable SRAM
+    error on its instance 0/mig0. The browser's DOM has both marks and their reasons, and the
+    reset mark is drawn in its red (no bar of the demo is that full)."""
+    url = serve(DemoSource())
+    built = marks(dom(chromium(tmp_path, url + "/", "--dump-dom").decode()))
+    assert built == {
+        "GPU 0 NVIDIA A100-SXM4-80GB MIG on": Mark(
+            "warning", "warning", ["1 uncorrectable ECC error(s) since the driver loaded"]),
+        "GPU 1 NVIDIA A100-SXM4-80GB MIG off": Mark(
+            "reset", "needs reset", ["a row remap is pending: reset the card to apply it",
+                                     "1 uncorrectable ECC error(s) since the driver loaded"]),
+    }
+    shot = tmp_path / "demo.png"
+    chromium(tmp_path, url + "/", f"--screenshot={shot}", "--window-size=1280,1000")
+    _, _, pixels = decode_png(shot.read_bytes())
+    red = sum(1 for p in pixels if p == (0xD6, 0x45, 0x45))
+    # The mark's pill: about 100 x 20 px of red behind its white letters.
+    assert 600 < red < 4000, red
+    assert (0xFF, 0xF3, 0xC4) in set(pixels), "the warning mark's amber"

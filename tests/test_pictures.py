@@ -27,7 +27,9 @@ RENDER = REPO / "dashboards" / "grafana" / "render.py"
 README_PICTURES = ["docs/images/overview.png", "docs/images/node.png", "docs/images/landing.png"]
 # The benchmark's (python -m benchmarks --json F; python -m benchmarks.plot F PNG), in docs/performance.md.
 PERFORMANCE_PICTURES = ["docs/images/scaling.png"]
-PICTURES = README_PICTURES + PERFORMANCE_PICTURES
+# The card-health dashboard's (render.py), in docs/dashboards.md.
+DASHBOARDS_PICTURES = ["docs/images/health.png"]
+PICTURES = README_PICTURES + PERFORMANCE_PICTURES + DASHBOARDS_PICTURES
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
 
@@ -81,7 +83,7 @@ def test_render_draws_panels_the_dashboards_have():
                 assert panel["title"] == title and panel["type"] in ("stat", "timeseries")
                 drawn.append((name, title))
     assert sorted(f"docs/images/{png}" for png in render.PICTURES) == sorted(
-        p for p in README_PICTURES if p != "docs/images/landing.png")
+        [p for p in README_PICTURES if p != "docs/images/landing.png"] + DASHBOARDS_PICTURES)
     assert len(drawn) == len(set(drawn)) >= 10, drawn
     with pytest.raises(RuntimeError, match="no stat or time series panel titled 'No such panel'"):
         render.find_panel(dashboards["overview.json"], "No such panel", "overview.json")
@@ -109,6 +111,13 @@ def test_readme_shows_every_picture_and_how_to_redraw_them():
     shown = set(re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", readme))
     assert set(README_PICTURES) <= shown, f"README shows {sorted(shown)}"
     assert "python dashboards/grafana/render.py" in readme
+
+
+def test_dashboards_page_shows_the_health_picture_and_how_to_redraw_it():
+    page = (REPO / "docs" / "dashboards.md").read_text()
+    shown = {f"docs/{p}" for p in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", page)}
+    assert set(DASHBOARDS_PICTURES) <= shown, f"docs/dashboards.md shows {sorted(shown)}"
+    assert "python dashboards/grafana/render.py --only health.png" in page
 
 
 def test_performance_page_shows_the_scaling_picture_and_how_to_redraw_it():

@@ -51,6 +51,7 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
         "MIGCardHasNoInstances", "MIGModeChangePending", "GPUExporterNotInHostPIDNamespace",
         "GPUProcessOutsideAllocation", "GPUAllocatedButUnused",
         "GPUProcessOutsideSlurmAllocation", "GPUSlurmAllocationUnused",
+        *CARD_HEALTH_ALERTS,
     ])
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     assert by_name["EngineHoldsNoGPUMemory"]["for"] == "2m"
@@ -61,12 +62,22 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
     assert by_name["GPUAllocatedButUnused"]["for"] == "30m"
     assert by_name["GPUProcessOutsideSlurmAllocation"]["for"] == "5m"
     assert by_name["GPUSlurmAllocationUnused"]["for"] == "30m"
+    # Issue 26: a reset or a replacement within 15 minutes, ECC within 20, an XID within 10 (the
+    # first event too: no for), heat and the power brake within 30, power capping within 3 hours.
+    for name in ("GPUCardNeedsReset", "GPUCardNeedsRecovery", "GPUCardNeedsReplacement", "GPUPowerBrakeSlowdown"):
+        assert by_name[name]["for"] == "5m", name
+    for name in ("GPUThermalSlowdown", "GPUTemperatureMarginLow"):
+        assert by_name[name]["for"] == "10m", name
+    assert by_name["GPUPowerCapped"]["for"] == "1h"
+    for name in ("GPUUncorrectableECCErrors", "GPUInstanceUncorrectableECCErrors", *XID_ALERTS):
+        assert "for" not in by_name[name], name
     records = [r["record"] for r in _rules() if "record" in r]
     assert records == [
         "instance_engine:mig_exporter_engine_memory_used_bytes:sum",
         "instance_engine:mig_exporter_engine_processes_without_gpu_memory:count",
         "instance_card:mig_exporter_device_memory_used_bytes:sum",
         "instance_card:mig_exporter_device_memory_total_bytes:sum",
+        "instance_card_work:mig_exporter_process_info:count",
     ]
 
 
@@ -93,7 +104,10 @@ def test_every_alert_has_a_firing_and_a_quiet_case_and_every_record_a_value_chec
     assert records - checked == set(), "recording rules without a value check"
 
 
-SELECTOR = re.compile(r"(mig_exporter_[a-z_]+)(\{[^}]*\})?(\[3m\])?")
+SELECTOR = re.compile(r"(mig_exporter_[a-z_]+)(\{[^}]*\})?(\[\d+[mh]\])?")
+# Counters and clock-event gauges are read over a window of their own: range functions
+# skip staleness markers, so a failed read is only a few missing samples.
+WINDOWED = r"(rate|increase|avg_over_time)\({name}(\{{[^}}]*\}})?\[\d+[mh]\]\)"
 HOLD = "[3m]"
 PROBE_GUARD = "and on (job, instance) last_over_time(mig_exporter_build_info[3m])"
 HELD_GATE = "unless on (job, instance) (mig_exporter_read_success == 1)"
@@ -121,6 +135,9 @@ def test_every_alert_input_rides_through_failed_reads():
         assert found, rule["alert"]
         for m in found:
             name, matchers, held = m.groups()
+            if held and held != HOLD:
+                assert re.search(WINDOWED.format(name=name), expr), (rule["alert"], m.group(0))
+                continue
             if held:
                 assert re.search(rf"(last|max)_over_time\({name}(\{{[^}}]*\}})?\[3m\]\)", expr), (rule["alert"], name)
                 continue
@@ -134,10 +151,39 @@ def test_rules_over_device_card_and_process_series_count_the_exporters_own_serie
     """Probe targets export these families too, never build_info (docs/probe.md)."""
     families = re.compile(r"mig_exporter_(device|card|process)_")
     guarded = [r.get("alert") or r["record"] for r in _rules() if families.search(r["expr"])]
-    assert len(guarded) == 10
+    assert len(guarded) == 20
     for rule in _rules():
         if families.search(rule["expr"]):
             assert _words(rule["expr"]).endswith(PROBE_GUARD), rule.get("alert") or rule["record"]
+
+
+CARD_HEALTH_ALERTS = [
+    "GPUCardNeedsReset", "GPUCardNeedsRecovery", "GPUCardNeedsReplacement", "GPUUncorrectableECCErrors",
+    "GPUInstanceUncorrectableECCErrors", "GPUCriticalXID", "GPUMemoryErrorXID", "GPUApplicationXID",
+    "GPUThermalSlowdown", "GPUTemperatureMarginLow", "GPUPowerBrakeSlowdown", "GPUPowerCapped",
+]
+XID_ALERTS = ["GPUCriticalXID", "GPUMemoryErrorXID", "GPUApplicationXID"]
+WORK = "instance_card_work:mig_exporter_process_info:count"
+
+
+def test_card_health_alerts_say_whose_work_is_hit():
+    """Each names the work on the card (or on the instance an XID or ECC count names) in its
+    summary, from the recording rule; XID alerts read when the XID was last seen, so the
+    first event of a series fires (increase() would miss it), and are probe-guarded too."""
+    by_name = {r["alert"]: r for r in _rules() if "alert" in r}
+    for name in CARD_HEALTH_ALERTS:
+        assert WORK in by_name[name]["annotations"]["summary"], name
+        assert _words(by_name[name]["expr"]).endswith(PROBE_GUARD), name
+    for name in XID_ALERTS:
+        expr = _words(by_name[name]["expr"])
+        assert "last_over_time(mig_exporter_xid_last_seconds{" in expr and "> time() - 3600" in expr, name
+        assert "mig_exporter_xid_errors_total" not in expr, name
+    codes = [set(re.search(r'xid=~"([0-9|]+)"', by_name[n]["expr"]).group(1).split("|")) for n in XID_ALERTS]
+    assert not set.intersection(*codes) and not codes[0] & codes[1] and not codes[1] & codes[2], "an XID in two tiers"
+    # ECC: one scope, so an error is counted once.
+    for name in ("GPUUncorrectableECCErrors", "GPUInstanceUncorrectableECCErrors"):
+        assert 'scope="aggregate"' not in by_name[name]["expr"]
+        assert by_name[name]["expr"].count('scope="volatile",type="uncorrectable"') >= 1
 
 
 def test_kubernetes_and_slurm_allocation_alerts_read_only_their_own_rows():

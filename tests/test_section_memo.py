@@ -42,6 +42,19 @@ def test_a_changed_process_list_is_read_again_and_the_rest_is_kept():
     assert after.instances[0] is before.instances[0]  # the MIG devices did not change
 
 
+def test_a_changed_instance_ecc_count_is_read_again_and_the_processes_are_kept():
+    sections = SectionMemo()
+    before = parse_query_xml(XML, sections).cards[0]
+    # The fixture's first <mig_device> is MIG device 1.
+    changed = XML.replace(b"<sram_uncorrectable>0</sram_uncorrectable>", b"<sram_uncorrectable>2</sram_uncorrectable>",
+                          1)
+    assert changed != XML
+    after = parse_query_xml(changed, sections).cards[0]
+    assert {i.mig_index: [e.errors for e in i.ecc_errors] for i in after.instances} == {1: [2], 0: [0], 2: [0], 3: [0]}
+    assert after == parse_query_xml(changed).cards[0] == parse_query_xml(changed + b"<!-- read whole -->").cards[0]
+    assert after.processes[0] is before.processes[0]  # the processes did not change
+
+
 def test_only_the_last_reports_sections_are_kept():
     sections = SectionMemo()
     parse_query_xml(XML, sections)

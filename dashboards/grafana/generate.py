@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate the Grafana dashboards (overview.json, node.json) from this file.
+"""Generate the Grafana dashboards (overview.json, node.json, health.json) from this file.
 
 The dashboards are code so their queries live in one place, where the tests
 can read them: every query is checked by promtool, and run against a real
@@ -328,7 +328,192 @@ def node() -> dict:
                      lay.panels, True)
 
 
-DASHBOARDS = {"overview.json": overview, "node.json": node}
+# --- card health: heat, power and wear, one card a row (docs/metrics.md, "Card health") ----------------
+
+# mig_exporter_card_health's states as one number a card (its worst), and as a person reads them:
+# the landing page's and doctor's words (model/health.py Verdict.label).
+HEALTH_STATE_TEXT = {0: ("ok", "green"), 1: ("warning", "orange"), 2: ("needs reset", "red"),
+                     3: ("replace", "dark-red")}
+RECOVERY_ACTION_TEXT = {0: "none", 1: "GPU reset", 2: "node reboot", 3: "drain P2P", 4: "drain and reset",
+                        5: "recover IMEX domain", 6: "bus reset", 7: "system reboot"}
+
+
+def health_state(sel: str) -> str:
+    """Each card's worst state as a number (0 ok, 1 warning, 2 reset, 3 replace): its
+    mig_exporter_card_health series are 1 for that state and 0 for the others."""
+    return (f'max by (job, instance, card) (mig_exporter_card_health{{{sel}, state="warning"}} '
+            f'or mig_exporter_card_health{{{sel}, state="reset"}} * 2 '
+            f'or mig_exporter_card_health{{{sel}, state="replace"}} * 3)')
+
+
+def mappings(texts: dict[int, tuple[str, str | None]]) -> list[dict]:
+    """A value mapping: each number shown as its text (in its colour, where it has one)."""
+    options: dict[str, dict[str, Any]] = {}
+    for i, (value, (text, colour)) in enumerate(texts.items()):
+        options[str(value)] = {"text": text, "index": i, **({"color": colour} if colour else {})}
+    return [{"type": "value", "options": options}]
+
+
+def per_card(expr: str) -> str:
+    """One value a card: the same labels for every query of the health table, so merge makes one row."""
+    return f"max by (job, instance, card) ({expr})"
+
+
+def card_health_table() -> dict:
+    sel = CARD_SEL
+    volatile = 'scope="volatile", type="uncorrectable"'
+    # A card's own volatile uncorrectable count holds its instances'; theirs stand in where it gives none
+    # (model/health.py grade's rule).
+    uncorrectable = (f"sum by (job, instance, card) (mig_exporter_card_ecc_errors_total{{{sel}, {volatile}}}) "
+                     f"or sum by (job, instance, card) (mig_exporter_device_ecc_errors_total{{{sel}, {volatile}}})")
+    queries = [
+        ("A", f"max by (job, instance, card, name) (mig_exporter_card_info{{{sel}}})"),
+        ("B", health_state(sel)),
+        ("C", per_card(f"mig_exporter_card_temperature_celsius{{{sel}}}")),
+        ("D", per_card(f"mig_exporter_card_temperature_margin_celsius{{{sel}}}")),
+        ("E", per_card(f"mig_exporter_card_power_draw_watts{{{sel}}}")),
+        ("F", per_card(f'mig_exporter_card_power_limit_watts{{{sel}, limit="current"}}')),
+        ("G", uncorrectable),
+        ("H", f"sum by (job, instance, card) (mig_exporter_card_remapped_rows{{{sel}}})"),
+        ("I", per_card(f"mig_exporter_card_row_remap_pending{{{sel}}}")),
+        ("J", per_card(f"mig_exporter_card_recovery_action{{{sel}}}")),
+        # Milliseconds: what Grafana's time units read.
+        ("K", per_card(f"mig_exporter_xid_last_seconds{{{sel}}}") + " * 1000"),
+    ]
+    panel = table("Card health", [target(expr, ref=ref, instant=True, fmt="table") for ref, expr in queries], {
+        "instance": "Node", "card": "Card", "name": "Product", "Value #B": "State", "Value #C": "Temperature",
+        "Value #D": "Margin", "Value #E": "Power", "Value #F": "Power limit", "Value #G": "Uncorrectable ECC",
+        "Value #H": "Remapped rows", "Value #I": "Remap pending", "Value #J": "Recovery action",
+        "Value #K": "Last XID"},
+        {"Value #C": "celsius", "Value #D": "celsius", "Value #E": "watt", "Value #F": "watt",
+         "Value #G": "none", "Value #H": "none", "Value #K": "dateTimeFromNow"},
+        description="Each card's worst state by the rules of docs/metrics.md (\"Card health states\"), as the landing "
+                    "page and doctor grade it; doctor and the page also say why. Uncorrectable ECC: errors since "
+                    "the driver loaded. A card in MIG mode reports no remapped rows (blank): its XIDs 63, 64, 94 "
+                    "and 95, its recovery action and its instances' SRAM errors still cover it. Last XID: NVML "
+                    "only (--source nvml); the column is absent on nvidia-smi.")
+    overrides = panel["fieldConfig"]["overrides"]
+    overrides.append({"matcher": {"id": "byName", "options": "Value #B"}, "properties": [
+        {"id": "mappings", "value": mappings(HEALTH_STATE_TEXT)},
+        {"id": "custom.cellOptions", "value": {"type": "color-background"}}]})
+    overrides.append({"matcher": {"id": "byName", "options": "Value #I"}, "properties": [
+        {"id": "mappings", "value": mappings({0: ("no", None), 1: ("pending: reset", "red")})}]})
+    overrides.append({"matcher": {"id": "byName", "options": "Value #J"}, "properties": [
+        {"id": "mappings", "value": mappings({k: (v, None if k == 0 else "red")
+                                              for k, v in RECOVERY_ACTION_TEXT.items()})}]})
+    return panel
+
+
+def state_timeline(title: str, targets: list[dict], texts: dict[int, tuple[str, str | None]],
+                   description: str = "") -> dict:
+    return {
+        "type": "state-timeline", "title": title, "description": description, "targets": targets,
+        "fieldConfig": {"defaults": {"mappings": mappings(texts), "color": {"mode": "thresholds"},
+                                     "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]}},
+                        "overrides": []},
+        "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.8,
+                    "legend": {"showLegend": False}},
+    }
+
+
+def dashed(panel: dict, ref: str) -> dict:
+    """The target ``ref``'s lines dashed: thresholds and limits beside the readings."""
+    panel["fieldConfig"]["overrides"].append({"matcher": {"id": "byFrameRefID", "options": ref}, "properties": [
+        {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+        {"id": "custom.fillOpacity", "value": 0}]})
+    return panel
+
+
+def heat_and_power(lay: Layout) -> None:
+    sel = CARD_SEL
+    lay.add(dashed(timeseries("Temperature and thresholds", [
+        target(f"mig_exporter_card_temperature_celsius{{{sel}}}", "{{instance}} card {{card}} core", "A"),
+        target(f"mig_exporter_card_memory_temperature_celsius{{{sel}}}", "{{instance}} card {{card}} memory", "B"),
+        target(f'mig_exporter_card_temperature_threshold_celsius{{{sel}, threshold=~"slowdown|max_operating|'
+               f'memory_max_operating"}}', "{{instance}} card {{card}} {{threshold}}", "C"),
+    ], "celsius", description="Core and memory temperature, and the driver's thresholds (dashed): the card slows "
+                              "down at slowdown, and should stay under max_operating (memory: "
+                              "memory_max_operating)."), "C"), 12, 8)
+    lay.add(timeseries("Margin to the thermal limit", [
+        target(f"mig_exporter_card_temperature_margin_celsius{{{sel}}}", "{{instance}} card {{card}}")],
+        "celsius", description="How far the core is below T.Limit; the card slows down at 0, and its health "
+                               "is a warning under 5 °C. Not every card reports it."), 12, 8)
+    lay.add(dashed(timeseries("Power and limits", [
+        target(f"mig_exporter_card_power_draw_watts{{{sel}}}", "{{instance}} card {{card}} draw", "A"),
+        target(f'mig_exporter_card_power_limit_watts{{{sel}, limit=~"current|max"}}',
+               "{{instance}} card {{card}} {{limit}} limit", "B"),
+    ], "watt", description="Power drawn, and the enforced (current) and maximum limits (dashed): a card at its "
+                           "current limit is capped (sw_power_cap below)."), "B"), 12, 8)
+    lay.add(dashed(timeseries("Clocks", [
+        target(f'mig_exporter_card_clock_hertz{{{sel}, kind="current", clock=~"graphics|memory"}}',
+               "{{instance}} card {{card}} {{clock}}", "A"),
+        target(f'mig_exporter_card_clock_hertz{{{sel}, kind="max", clock=~"graphics|memory"}}',
+               "{{instance}} card {{card}} {{clock}} max", "B"),
+    ], "hertz", description="Current clocks and the most the card may run (dashed): a throttle shows as the drop "
+                            "it causes."), "B"), 12, 8)
+    lay.add(timeseries("Clock event reasons active", [
+        target(f"mig_exporter_card_clock_event_active{{{sel}}} == 1", "{{instance}} card {{card}} {{reason}}")],
+        "none", description="1 while the driver holds the clocks down for the reason (sampled at each scrape). "
+                            "hw_slowdown, hw_thermal_slowdown, sw_thermal_slowdown and hw_power_brake_slowdown make "
+                            "the card's health a warning; gpu_idle and sw_power_cap are normal."), 12, 8)
+    lay.add(timeseries("Time held down by clock event reason", [
+        target(f"rate(mig_exporter_card_clock_event_seconds_total{{{sel}}}[$__rate_interval]) > 0",
+               "{{instance}} card {{card}} {{reason}}")],
+        "percentunit", description="The share of time the clocks were held down for the reason, from the driver's "
+                                   "own counters (575+): a 3 s throttle between two scrapes shows here."), 12, 8)
+
+
+def wear(lay: Layout) -> None:
+    sel = CARD_SEL
+    lay.add(timeseries("ECC errors since the driver loaded", [
+        target(f'mig_exporter_card_ecc_errors_total{{{sel}, scope="volatile"}} > 0',
+               "{{instance}} card {{card}} {{memory}} {{type}}", "A"),
+        target(with_device(f'(mig_exporter_device_ecc_errors_total{{{sel}, scope="volatile"}} > 0)', sel),
+               "{{instance}} {{device}} {{memory}} {{type}}", "B"),
+    ], "none", description="Volatile ECC counts above 0: the card's (which hold its MIG instances'), and each MIG "
+                           "instance's own SRAM errors. An uncorrectable one makes the card's health a warning."),
+        12, 8)
+    lay.add(timeseries("XID errors", [
+        target(f"sum by (job, instance, card, xid) (increase(mig_exporter_xid_errors_total{{{sel}}}"
+               f"[$__rate_interval]))", "{{instance}} card {{card}} XID {{xid}}")],
+        "none", description="XID errors the driver reported, by card and code (NVML only: --source nvml). 63 and "
+                            "64: row remapping; 94 and 95: contained and uncontained memory errors, which cover a "
+                            "card in MIG mode that cannot report its remapped rows."), 12, 8)
+    lay.add(timeseries("Remapped rows", [
+        target(f"mig_exporter_card_remapped_rows{{{sel}}}", "{{instance}} card {{card}} {{type}}", "A"),
+        target(f"mig_exporter_card_row_remap_pending{{{sel}}}", "{{instance}} card {{card}} pending", "B"),
+        target(f"mig_exporter_card_row_remap_failure{{{sel}}}", "{{instance}} card {{card}} failure", "C"),
+    ], "none", description="Rows remapped by the error that caused it; pending 1: the card needs a reset; "
+                           "failure 1: it needs replacing. Absent for a card in MIG mode (docs/metrics.md)."), 8, 8)
+    lay.add(timeseries("Row remap availability (banks)", [
+        target(f"mig_exporter_card_row_remap_availability_banks{{{sel}}}",
+               "{{instance}} card {{card}} {{availability}}")],
+        "none", description="Memory banks by the spare rows they have left; a bank at none makes the card's health a "
+                            "warning."), 8, 8)
+    lay.add(timeseries("Retired pages and recovery action", [
+        target(f"mig_exporter_card_retired_pages{{{sel}}}", "{{instance}} card {{card}} retired {{cause}}", "A"),
+        target(f"mig_exporter_card_retired_pages_pending{{{sel}}}", "{{instance}} card {{card}} retirement pending",
+               "B"),
+        target(f"mig_exporter_card_recovery_action{{{sel}}}", "{{instance}} card {{card}} recovery action", "C"),
+    ], "none", description="Pages retired (pre-Ampere cards) and a retirement waiting for a reset; the driver's "
+                           "recovery action: 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset, 5 "
+                           "recover the IMEX domain, 6 bus reset, 7 system reboot."), 8, 8)
+
+
+def health() -> dict:
+    lay = Layout()
+    lay.add(card_health_table(), 24, 7)
+    lay.add(state_timeline("Health over time", [target(health_state(CARD_SEL), "{{instance}} card {{card}}")],
+                           HEALTH_STATE_TEXT, description="Each card's worst state over time."), 24, 5)
+    heat_and_power(lay)
+    wear(lay)
+    return dashboard("mig-exporter-health", "GPU health / cards",
+                     "Heat, power and wear of one node's cards: the card health states, temperatures against their "
+                     "thresholds, power against its limits, clock events, ECC, remapped rows, XIDs.",
+                     lay.panels, True)
+
+
+DASHBOARDS = {"overview.json": overview, "node.json": node, "health.json": health}
 
 
 def render(build) -> str:

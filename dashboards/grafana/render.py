@@ -81,6 +81,11 @@ PICTURES: dict[str, tuple[str, list[tuple[int, list[str]]]]] = {
         (300, ["Memory free by device"]),
         (250, ["Temperature", "Power draw", "Utilisation (whole cards)"]),
     ]),
+    "health.png": ("health.json", [
+        (460, ["Temperature and thresholds", "Power and limits"]),
+        (420, ["Clocks", "ECC errors since the driver loaded"]),
+        (260, ["Remapped rows", "Row remap availability (banks)", "Retired pages and recovery action"]),
+    ]),
 }
 WIDTH = 1200  # CSS pixels; the PNG has --scale times as many
 
@@ -436,6 +441,9 @@ def scale_for(unit: str, magnitude: float) -> Scale:
         return Scale(1, "°C")
     if unit == "watt":
         return Scale(1000, "kW") if m >= 1000 else Scale(1, "W")
+    if unit == "hertz":
+        return next((Scale(f, suffix) for f, suffix in ((1e9, "GHz"), (1e6, "MHz"), (1e3, "kHz")) if m >= f),
+                    Scale(1, "Hz"))
     if unit == "s":
         if 0 < m < 1:
             return Scale(0.001, "ms")
@@ -848,6 +856,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instance", default="gpu-node-1:10064", help="the exporter's instance label")
     parser.add_argument("--scale", type=float, default=2.0, help="device pixels per CSS pixel in the PNGs")
     parser.add_argument("--svg", action="store_true", help="also write each picture's SVG beside its PNG")
+    parser.add_argument("--only", nargs="+", choices=sorted(PICTURES), metavar="PNG",
+                        help=f"draw these pictures alone (of {', '.join(PICTURES)})")
     args = parser.parse_args(argv)
     began = time.monotonic()
     log: Callable[[str], None] = lambda s: print(f"render.py: {s}", file=sys.stderr, flush=True)  # noqa: E731
@@ -865,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(min(left, 15))
             step = 1.0
             for png_name, (dashboard, rows) in PICTURES.items():
+                if args.only and png_name not in args.only:
+                    continue
                 svg, height, drawn = picture(dashboard, rows, prom, args.instance, t0, t1, step)
                 png = args.out / png_name
                 screenshot(svg, WIDTH, height, args.scale, png, tmp)

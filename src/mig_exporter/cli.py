@@ -47,6 +47,7 @@ from mig_exporter.sources.command import kill_running, reaping
 from mig_exporter.sources.demo import DemoProcs, DemoSource
 from mig_exporter.sources.nvidia_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
+from mig_exporter.sources.xid import XidListener
 from mig_exporter.web.connections import Limits, raise_open_file_limit
 from mig_exporter.web.probe import DEFAULT_MAX_CONCURRENT, Prober
 from mig_exporter.web.server import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
@@ -321,11 +322,16 @@ def _load_config(path: str) -> Config:
               envvar=_env("WEB_CONFIG_FILE"), show_envvar=True,
               help="exporter-toolkit web config (YAML): TLS (tls_server_config) and basic auth (basic_auth_users, "
                    "bcrypt). Re-read when it or its certificates change. docs/security.md.")
+@click.option("--collector.xid/--no-collector.xid", "xid", default=True, show_default=True,
+              envvar=_env("COLLECTOR_XID"), show_envvar=True,
+              help="Count the XID errors the driver reports (NVML events, waited for in a thread of their own) "
+                   "into mig_exporter_xid_errors_total, with --source nvml or auto. The XIDs of MIG instances "
+                   "need root (docs/metrics.md); the nvidia-smi path has none.")
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
           config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
           pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
           listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
-          web_config_file: str | None) -> None:
+          web_config_file: str | None, xid: bool) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
@@ -336,7 +342,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         config_file=config_file, proc_root=proc_root, host_passwd=host_passwd, kubernetes=kubernetes,
         pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
         slurm_job_map_dir=slurm_job_map_dir, listen_address=listen_address, timeout_offset=timeout_offset,
-        max_concurrent=max_concurrent, max_connections=max_connections, web_config_file=web_config_file,
+        max_concurrent=max_concurrent, max_connections=max_connections, web_config_file=web_config_file, xid=xid,
     )
     _run(server)
 
@@ -344,7 +350,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
 def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: str | None, proc_root: str,
                  host_passwd: str | None, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
                  slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
-                 max_connections: int, web_config_file: str | None) -> ExporterServer:
+                 max_connections: int, web_config_file: str | None, xid: bool = True) -> ExporterServer:
     """The server serve runs, listening and assembled from serve's options (``source`` as
     ``_chosen_source`` names it): the source and the scrape with its readers, the probe targets,
     the one exporter that composes their metrics, the web config. A bad option or file is a
@@ -366,13 +372,18 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
                             host_passwd=host_passwd, kubernetes=kubernetes,
                             pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
                             slurm_job_map_dir=slurm_job_map_dir, demo=demo)
+    if xid and source in ("nvml", "auto"):  # XIDs are NVML's events: the nvidia-smi path has none
+        scraper.xids = XidListener()
     # /metrics: the scrape's families, then the counters about probes.
     exporter = Exporter(scraper, *([prober] if prober is not None else []), timeout_s=timeout)
     try:
-        return ExporterServer(address, exporter, timeout_offset_s=timeout_offset, prober=prober, web=web,
-                              limits=Limits(max_connections=max_connections))
+        server = ExporterServer(address, exporter, timeout_offset_s=timeout_offset, prober=prober, web=web,
+                                limits=Limits(max_connections=max_connections))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
+    if scraper.xids is not None:
+        scraper.xids.start()  # once listening: a server that cannot start leaves no thread behind
+    return server
 
 
 def _run(server: ExporterServer) -> None:
@@ -405,6 +416,8 @@ def _run(server: ExporterServer) -> None:
         server.serve_forever()
         # Reads still in flight would otherwise leave nvidia-smi running.
         killed = kill_running()
+        if server.exporter.scraper.xids is not None:
+            server.exporter.scraper.xids.stop(timeout=2.0)
     if killed:
         log.info("killed %d command(s) still running at shutdown", killed)
 
@@ -487,7 +500,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
               envvar=_env("DOCTOR_FORMAT"), show_envvar=True, help="Human-readable text, or JSON for machines.")
 @click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
               help="Diagnose the bundled sample (an A100 in MIG mode and a whole A100) instead of this host: "
-                   "what a healthy report looks like.")
+                   "what a report looks like; its whole A100 has a pending row remap, so it exits 3.")
 @_with_options(_log_options("warning"))
 def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, demo: bool, log_level: str,
            log_format: str) -> None:
@@ -495,7 +508,8 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
 
     Exit codes: 0 when at least one path reads and nothing is wrong with the GPUs (warnings such as one
     unavailable path or a slow nvidia-smi may remain); 1 when workloads cannot run or the numbers are
-    wrong (an error); 2 when nothing can be read.
+    wrong (an error); 3 when a card needs a reset or replacing (its health: a pending row remap or page
+    retirement, the driver's recovery action, a failed row remap), before 1; 2 when nothing can be read.
     """
     setup_logging(log_level, log_format)
     if demo:

@@ -10,20 +10,32 @@ does the reading. Every finding names its fix, and has a severity:
 - ``warning``: worth fixing, but the exporter reads right (one path of two is
   unavailable, nvidia-smi is slow, a MIG mode change waits for a reset).
 
+Each card's health is graded by ``model/health.py`` (the rules of
+``mig_exporter_card_health``): a card that needs a reset or replacing is an
+error, a warning state a warning, each with the grade's reasons. Notes are
+what cannot be seen, not problems: a card in MIG mode cannot report its
+remapped rows, and XIDs cannot be watched without NVML's events.
+
 The exit code (``Report.exit_code``), for readiness gates and scripts:
 0 when at least one path reads and there is no error; 1 when there is an
-error; 2 when nothing can be read.
+error; 3 when a card needs a reset or replacing (before 1: the hardware
+needs someone); 2 when nothing can be read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mig_exporter.core.errors import ReadError
-from mig_exporter.model.snapshot import MIB, Device, Snapshot
+from mig_exporter.model.health import CardHealth, EccCount, Verdict, grade, instance_uncorrectable
+from mig_exporter.model.snapshot import MIB, Card, Device, Snapshot
+
+log = logging.getLogger(__name__)
 
 # Memory in use on a device with no process listed, beyond this, means the
 # process list is hidden from us (not in the host PID namespace). An idle
@@ -52,9 +64,42 @@ class PathReading:
 
 ERROR = "error"
 WARNING = "warning"
+NOTE = "note"  # what cannot be seen; counted neither as an error nor as a warning
 EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_UNREADABLE = 2
+EXIT_CARD_HEALTH = 3
+# The findings of a card that needs someone: a reset, or a new card.
+HEALTH_EXIT_CODES = ("card-needs-reset", "card-needs-replacing")
+NO_XIDS_WITHOUT_NVML = "no XID family: nvidia-smi gives none; use --source nvml"
+# What still covers a card in MIG mode that cannot report its remapped rows.
+MIG_REMAP_COVER = ("XIDs 63 and 64 (row remapping) and 94 and 95 (contained and uncontained memory errors; "
+                   "NVML only: --source nvml), the recovery action (mig_exporter_card_recovery_action) and its "
+                   "instances' own SRAM errors (mig_exporter_device_ecc_errors_total)")
+
+
+@dataclass(frozen=True, slots=True)
+class XidWatch:
+    """Whether the exporter can watch XID events through NVML, on how many cards, and why not."""
+
+    watching: bool
+    cards: int
+    reason: str | None
+
+
+def xid_watch() -> XidWatch:
+    """The NVML XID watcher's own answer (``sources/xid.py``'s ``xid_watch_status``), imported
+    here, lazily: a build without it, or a watcher that fails, is "not watching", with why."""
+    try:
+        from mig_exporter.sources.xid import xid_watch_status
+    except ImportError as e:
+        return XidWatch(False, 0, f"this build has no XID watcher ({e})")
+    try:
+        status = xid_watch_status()
+    except Exception as e:  # doctor reports a watcher that fails; it does not crash on one
+        log.debug("xid_watch_status failed", exc_info=True)
+        return XidWatch(False, 0, f"the XID watcher failed: {type(e).__name__}: {e}")
+    return XidWatch(bool(status.watching), int(status.cards), status.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +114,9 @@ class Finding:
 class Report:
     readings: tuple[PathReading, ...]
     findings: tuple[Finding, ...] = field(default=())
+    # What cannot be seen (severity NOTE): remapped rows of a card in MIG mode, XIDs.
+    notes: tuple[Finding, ...] = field(default=())
+    xids: XidWatch | None = None
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -81,9 +129,11 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """2: no path reads; 1: a path reads and there is an error; 0: otherwise."""
+        """2: no path reads; 3: a card needs a reset or replacing; 1: another error; 0: otherwise."""
         if self.snapshot is None:
             return EXIT_UNREADABLE
+        if any(f.code in HEALTH_EXIT_CODES for f in self.findings):
+            return EXIT_CARD_HEALTH
         return EXIT_PROBLEM if self.errors else EXIT_OK
 
 
@@ -105,9 +155,11 @@ def diagnose(
     smi: PathReading,
     *,
     slow_threshold_s: float = DEFAULT_SLOW_THRESHOLD_S,
+    xids: XidWatch | None = None,
 ) -> Report:
     """The findings of one read of each path. ``nvml`` is None where it was not
-    read (``doctor --demo``, whose sample is nvidia-smi's output).
+    read (``doctor --demo``, whose sample is nvidia-smi's output). ``xids``: the
+    XID watcher's answer; asked of it (``xid_watch``) when NVML reads and none is given.
 
     A path that fails while the other reads is a warning: the exporter reads
     through the other (``--source auto``). Both failing is the exit code's 2."""
@@ -143,9 +195,14 @@ def diagnose(
                 "allocation), runtimeClassName: nvidia, and check the devices on the host with nvidia-smi -L",
             ))
     snapshot = next((r.snapshot for r in readings if r.snapshot is not None), None)
+    notes: list[Finding] = []
     if snapshot is not None:
         findings.extend(_card_findings(snapshot))
+        findings.extend(_health_findings(snapshot))
         findings.extend(_unlisted_memory_findings(snapshot))
+        notes.extend(_remap_notes(snapshot))
+    xids = (xids if xids is not None else xid_watch()) if nvml is not None and nvml.ok else None
+    notes.extend(_xid_notes(xids))
     if nvml is not None and nvml.snapshot is not None and smi.snapshot is not None:
         differences = compare(nvml.snapshot, smi.snapshot)
         if differences:
@@ -156,7 +213,77 @@ def diagnose(
                 "run doctor again (a change between the two reads shows once); if it persists, the "
                 "libnvidia-ml the exporter loads and the nvidia-smi it runs come from different drivers",
             ))
-    return Report(readings, tuple(findings))
+    return Report(readings, tuple(findings), tuple(notes), xids)
+
+
+def _xid_notes(xids: XidWatch | None) -> Iterable[Finding]:
+    """Why XIDs cannot be watched: no NVML (``xids`` None), or the watcher's reason."""
+    if xids is None:
+        yield Finding("xids-not-watched", NO_XIDS_WITHOUT_NVML,
+                      "run the exporter with --source nvml (or auto, where NVML loads) to export "
+                      "mig_exporter_xid_errors_total", NOTE)
+    elif not xids.watching:
+        yield Finding("xids-not-watched", f"XIDs cannot be watched: {xids.reason or 'no reason given'}",
+                      "the alerts on XIDs (docs/alerts.md) see nothing from this node", NOTE)
+
+
+def verdicts(snapshot: Snapshot) -> dict[int, Verdict]:
+    """Each readable card's grade, its MIG instances' own uncorrectable ECC errors counted
+    as mig_exporter_card_health counts them. An unreadable card has none: unknown, not ok."""
+    by_card: dict[int, int] = {}
+    for d in snapshot.devices:
+        by_card[d.card] = by_card.get(d.card, 0) + instance_uncorrectable(d.ecc_errors)
+    return {c.index: grade(c.health, by_card.get(c.index, 0)) for c in snapshot.cards if c.error is None}
+
+
+# A warning reason's first words, and what to do about it.
+_WARNING_FIXES = (
+    ("uncorrectable ECC", "watch the card: an uncorrectable error is often followed by a pending row remap or "
+                          "page retirement (a reset), or XIDs 48, 63, 64, 94, 95"),
+    ("SRAM errors passed", "the card's SRAM is wearing out: plan to replace it"),
+    ("clocks held down", "check the card's cooling, airflow and power delivery: the hardware slows it down"),
+    ("from its thermal limit", "check the card's cooling and airflow: it is close to slowing down"),
+    ("a memory bank has no spare rows", "the next failing row in that bank cannot be remapped: plan to replace "
+                                        "the card"),
+    ("the driver advises", "follow the driver's advice (nvidia-smi -q shows the recovery action)"),
+)
+
+
+def _health_findings(snapshot: Snapshot) -> Iterable[Finding]:
+    names = {c.index: c.name or "unknown" for c in snapshot.cards}
+    for index, found in verdicts(snapshot).items():
+        label = f"card {index} ({names[index]})"
+        why = "; ".join(found.reasons)
+        if found.state == "replace":
+            yield Finding("card-needs-replacing", f"{label} needs replacing: {why}",
+                          "drain the card and have it replaced (RMA): a failed row remap means a memory bank has no "
+                          f"spare row left (nvidia-smi -q -d ROW_REMAPPER -i {index})")
+        elif found.state == "reset":
+            yield Finding("card-needs-reset", f"{label} needs a reset: {why}",
+                          f"drain its workloads and reset it when idle (nvidia-smi -r -i {index}), or reboot the "
+                          "node; on Kubernetes cordon and drain the node first")
+        elif found.state == "warning":
+            fixes = [fix for start, fix in _WARNING_FIXES if any(start in r for r in found.reasons)]
+            yield Finding("card-health-warning", f"{label}: {why}", "; ".join(dict.fromkeys(fixes)) or
+                          "watch the card (mig_exporter_card_health)", WARNING)
+
+
+def remapped_rows_unknown(card: Card) -> bool:
+    """A readable card in MIG mode whose remapped rows the driver did not give (both paths:
+    N/A in the XML, NOT_SUPPORTED from NVML)."""
+    h = card.health
+    return (card.error is None and bool(card.mig_current) and h.row_remap_pending is None
+            and h.remapped_rows_uncorrectable is None and h.remapped_rows_correctable is None)
+
+
+def _remap_notes(snapshot: Snapshot) -> Iterable[Finding]:
+    for card in snapshot.cards:
+        if remapped_rows_unknown(card):
+            yield Finding(
+                "remapped-rows-unknown",
+                f"card {card.index} ({card.name or 'unknown'}) is in MIG mode: it cannot report its remapped rows "
+                "(nvidia-smi writes N/A, NVML answers NOT_SUPPORTED), so a pending or failed row remap is not seen",
+                f"what still covers it: {MIG_REMAP_COVER}", NOTE)
 
 
 def _card_findings(snapshot: Snapshot) -> Iterable[Finding]:
@@ -220,6 +347,7 @@ def compare(a: Snapshot, b: Snapshot) -> list[str]:
         for attr in ("uuid", "mig_current", "mig_pending", "mig_instances"):
             if getattr(ca, attr) != getattr(cb, attr):
                 out.append(f"card {index} {attr}: {getattr(ca, attr)!r} vs {getattr(cb, attr)!r}")
+        out.extend(f"card {index} {line}" for line in _health_differences(ca.health, cb.health))
     a_devices = {d.index: d for d in a.devices}
     b_devices = {d.index: d for d in b.devices}
     names = {i: _device_name(d) for i, d in (*b_devices.items(), *a_devices.items())}
@@ -242,6 +370,39 @@ def compare(a: Snapshot, b: Snapshot) -> list[str]:
     return out
 
 
+# Health readings that move between two reads a moment apart: not compared.
+_HEALTH_MOVING = frozenset({
+    "memory_temperature_celsius", "temperature_margin_celsius", "clock_events_active", "clock_event_seconds",
+    "performance_state", "clocks", "fan_speed_ratio", "pcie_replays"})
+# What one path alone gives (docs/metrics.md, "Where the paths differ"): not a disagreement.
+HEALTH_NVML_ONLY = frozenset({"energy_joules"})
+
+
+def _health_differences(a: CardHealth, b: CardHealth) -> list[str]:
+    """The card's health readings the two paths should give alike and do not; ECC counters one
+    line each (``ecc volatile dram uncorrectable: 1 vs 0``)."""
+    out = []
+    for f in dataclasses.fields(CardHealth):
+        if f.name in _HEALTH_MOVING or f.name in HEALTH_NVML_ONLY:
+            continue
+        va, vb = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "ecc_errors":
+            out.extend(_ecc_differences("ecc", va, vb))
+        elif isinstance(va, tuple) and isinstance(vb, tuple):
+            if dict(va) != dict(vb):
+                out.append(f"{f.name}: {dict(va)!r} vs {dict(vb)!r}")
+        elif va != vb:
+            out.append(f"{f.name}: {va!r} vs {vb!r}")
+    return out
+
+
+def _ecc_differences(what: str, a: tuple[EccCount, ...], b: tuple[EccCount, ...]) -> list[str]:
+    counts_a = {(e.scope, e.memory, e.type): e.errors for e in a}
+    counts_b = {(e.scope, e.memory, e.type): e.errors for e in b}
+    return [f"{what} {' '.join(key)}: {counts_a.get(key, 'none')} vs {counts_b.get(key, 'none')}"
+            for key in sorted(set(counts_a) | set(counts_b)) if counts_a.get(key) != counts_b.get(key)]
+
+
 def _device_differences(a: Device, b: Device) -> list[str]:
     out = []
     name = _device_name(a)
@@ -252,6 +413,7 @@ def _device_differences(a: Device, b: Device) -> list[str]:
         out.append(f"device {name} memory total: {_mib(a.memory.total_bytes)} vs {_mib(b.memory.total_bytes)}")
     if not _close(a.memory.used_bytes, b.memory.used_bytes, _USED_TOLERANCE_BYTES):
         out.append(f"device {name} memory used: {_mib(a.memory.used_bytes)} vs {_mib(b.memory.used_bytes)}")
+    out.extend(f"device {name} {line}" for line in _ecc_differences("ecc", a.ecc_errors, b.ecc_errors))
     return out
 
 
@@ -286,18 +448,25 @@ def render_text(report: Report) -> str:
         for card in snapshot.cards:
             lines.append("")
             lines.extend(_card_lines(snapshot, card.index))
+    if report.xids is not None and report.xids.watching:
+        partly = f" ({report.xids.reason})" if report.xids.reason else ""
+        lines.append(f"XIDs: watched through NVML events on {report.xids.cards} card(s){partly}")
     lines.append("")
     errors = len(report.errors)
     warnings = len(report.findings) - errors
     for f in sorted(report.findings, key=lambda f: f.severity != ERROR):
         lines.append(f"{f.severity.upper()} [{f.code}] {f.message}")
         lines.append(f"      fix: {f.fix}")
+    for f in report.notes:
+        lines.append(f"NOTE [{f.code}] {f.message}")
+        lines.append(f"      {f.fix}")
     lines.append(f"{_verdict(report.exit_code)}: {errors} error(s), {warnings} warning(s) (exit {report.exit_code})")
     return "\n".join(lines) + "\n"
 
 
 def _verdict(exit_code: int) -> str:
-    return {EXIT_OK: "ok", EXIT_PROBLEM: "problems found", EXIT_UNREADABLE: "nothing can be read"}[exit_code]
+    return {EXIT_OK: "ok", EXIT_PROBLEM: "problems found", EXIT_UNREADABLE: "nothing can be read",
+            EXIT_CARD_HEALTH: "a card needs a reset or replacing"}[exit_code]
 
 
 def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
@@ -311,6 +480,11 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
     if card.error:
         head += f" - UNREADABLE: {card.error}"
     lines = [head]
+    found = verdicts(snapshot).get(index)
+    if found is not None:
+        lines.append(f"  health: {found.label}" + "".join(f"\n    - {r}" for r in found.reasons))
+    if remapped_rows_unknown(card):
+        lines.append("  remapped rows: not reported in MIG mode (see the note below)")
     for d in (d for d in snapshot.devices if d.card == index):
         kind = (f"MIG {d.profile or 'unknown'} GI {d.gpu_instance_id} CI {d.compute_instance_id}" if d.is_mig
                 else "whole card")
@@ -325,8 +499,18 @@ def _mode(enabled: bool | None) -> str:
     return "unknown" if enabled is None else ("enabled" if enabled else "disabled")
 
 
+def _health_json(snapshot: Snapshot, card: Card) -> dict[str, Any] | None:
+    """The card's grade, as mig_exporter_card_health has it; None for an unreadable card."""
+    found = verdicts(snapshot).get(card.index)
+    if found is None:
+        return None
+    return {"state": found.state, "label": found.label, "reasons": list(found.reasons),
+            "remapped_rows_reported": not remapped_rows_unknown(card)}
+
+
 def as_json(report: Report) -> dict[str, Any]:
     snapshot = report.snapshot
+    xids = report.xids
     return {
         "reads": [
             {"source": r.source, "ok": r.ok, "error": r.error, "duration_seconds": round(r.duration_s, 6)}
@@ -338,7 +522,7 @@ def as_json(report: Report) -> dict[str, Any]:
             {
                 "card": c.index, "name": c.name, "uuid": c.uuid, "pci_bus_id": c.pci_bus_id,
                 "mig_current": c.mig_current, "mig_pending": c.mig_pending, "mig_instances": c.mig_instances,
-                "error": c.error,
+                "error": c.error, "health": _health_json(snapshot, c),
                 "devices": [
                     {
                         "index": d.index, "device": d.display_name, "mig_profile": d.profile, "uuid": d.uuid,
@@ -358,5 +542,8 @@ def as_json(report: Report) -> dict[str, Any]:
         "warnings": [
             {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix} for f in report.findings
         ],
+        "notes": [{"code": f.code, "message": f.message, "detail": f.fix} for f in report.notes],
+        "xids": {"watching": xids.watching, "cards": xids.cards, "reason": xids.reason} if xids is not None
+        else {"watching": False, "cards": 0, "reason": NO_XIDS_WITHOUT_NVML},
         "exit_code": report.exit_code,
     }

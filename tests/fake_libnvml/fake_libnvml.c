@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int nvmlReturn_t;
@@ -62,6 +63,33 @@ typedef struct {
 typedef struct {
     unsigned int pid; unsigned long long timeStamp; unsigned int smUtil, memUtil, encUtil, decUtil;
 } nvmlProcessUtilizationSample_t;
+typedef struct { unsigned int version; int marginTemperature; } nvmlMarginTemperature_v1_t;
+#define nvmlMarginTemperature_v1 ((unsigned int)(sizeof(nvmlMarginTemperature_v1_t) | (1 << 24)))
+typedef struct {
+    unsigned int version;
+    unsigned long long aggregateUncParity, aggregateUncSecDed, aggregateCor, volatileUncParity, volatileUncSecDed,
+        volatileCor, aggregateUncBucketL2, aggregateUncBucketSm, aggregateUncBucketPcie, aggregateUncBucketMcu,
+        aggregateUncBucketOther;
+    unsigned int bThresholdExceeded;
+} nvmlEccSramErrorStatus_v1_t;
+#define nvmlEccSramErrorStatus_v1 ((unsigned int)(sizeof(nvmlEccSramErrorStatus_v1_t) | (1 << 24)))
+typedef struct { unsigned int max, high, partial, low, none; } nvmlRowRemapperHistogramValues_t;
+typedef struct { unsigned int version, bChannelRepairPending, bTpcRepairPending; } nvmlRepairStatus_v1_t;
+#define nvmlRepairStatus_v1 ((unsigned int)(sizeof(nvmlRepairStatus_v1_t) | (1 << 24)))
+
+/* nvml.h's enums and field ids the health calls check or answer from (compared with pynvml's by the tests) */
+#define NVML_CLOCK_COUNT 4
+#define NVML_TEMPERATURE_THRESHOLD_COUNT 8
+#define NVML_MEMORY_LOCATION_COUNT 8
+#define NVML_MEMORY_LOCATION_SRAM 7
+#define NVML_MEMORY_ERROR_TYPE_UNCORRECTED 1
+#define NVML_VOLATILE_ECC 0
+#define NVML_PAGE_RETIREMENT_CAUSE_COUNT 2
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
+#define NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION 83
+#define NVML_FI_DEV_PCIE_REPLAY_COUNTER 94
+/* tests/fake_nvml.py's RETIRED_AT: the timestamp of the first retired page, each next one a second later */
+#define RETIRED_AT 1717171717ull
 
 #define NVML_TEMPERATURE_GPU 0
 #define NO_INSTANCE_ID 0xFFFFFFFFu
@@ -77,6 +105,30 @@ struct proc { unsigned int pid; unsigned long long used; };
 struct plist { struct proc *v; unsigned int n, cap; };
 struct fail { char name[80]; int code; };
 
+/* A card's heat, power and wear: tests/fake_nvml.py's FakeHealth; has_* 0 answers NOT_SUPPORTED. */
+struct field { unsigned int id; int type, code; int has_value; unsigned long long value; };
+struct pages { unsigned long long *v; unsigned int n; };
+struct health {
+    struct field *fields; int nfields;
+    int has_margin; int margin;
+    int has_threshold[NVML_TEMPERATURE_THRESHOLD_COUNT]; unsigned int threshold[NVML_TEMPERATURE_THRESHOLD_COUNT];
+    int has_reasons, has_supported_reasons; unsigned long long reasons, supported_reasons;
+    int has_pstate; unsigned int pstate;
+    int has_clock[NVML_CLOCK_COUNT], has_max_clock[NVML_CLOCK_COUNT];
+    unsigned int clock[NVML_CLOCK_COUNT], max_clock[NVML_CLOCK_COUNT];
+    int has_fan; unsigned int fan;
+    int has_limit[5]; unsigned int limit[5]; /* enforced, management, default, min, max */
+    int has_ecc_mode; unsigned int ecc_current, ecc_pending;
+    int has_ecc[2][2][NVML_MEMORY_LOCATION_COUNT]; /* error type, counter type, location */
+    unsigned long long ecc[2][2][NVML_MEMORY_LOCATION_COUNT];
+    int has_sram; unsigned long long sram[6]; unsigned int sram_threshold; /* VP VS VC AP AS AC */
+    int has_remapped; unsigned int remapped[4]; /* correctable, uncorrectable, pending, failure */
+    int has_histogram; unsigned int histogram[5]; /* max, high, partial, low, none */
+    int has_retired; struct pages retired[NVML_PAGE_RETIREMENT_CAUSE_COUNT];
+    int has_retired_pending; unsigned int retired_pending;
+    int has_repair; unsigned int repair_channel, repair_tpc;
+};
+
 struct fake_dev {
     int card;      /* index of the card */
     int slot;      /* MIG slot, -1 for the card itself */
@@ -89,6 +141,8 @@ struct fake_dev {
     int has_util; unsigned int util_gpu, util_memory;
     unsigned int max_mig;
     unsigned int gi, ci;
+    struct health health;   /* a card's */
+    int has_sram_unc; unsigned long long sram_unc; /* a MIG device's own volatile uncorrectable SRAM errors */
     int mig_dev[MAX_SLOTS]; /* index into devs, -1 for an empty slot */
     struct plist lists[KINDS];
     struct fail *fails; int nfails;
@@ -148,6 +202,114 @@ static int parse_error(const char *path, int line, const char *what) {
     return -1;
 }
 
+/* A number of the scenario (decimal, or 0x hex); "-" where allowed stands for a value NVML lacks. */
+static int number(const char *t, unsigned long long *v) {
+    char *end = NULL;
+    *v = *t == '-' ? (unsigned long long)strtoll(t, &end, 0) : strtoull(t, &end, 0);
+    return end && end != t && !*end ? 0 : -1;
+}
+
+static int optional(const char *t, int *has, unsigned long long *v) {
+    if (!strcmp(t, "-")) { *has = 0; *v = 0; return 0; }
+    *has = 1;
+    return number(t, v);
+}
+
+#define NUMBERS(first, count, out) \
+    do { for (int i_ = 0; i_ < (count); i_++) if (number(tok[(first) + i_], &(out)[i_])) return -1; } while (0)
+
+/* A line of FakeHealth (a card's) or sram_unc (a MIG device's): 1 read, 0 not such a line, -1 bad. */
+static int health_line(struct fake_dev *d, char **tok, int n) {
+    const char *k = tok[0];
+    struct health *h = &d->health;
+    unsigned long long v[8] = {0};
+    if (d->slot >= 0) {
+        if (strcmp(k, "sram_unc")) return 0;
+        if (n != 2 || number(tok[1], &d->sram_unc)) return -1;
+        d->has_sram_unc = 1;
+        return 1;
+    }
+    if (!strcmp(k, "field") && n == 4) { /* ID VALUE_TYPE VALUE */
+        NUMBERS(1, 3, v);
+        h->fields = realloc(h->fields, sizeof(*h->fields) * (size_t)(h->nfields + 1));
+        h->fields[h->nfields++] = (struct field){(unsigned int)v[0], (int)v[1], NVML_SUCCESS, 1, v[2]};
+    } else if (!strcmp(k, "field_error") && n == 3) { /* ID CODE: that entry's nvmlReturn */
+        NUMBERS(1, 2, v);
+        h->fields = realloc(h->fields, sizeof(*h->fields) * (size_t)(h->nfields + 1));
+        h->fields[h->nfields++] = (struct field){(unsigned int)v[0], 0, (int)v[1], 0, 0};
+    } else if (!strcmp(k, "threshold") && n == 3) {
+        NUMBERS(1, 2, v);
+        if (v[0] >= NVML_TEMPERATURE_THRESHOLD_COUNT) return -1;
+        h->has_threshold[v[0]] = 1; h->threshold[v[0]] = (unsigned int)v[1];
+    } else if (!strcmp(k, "margin") && n == 2) {
+        NUMBERS(1, 1, v);
+        h->has_margin = 1; h->margin = (int)(long long)v[0];
+    } else if (!strcmp(k, "clock_events") && n == 3) {
+        if (optional(tok[1], &h->has_reasons, &h->reasons)) return -1;
+        if (optional(tok[2], &h->has_supported_reasons, &h->supported_reasons)) return -1;
+    } else if (!strcmp(k, "pstate") && n == 2) {
+        NUMBERS(1, 1, v);
+        h->has_pstate = 1; h->pstate = (unsigned int)v[0];
+    } else if ((!strcmp(k, "clock") || !strcmp(k, "max_clock")) && n == 3) {
+        NUMBERS(1, 2, v);
+        if (v[0] >= NVML_CLOCK_COUNT) return -1;
+        int max = k[0] == 'm';
+        (max ? h->has_max_clock : h->has_clock)[v[0]] = 1;
+        (max ? h->max_clock : h->clock)[v[0]] = (unsigned int)v[1];
+    } else if (!strcmp(k, "fan") && n == 2) {
+        NUMBERS(1, 1, v);
+        h->has_fan = 1; h->fan = (unsigned int)v[0];
+    } else if (!strcmp(k, "power_limits") && n == 6) {
+        for (int i = 0; i < 5; i++) {
+            if (optional(tok[1 + i], &h->has_limit[i], &v[i])) return -1;
+            h->limit[i] = (unsigned int)v[i];
+        }
+    } else if (!strcmp(k, "ecc_mode") && n == 3) {
+        NUMBERS(1, 2, v);
+        h->has_ecc_mode = 1; h->ecc_current = (unsigned int)v[0]; h->ecc_pending = (unsigned int)v[1];
+    } else if (!strcmp(k, "ecc") && n == 5) { /* ERROR_TYPE COUNTER_TYPE LOCATION COUNT */
+        NUMBERS(1, 4, v);
+        if (v[0] > 1 || v[1] > 1 || v[2] >= NVML_MEMORY_LOCATION_COUNT) return -1;
+        h->has_ecc[v[0]][v[1]][v[2]] = 1; h->ecc[v[0]][v[1]][v[2]] = v[3];
+    } else if (!strcmp(k, "sram") && n == 8) { /* VP VS VC AP AS AC THRESHOLD_EXCEEDED */
+        NUMBERS(1, 7, v);
+        h->has_sram = 1;
+        memcpy(h->sram, v, sizeof h->sram);
+        h->sram_threshold = (unsigned int)v[6];
+    } else if (!strcmp(k, "remapped") && n == 5) {
+        NUMBERS(1, 4, v);
+        h->has_remapped = 1;
+        for (int i = 0; i < 4; i++) h->remapped[i] = (unsigned int)v[i];
+    } else if (!strcmp(k, "histogram") && n == 6) {
+        NUMBERS(1, 5, v);
+        h->has_histogram = 1;
+        for (int i = 0; i < 5; i++) h->histogram[i] = (unsigned int)v[i];
+    } else if (!strcmp(k, "retired") && n >= 2) { /* CAUSE ADDRESS...: lines of one cause append */
+        NUMBERS(1, 1, v);
+        if (v[0] >= NVML_PAGE_RETIREMENT_CAUSE_COUNT) return -1;
+        struct pages *p = &h->retired[v[0]];
+        h->has_retired = 1;
+        p->v = realloc(p->v, sizeof(*p->v) * (size_t)(p->n + (unsigned int)n));
+        for (int i = 2; i < n; i++)
+            if (number(tok[i], &p->v[p->n++])) return -1;
+    } else if (!strcmp(k, "retired_pending") && n == 2) {
+        NUMBERS(1, 1, v);
+        h->has_retired_pending = 1; h->retired_pending = (unsigned int)v[0];
+    } else if (!strcmp(k, "repair") && n == 3) {
+        NUMBERS(1, 2, v);
+        h->has_repair = 1; h->repair_channel = (unsigned int)v[0]; h->repair_tpc = (unsigned int)v[1];
+    } else if (!strcmp(k, "sram_unc")) {
+        return -1; /* a MIG device's */
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
+static int xid_line(char **tok); /* a queued XID event: the XID events' region, below */
+
+#define MAX_WORDS 40
+
 static int load(const char *path) {
     FILE *f = fopen(path, "r");
     if (!f) return parse_error(path, 0, "cannot open the scenario");
@@ -155,10 +317,13 @@ static int load(const char *path) {
     int line = 0, cur = -1;
     while (fgets(buf, sizeof buf, f)) {
         line++;
-        char *save = NULL, *tok[8] = {0};
-        int n = 0;
-        for (char *t = strtok_r(buf, " \t\r\n", &save); t && n < 8; t = strtok_r(NULL, " \t\r\n", &save))
+        char *save = NULL, *tok[MAX_WORDS] = {0};
+        int n = 0, health;
+        for (char *t = strtok_r(buf, " \t\r\n", &save); t; t = strtok_r(NULL, " \t\r\n", &save)) {
+            if (n == MAX_WORDS && tok[0][0] == '#') break;
+            if (n == MAX_WORDS) return fclose(f), parse_error(path, line, "too many words");
             tok[n++] = t;
+        }
         if (n == 0 || tok[0][0] == '#') continue;
         for (int i = 1; i < n; i++) unescape(tok[i]);
         const char *k = tok[0];
@@ -169,6 +334,7 @@ static int load(const char *path) {
         else if (!strcmp(k, "r535_struct_mismatch") && n == 1) r535 = 1;
         else if (!strcmp(k, "system_error") && n == 3) add_fail(&sys_fails, &nsys_fails, tok[1], atoi(tok[2]));
         else if (!strcmp(k, "hang") && n == 3) { copy(hang_function, sizeof hang_function, tok[1]); hang_after = atol(tok[2]); }
+        else if (!strcmp(k, "xid") && n == 6) { if (xid_line(tok)) return fclose(f), parse_error(path, line, "bad xid"); }
         else if (!strcmp(k, "process_name") && n == 3) {
             pnames = realloc(pnames, sizeof(*pnames) * (size_t)(npnames + 1));
             pnames[npnames].pid = (unsigned int)strtoul(tok[1], NULL, 10);
@@ -223,6 +389,8 @@ static int load(const char *path) {
             l->v[l->n].pid = (unsigned int)strtoul(tok[2], NULL, 10);
             l->v[l->n].used = !strcmp(tok[3], "-") ? UNKNOWN_MEMORY : strtoull(tok[3], NULL, 10);
             l->n++;
+        } else if ((health = health_line(d, tok, n)) != 0) {
+            if (health < 0) return fclose(f), parse_error(path, line, "bad health line");
         } else {
             return fclose(f), parse_error(path, line, "unknown line");
         }
@@ -524,10 +692,240 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
     return NVML_SUCCESS;
 }
 
-/* ---- other readings: nvitop-exporter's; every card answers the same H100-like values and a MIG
- * handle NOT_SUPPORTED, as in the Python fake ---- */
+/* ---- card health (sources/nvml_health.py), from the card's FakeHealth: a value it lacks answers
+ * NOT_SUPPORTED, checked before the output pointer as in the Python fake; a MIG handle answers
+ * NOT_SUPPORTED, but for its own ECC counter and its (empty) field values ---- */
 
 static int card_only(const struct fake_dev *d) { return d->slot >= 0 ? NVML_ERROR_NOT_SUPPORTED : NVML_SUCCESS; }
+
+/* A card-level call: DEVICE, then NOT_SUPPORTED on a MIG handle; `h` is the card's health. */
+#define HEALTH(function, h_) \
+    DEVICE(function, h_); \
+    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED; \
+    const struct health *h = &d->health
+
+static nvmlReturn_t write_ull(unsigned long long *out, unsigned long long value) {
+    if (!out) return NVML_ERROR_INVALID_ARGUMENT;
+    *out = value;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t given_uint(int has, unsigned int *out, unsigned int value) {
+    return has ? write_uint(out, value) : NVML_ERROR_NOT_SUPPORTED;
+}
+
+static nvmlReturn_t given_ull(int has, unsigned long long *out, unsigned long long value) {
+    return has ? write_ull(out, value) : NVML_ERROR_NOT_SUPPORTED;
+}
+
+/* A field's answer: its value (if any), and its own nvmlReturn (field_errors over fields). */
+static int field_answer(const struct health *h, unsigned int id, const struct field **value) {
+    int code = NVML_ERROR_NOT_SUPPORTED, error = -1;
+    *value = NULL;
+    for (int i = 0; i < h->nfields; i++) {
+        if (h->fields[i].id != id) continue;
+        if (h->fields[i].has_value) *value = &h->fields[i];
+        else error = h->fields[i].code;
+    }
+    if (*value) code = NVML_SUCCESS;
+    return error >= 0 ? error : code;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count, nvmlFieldValue_t *values) {
+    DEVICE("nvmlDeviceGetFieldValues", device);
+    if (!values || count <= 0) return NVML_ERROR_INVALID_ARGUMENT;
+    static const struct health none; /* a MIG handle supports no field */
+    const struct health *h = d->slot >= 0 ? &none : &d->health;
+    for (int i = 0; i < count; i++) { /* the call succeeds; each entry carries its own answer */
+        const struct field *f;
+        values[i].nvmlReturn = field_answer(h, values[i].fieldId, &f);
+        if (values[i].nvmlReturn != NVML_SUCCESS || !f) continue;
+        values[i].valueType = f->type;
+        if (f->type == NVML_VALUE_TYPE_UNSIGNED_INT) values[i].value.uiVal = (unsigned int)f->value;
+        else values[i].value.ullVal = f->value;
+    }
+    return NVML_SUCCESS;
+}
+
+static const struct field *field_value(const struct health *h, unsigned int id) {
+    for (int i = 0; i < h->nfields; i++)
+        if (h->fields[i].id == id && h->fields[i].has_value) return &h->fields[i];
+    return NULL;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, unsigned long long *energy) {
+    HEALTH("nvmlDeviceGetTotalEnergyConsumption", device);
+    const struct field *f = field_value(h, NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION);
+    return given_ull(f != NULL, energy, f ? f->value : 0);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value) {
+    HEALTH("nvmlDeviceGetPcieReplayCounter", device);
+    const struct field *f = field_value(h, NVML_FI_DEV_PCIE_REPLAY_COUNTER);
+    return given_uint(f != NULL, value, f ? (unsigned int)f->value : 0);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperatureThreshold(nvmlDevice_t device, int threshold, unsigned int *temp) {
+    HEALTH("nvmlDeviceGetTemperatureThreshold", device);
+    if ((unsigned int)threshold >= NVML_TEMPERATURE_THRESHOLD_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
+    return given_uint(h->has_threshold[threshold], temp, h->threshold[threshold]);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMarginTemperature(nvmlDevice_t device, nvmlMarginTemperature_v1_t *margin) {
+    HEALTH("nvmlDeviceGetMarginTemperature", device);
+    if (!margin) return NVML_ERROR_INVALID_ARGUMENT;
+    if (margin->version != nvmlMarginTemperature_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (!h->has_margin) return NVML_ERROR_NOT_SUPPORTED;
+    margin->marginTemperature = h->margin;
+    return NVML_SUCCESS;
+}
+
+#define REASONS(Name, has, value)                                                         \
+    EXPORT nvmlReturn_t nvmlDeviceGet##Name(nvmlDevice_t device, unsigned long long *reasons) { \
+        HEALTH("nvmlDeviceGet" #Name, device);                                           \
+        return given_ull(h->has, reasons, h->value);                                     \
+    }
+
+REASONS(CurrentClocksEventReasons, has_reasons, reasons)
+REASONS(SupportedClocksEventReasons, has_supported_reasons, supported_reasons)
+REASONS(CurrentClocksThrottleReasons, has_reasons, reasons) /* the pre-535 names */
+REASONS(SupportedClocksThrottleReasons, has_supported_reasons, supported_reasons)
+
+EXPORT nvmlReturn_t nvmlDeviceGetPerformanceState(nvmlDevice_t device, int *pstate) {
+    HEALTH("nvmlDeviceGetPerformanceState", device);
+    return given_uint(h->has_pstate, (unsigned int *)pstate, h->pstate);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
+    HEALTH("nvmlDeviceGetClockInfo", device);
+    if ((unsigned int)type >= NVML_CLOCK_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
+    return given_uint(h->has_clock[type], clock, h->clock[type]);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
+    HEALTH("nvmlDeviceGetMaxClockInfo", device);
+    if ((unsigned int)type >= NVML_CLOCK_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
+    return given_uint(h->has_max_clock[type], clock, h->max_clock[type]);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t device, unsigned int *speed) {
+    HEALTH("nvmlDeviceGetFanSpeed", device);
+    return given_uint(h->has_fan, speed, h->fan);
+}
+
+#define LIMIT(Name, i)                                                                 \
+    EXPORT nvmlReturn_t nvmlDeviceGet##Name(nvmlDevice_t device, unsigned int *limit) { \
+        HEALTH("nvmlDeviceGet" #Name, device);                                        \
+        return given_uint(h->has_limit[i], limit, h->limit[i]);                       \
+    }
+
+LIMIT(EnforcedPowerLimit, 0)
+LIMIT(PowerManagementLimit, 1)
+LIMIT(PowerManagementDefaultLimit, 2)
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimitConstraints(nvmlDevice_t device, unsigned int *minLimit,
+                                                                 unsigned int *maxLimit) {
+    HEALTH("nvmlDeviceGetPowerManagementLimitConstraints", device);
+    if (!minLimit || !maxLimit) return NVML_ERROR_INVALID_ARGUMENT;
+    if (!h->has_limit[3]) return NVML_ERROR_NOT_SUPPORTED;
+    *minLimit = h->limit[3];
+    return given_uint(h->has_limit[4], maxLimit, h->limit[4]);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, int *current, int *pending) {
+    HEALTH("nvmlDeviceGetEccMode", device);
+    if (!h->has_ecc_mode) return NVML_ERROR_NOT_SUPPORTED;
+    if (!current || !pending) return NVML_ERROR_INVALID_ARGUMENT;
+    *current = (int)h->ecc_current;
+    *pending = (int)h->ecc_pending;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryErrorCounter(nvmlDevice_t device, int errorType, int counterType,
+                                                    int locationType, unsigned long long *count) {
+    DEVICE("nvmlDeviceGetMemoryErrorCounter", device);
+    unsigned int e = (unsigned int)errorType, c = (unsigned int)counterType, l = (unsigned int)locationType;
+    if (e > 1 || c > 1 || l >= NVML_MEMORY_LOCATION_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->slot >= 0) /* a MIG handle counts only its own volatile uncorrectable SRAM errors */
+        return given_ull(d->has_sram_unc && e == NVML_MEMORY_ERROR_TYPE_UNCORRECTED && c == NVML_VOLATILE_ECC
+                             && l == NVML_MEMORY_LOCATION_SRAM, count, d->sram_unc);
+    const struct health *h = &d->health;
+    if (!h->has_ecc_mode || !h->ecc_current) return NVML_ERROR_NOT_SUPPORTED; /* nothing counted while ECC is off */
+    return given_ull(h->has_ecc[e][c][l], count, h->ecc[e][c][l]);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSramEccErrorStatus(nvmlDevice_t device, nvmlEccSramErrorStatus_v1_t *status) {
+    HEALTH("nvmlDeviceGetSramEccErrorStatus", device);
+    if (!h->has_sram) return NVML_ERROR_NOT_SUPPORTED;
+    if (!status) return NVML_ERROR_INVALID_ARGUMENT;
+    if (status->version != nvmlEccSramErrorStatus_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    status->volatileUncParity = h->sram[0]; status->volatileUncSecDed = h->sram[1]; status->volatileCor = h->sram[2];
+    status->aggregateUncParity = h->sram[3]; status->aggregateUncSecDed = h->sram[4]; status->aggregateCor = h->sram[5];
+    status->bThresholdExceeded = h->sram_threshold;
+    return NVML_SUCCESS;
+}
+
+/* The row remapper: card-level, and not supported in MIG mode (NVML). */
+#define REMAPPER(function, has) \
+    HEALTH(function, device); \
+    if (mig_enabled(d) || !h->has) return NVML_ERROR_NOT_SUPPORTED
+
+EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
+                                              unsigned int *isPending, unsigned int *failureOccurred) {
+    REMAPPER("nvmlDeviceGetRemappedRows", has_remapped);
+    unsigned int *out[4] = {corrRows, uncRows, isPending, failureOccurred};
+    for (int i = 0; i < 4; i++)
+        if (!out[i]) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < 4; i++) *out[i] = h->remapped[i];
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRowRemapperHistogram(nvmlDevice_t device, nvmlRowRemapperHistogramValues_t *values) {
+    REMAPPER("nvmlDeviceGetRowRemapperHistogram", has_histogram);
+    if (!values) return NVML_ERROR_INVALID_ARGUMENT;
+    values->max = h->histogram[0]; values->high = h->histogram[1]; values->partial = h->histogram[2];
+    values->low = h->histogram[3]; values->none = h->histogram[4];
+    return NVML_SUCCESS;
+}
+
+/* nvml.h: a count too small (0, with a NULL array, to ask the size) answers INSUFFICIENT_SIZE and the
+ * count. pynvml sizes with four arguments and reads with five: `timestamps` is read only when
+ * `addresses` is given, as a caller of the four-argument form leaves it undefined. */
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPages_v2(nvmlDevice_t device, int cause, unsigned int *pageCount,
+                                                 unsigned long long *addresses, unsigned long long *timestamps) {
+    HEALTH("nvmlDeviceGetRetiredPages_v2", device);
+    if (!h->has_retired) return NVML_ERROR_NOT_SUPPORTED;
+    if (!pageCount || (unsigned int)cause >= NVML_PAGE_RETIREMENT_CAUSE_COUNT) return NVML_ERROR_INVALID_ARGUMENT;
+    const struct pages *p = &h->retired[cause];
+    if (!addresses || *pageCount < p->n) {
+        *pageCount = p->n;
+        return p->n ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+    }
+    *pageCount = p->n;
+    for (unsigned int i = 0; i < p->n; i++) {
+        addresses[i] = p->v[i];
+        if (timestamps) timestamps[i] = RETIRED_AT + i;
+    }
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, int *isPending) {
+    HEALTH("nvmlDeviceGetRetiredPagesPendingStatus", device);
+    return given_uint(h->has_retired_pending, (unsigned int *)isPending, h->retired_pending);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRepairStatus(nvmlDevice_t device, nvmlRepairStatus_v1_t *status) {
+    HEALTH("nvmlDeviceGetRepairStatus", device);
+    if (!h->has_repair) return NVML_ERROR_NOT_SUPPORTED;
+    if (!status) return NVML_ERROR_INVALID_ARGUMENT;
+    if (status->version != nvmlRepairStatus_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    status->bChannelRepairPending = h->repair_channel;
+    status->bTpcRepairPending = h->repair_tpc;
+    return NVML_SUCCESS;
+}
+
+/* ---- other readings: nvitop-exporter's; every card answers the same H100-like values and a MIG
+ * handle NOT_SUPPORTED, as in the Python fake ---- */
 
 EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_v1_t *temperature) {
     DEVICE("nvmlDeviceGetTemperatureV", device);
@@ -537,25 +935,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperatu
     if (d->slot >= 0 || !d->has_temperature) return NVML_ERROR_NOT_SUPPORTED;
     temperature->temperature = (int)d->temperature;
     return NVML_SUCCESS;
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock) {
-    DEVICE("nvmlDeviceGetClockInfo", device);
-    static const unsigned int mhz[] = {1980, 1980, 2619, 1755}; /* graphics, SM, memory, video */
-    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED;
-    if (type < 0 || type > 3) return NVML_ERROR_INVALID_ARGUMENT;
-    return write_uint(clock, mhz[type]);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetPowerManagementLimit(nvmlDevice_t device, unsigned int *limit) {
-    DEVICE("nvmlDeviceGetPowerManagementLimit", device);
-    return card_only(d) ? NVML_ERROR_NOT_SUPPORTED : write_uint(limit, 700000);
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed(nvmlDevice_t device, unsigned int *speed) {
-    DEVICE("nvmlDeviceGetFanSpeed", device);
-    (void)speed;
-    return NVML_ERROR_NOT_SUPPORTED; /* passively cooled data-centre boards */
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *util, unsigned int *period) {
@@ -580,13 +959,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, int counter
     if (counter == 0) return write_uint(value, 412); /* TX */
     if (counter == 1) return write_uint(value, 538); /* RX */
     return NVML_ERROR_INVALID_ARGUMENT;
-}
-
-EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int count, nvmlFieldValue_t *values) {
-    DEVICE("nvmlDeviceGetFieldValues", device);
-    if (!values || count <= 0) return NVML_ERROR_INVALID_ARGUMENT;
-    for (int i = 0; i < count; i++) values[i].nvmlReturn = NVML_ERROR_NOT_SUPPORTED; /* each field's own answer */
-    return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *samples,
@@ -699,6 +1071,133 @@ PROCESS_LIST(Compute, COMPUTE)
 PROCESS_LIST(Graphics, GRAPHICS)
 PROCESS_LIST(MPSCompute, MPS)
 
+/* ---- XID events (src/mig_exporter/sources/xid.py): tests/fake_nvml.py's _FakeEvents ----
+ * A scenario line "xid CARD XID GI CI AFTER_MS" (GI and CI "-": on no MIG instance) queues an XID,
+ * delivered, in the file's order, to the first nvmlEventSetWait_v2 on a set where CARD is registered,
+ * once AFTER_MS have passed since the scenario was read (at the first nvmlInit). A wait on a set
+ * holding a card whose errors name nvmlEventSetWait_v2 (or *) answers that code; one with nothing
+ * to deliver answers TIMEOUT after its timeout. A MIG handle cannot be registered (NOT_SUPPORTED). */
+
+typedef struct {
+    nvmlDevice_t device; unsigned long long eventType, eventData; unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+#define EVENT_TYPE_XID 0x8ull
+#define SUPPORTED_EVENTS 0x1Full /* single- and double-bit ECC, P-state, XID, clock: the Python fake's */
+#define EVENT_SET_MAGIC 0x58494453
+#define MAX_EVENT_CARDS 64
+
+struct event_set { int magic; int cards[MAX_EVENT_CARDS]; };
+typedef struct event_set *nvmlEventSet_t;
+struct xid_event { int card; unsigned long long xid; unsigned int gi, ci; long long at_ms; int delivered; };
+
+static pthread_mutex_t event_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct xid_event *xid_events;
+static int nxid_events;
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int instance_id(const char *t, unsigned int *id) {
+    unsigned long long v = NO_INSTANCE_ID;
+    if (strcmp(t, "-") && number(t, &v)) return -1;
+    *id = (unsigned int)v;
+    return 0;
+}
+
+static int xid_line(char **tok) {
+    unsigned long long card, xid, after;
+    struct xid_event e = {0};
+    if (number(tok[1], &card) || number(tok[2], &xid) || number(tok[5], &after)) return -1;
+    if (instance_id(tok[3], &e.gi) || instance_id(tok[4], &e.ci)) return -1;
+    e.card = (int)card;
+    e.xid = xid;
+    e.at_ms = now_ms() + (long long)after;
+    xid_events = realloc(xid_events, sizeof(*xid_events) * (size_t)(nxid_events + 1));
+    xid_events[nxid_events++] = e;
+    return 0;
+}
+
+static int event_set_ok(const struct event_set *set) { return set && set->magic == EVENT_SET_MAGIC; }
+
+EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    int rc = system_call("nvmlEventSetCreate");
+    if (rc) return rc;
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    *set = calloc(1, sizeof **set);
+    if (!*set) return NVML_ERROR_UNKNOWN;
+    (*set)->magic = EVENT_SET_MAGIC;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    int rc = system_call("nvmlEventSetFree");
+    if (rc) return rc;
+    if (!event_set_ok(set)) return NVML_ERROR_INVALID_ARGUMENT;
+    set->magic = 0;
+    free(set);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *types) {
+    DEVICE("nvmlDeviceGetSupportedEventTypes", device);
+    if (d->slot >= 0) return NVML_ERROR_NOT_SUPPORTED;
+    if (!types) return NVML_ERROR_INVALID_ARGUMENT;
+    *types = SUPPORTED_EVENTS;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long types, nvmlEventSet_t set) {
+    DEVICE("nvmlDeviceRegisterEvents", device);
+    if (d->slot >= 0 || types & ~SUPPORTED_EVENTS) return NVML_ERROR_NOT_SUPPORTED;
+    if (!event_set_ok(set) || d->card >= MAX_EVENT_CARDS) return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&event_lock);
+    set->cards[d->card] = 1;
+    pthread_mutex_unlock(&event_lock);
+    return NVML_SUCCESS;
+}
+
+/* The code a wait answers now (a registered card's injected error, or an event written), else -1. */
+static int deliver(struct event_set *set, nvmlEventData_t *data) {
+    for (int c = 0; c < ncards && c < MAX_EVENT_CARDS; c++) {
+        int code = set->cards[c] ? fail_code(devs[card_dev[c]].fails, devs[card_dev[c]].nfails,
+                                             "nvmlEventSetWait_v2") : 0;
+        if (code) return code;
+    }
+    long long now = now_ms();
+    for (int i = 0; i < nxid_events; i++) {
+        struct xid_event *e = &xid_events[i];
+        if (e->delivered || e->at_ms > now || e->card < 0 || e->card >= ncards || e->card >= MAX_EVENT_CARDS
+            || !set->cards[e->card]) continue;
+        e->delivered = 1;
+        data->device = &devs[card_dev[e->card]];
+        data->eventType = EVENT_TYPE_XID;
+        data->eventData = e->xid;
+        data->gpuInstanceId = e->gi;
+        data->computeInstanceId = e->ci;
+        return NVML_SUCCESS;
+    }
+    return -1;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    int rc = system_call("nvmlEventSetWait_v2");
+    if (rc) return rc;
+    if (!event_set_ok(set) || !data) return NVML_ERROR_INVALID_ARGUMENT;
+    long long deadline = now_ms() + timeoutms;
+    for (;;) {
+        pthread_mutex_lock(&event_lock);
+        rc = deliver(set, data);
+        pthread_mutex_unlock(&event_lock);
+        if (rc >= 0) return rc;
+        long long left = deadline - now_ms();
+        if (left <= 0) return NVML_ERROR_TIMEOUT;
+        usleep((useconds_t)(left < 10 ? left : 10) * 1000);
+    }
+}
+
 /* ---- for tests/test_fake_libnvml.py: this file's layouts, to compare with pynvml's ---- */
 
 #define LAYOUT(T, f) if (!strcmp(what, #T "." #f)) return (long)offsetof(T, f);
@@ -724,7 +1223,31 @@ EXPORT long fakeNvmlLayout(const char *what) {
     LAYOUT(nvmlProcessUtilizationSample_t, timeStamp) LAYOUT(nvmlProcessUtilizationSample_t, smUtil)
     LAYOUT(nvmlProcessUtilizationSample_t, memUtil) LAYOUT(nvmlProcessUtilizationSample_t, encUtil)
     LAYOUT(nvmlProcessUtilizationSample_t, decUtil)
+    SIZE(nvmlEventData_t) LAYOUT(nvmlEventData_t, device) LAYOUT(nvmlEventData_t, eventType) /* XID events' */
+    LAYOUT(nvmlEventData_t, eventData) LAYOUT(nvmlEventData_t, gpuInstanceId) LAYOUT(nvmlEventData_t, computeInstanceId)
     if (!strcmp(what, "nvmlMemory_v2")) return (long)nvmlMemory_v2;
     if (!strcmp(what, "nvmlTemperature_v1")) return (long)nvmlTemperature_v1;
+    SIZE(nvmlMarginTemperature_v1_t) LAYOUT(nvmlMarginTemperature_v1_t, version)
+    LAYOUT(nvmlMarginTemperature_v1_t, marginTemperature)
+    SIZE(nvmlEccSramErrorStatus_v1_t) LAYOUT(nvmlEccSramErrorStatus_v1_t, version)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateUncParity) LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateUncSecDed)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateCor) LAYOUT(nvmlEccSramErrorStatus_v1_t, volatileUncParity)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, volatileUncSecDed) LAYOUT(nvmlEccSramErrorStatus_v1_t, volatileCor)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateUncBucketL2) LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateUncBucketSm)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateUncBucketPcie)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateUncBucketMcu)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, aggregateUncBucketOther)
+    LAYOUT(nvmlEccSramErrorStatus_v1_t, bThresholdExceeded)
+    SIZE(nvmlRowRemapperHistogramValues_t) LAYOUT(nvmlRowRemapperHistogramValues_t, max)
+    LAYOUT(nvmlRowRemapperHistogramValues_t, high) LAYOUT(nvmlRowRemapperHistogramValues_t, partial)
+    LAYOUT(nvmlRowRemapperHistogramValues_t, low) LAYOUT(nvmlRowRemapperHistogramValues_t, none)
+    SIZE(nvmlRepairStatus_v1_t) LAYOUT(nvmlRepairStatus_v1_t, version)
+    LAYOUT(nvmlRepairStatus_v1_t, bChannelRepairPending) LAYOUT(nvmlRepairStatus_v1_t, bTpcRepairPending)
+#define CONSTANT(name) if (!strcmp(what, #name)) return (long)(name);
+    CONSTANT(nvmlMarginTemperature_v1) CONSTANT(nvmlEccSramErrorStatus_v1) CONSTANT(nvmlRepairStatus_v1)
+    CONSTANT(NVML_CLOCK_COUNT) CONSTANT(NVML_TEMPERATURE_THRESHOLD_COUNT) CONSTANT(NVML_MEMORY_LOCATION_COUNT)
+    CONSTANT(NVML_MEMORY_LOCATION_SRAM) CONSTANT(NVML_MEMORY_ERROR_TYPE_UNCORRECTED) CONSTANT(NVML_VOLATILE_ECC)
+    CONSTANT(NVML_PAGE_RETIREMENT_CAUSE_COUNT) CONSTANT(NVML_VALUE_TYPE_UNSIGNED_INT)
+    CONSTANT(NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) CONSTANT(NVML_FI_DEV_PCIE_REPLAY_COUNTER) CONSTANT(RETIRED_AT)
     return -1;
 }

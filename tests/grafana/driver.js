@@ -5,9 +5,11 @@
 // for each of its targets the target (expr with variables filled in) with the
 // Prometheus API's "data" for it. stdout: JSON [{title, frames, values}]: the
 // frames after the panel's own transformations (each field's name, display
-// name, type and values) and, for a stat panel, the numbers it shows (each
-// number field reduced with the panel's calcs). NaN and +-Inf are written as
-// the strings "NaN", "+Inf", "-Inf".
+// name, type and values; for a table, each number cell as the table shows it:
+// its display text after the panel's field config, units and value mappings,
+// overrides matched by Grafana's own matchers) and, for a stat panel, the
+// numbers it shows (each number field reduced with the panel's calcs). NaN and
+// +-Inf are written as the strings "NaN", "+Inf", "-Inf".
 //
 // @grafana/data's ESM build does not load in Node: require the CommonJS one.
 const data = require('@grafana/data');
@@ -15,7 +17,9 @@ const data = require('@grafana/data');
 // Outside Grafana there is no browser, and no transformer registered.
 globalThis.window = globalThis.window ?? {};
 if (!globalThis.navigator) {
-  Object.defineProperty(globalThis, 'navigator', { value: { userAgent: 'node', language: 'en-US' }, configurable: true });
+  Object.defineProperty(globalThis, 'navigator', {
+    value: { userAgent: 'node', language: 'en-US', languages: ['en-US'] }, configurable: true,
+  });
 }
 // (seriesToColumns is joinByField under its old name: register each once;
 // Grafana 13 loads a transformer lazily, so ``transformation`` is a loader.)
@@ -26,12 +30,41 @@ data.standardTransformersRegistry.setInit(() =>
 
 const { panelFrames } = require('./frames');
 
+const theme = data.createTheme();
+
 function plain(v) {
   if (typeof v === 'number' && !Number.isFinite(v)) return Number.isNaN(v) ? 'NaN' : v > 0 ? '+Inf' : '-Inf';
   return v === undefined ? null : v;
 }
 
-function dump(frame) {
+// The field's config as the panel gives it: its defaults (where the field has none), then each override whose
+// matcher (Grafana's own, by id) takes the field. A property id with a dot
+// (custom.cellOptions) goes into that object, as Grafana sets it.
+function fieldConfig(panel, field, frame, frames) {
+  const config = { ...(panel.fieldConfig?.defaults ?? {}), ...(field.config ?? {}) };
+  for (const override of panel.fieldConfig?.overrides ?? []) {
+    const matches = data.fieldMatchers.get(override.matcher.id).get(override.matcher.options);
+    if (!matches(field, frame, frames)) continue;
+    for (const { id, value } of override.properties) {
+      const [head, ...rest] = id.split('.');
+      if (rest.length === 0) config[head] = value;
+      else config[head] = { ...(config[head] ?? {}), [rest.join('.')]: value };
+    }
+  }
+  return config;
+}
+
+// Each value of a number field as the table cell shows it: Grafana's display processor
+// (units, decimals, value mappings) on the field with the panel's config.
+function shown(panel, field, frame, frames) {
+  if (panel.type !== 'table' || field.type !== data.FieldType.number) return null;
+  const display = data.getDisplayProcessor({
+    field: { ...field, config: fieldConfig(panel, field, frame, frames) }, theme,
+  });
+  return Array.from(field.values, (v) => data.formattedValueToString(display(v)));
+}
+
+function dump(panel, frame, frames) {
   return {
     refId: frame.refId ?? null,
     name: frame.name ?? null,
@@ -42,6 +75,7 @@ function dump(frame) {
       type: f.type,
       labels: f.labels ?? null,
       values: Array.from(f.values, plain),
+      display: shown(panel, f, frame, frames),
     })),
   };
 }
@@ -76,7 +110,7 @@ async function main() {
     const frames = await transform(panel, panelFrames(answers));
     results.push({
       title: panel.title,
-      frames: frames.map(dump),
+      frames: frames.map((frame) => dump(panel, frame, frames)),
       values: panel.type === 'stat' ? statValues(panel, frames) : null,
     });
   }

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client.core import Metric
 
@@ -52,9 +52,13 @@ from mig_exporter.metrics.families import (
     read_families,
     snapshot_families,
 )
+from mig_exporter.metrics.health_families import xid_families
 from mig_exporter.model.readings import EngineReading, OwnerReading, PodReading, SlurmJobMapReading
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.base import Source, read_telling_start
+
+if TYPE_CHECKING:
+    from mig_exporter.sources.xid import XidListener
 
 log = logging.getLogger("mig_exporter")
 
@@ -113,6 +117,8 @@ class Scraper:
         self.pods = pods
         self.job_map = job_map
         self.owners = owners
+        # serve's XID listener (sources/xid.py): what it has seen joins each successful NVML read.
+        self.xids: XidListener | None = None
         self._lock = threading.Lock()
         self._errors_total = 0
         self._known_problems: dict[str, frozenset[str]] = {}
@@ -409,6 +415,8 @@ class Scraper:
             if outcome.owners is not None:
                 yield from owner_families(outcome.owners, outcome.snapshot)
             yield from allocation_families(outcome.pods, outcome.job_map)
+            if self.xids is not None and self.source.name == "nvml":  # none on the nvidia-smi path
+                yield from xid_families(self.xids.seen(outcome.snapshot))
         if outcome.engines is not None:
             yield from engine_families(outcome.engines)
         yield from read_families(

@@ -123,6 +123,6 @@ def apply_listing(
                 instances.append(inst)
             else:
                 instances.append(MigInstance(inst.mig_index, inst.gpu_instance_id, inst.compute_instance_id,
-                                             inst.memory, m.profile, m.uuid))
+                                             inst.memory, m.profile, m.uuid, inst.ecc_errors))
         out.append(dataclasses.replace(card, instances=tuple(instances)))
     return tuple(out), tuple(problems)

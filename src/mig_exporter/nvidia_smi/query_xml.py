@@ -3,7 +3,8 @@
 Pure: no I/O. The layout is recognised by which elements are present, not by
 the DTD version in the DOCTYPE (a 525 driver says v12 and writes v11 names).
 Read from every driver from 352 (DTD v7) to 595 (v13), Linux and Windows,
-vGPU guests, and MIG on and off.
+vGPU guests, and MIG on and off. A card's health (heat, clocks, power limits,
+memory wear) and a MIG device's own ECC counts are read by ``health_xml``.
 
 The parser is hardened: no DTD is loaded (nvidia-smi names
 ``nvsmi_device_vNN.dtd``), nothing is fetched and no entity is expanded. On
@@ -29,11 +30,12 @@ section is read.
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from lxml import etree
 
@@ -47,6 +49,9 @@ from mig_exporter.model.snapshot import (
     ProcessReading,
     is_plausible_pid,
 )
+from mig_exporter.nvidia_smi.health_xml import instance_ecc, instance_ecc_blocks, read_health
+
+_T = TypeVar("_T")
 
 # Texts that mean "no value". Checked in lower case; anything in [brackets]
 # (the CSV forms: [N/A], [Not Supported], [Unknown Error]) counts too.
@@ -63,6 +68,9 @@ UNKNOWN_TEXTS = frozenset({
     "gpu is lost",
 })
 
+# The unknown markers as nvidia-smi writes them (all in UNKNOWN_TEXTS): a set lookup before the
+# general check, for the health values, many of them N/A on most cards.
+_MARKERS = frozenset({"N/A", "Not Supported", "Requested functionality has been deprecated", "Unknown Error"})
 _UNITS_TO_BYTES = {"b": 1, "kib": 1024, "mib": MIB, "gib": 1024 * MIB}
 _NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z%/()]*)\s*$")
 _DIGITS = re.compile(r"^[0-9]{1,10}$")
@@ -145,17 +153,21 @@ _MIG_ROW = re.compile(
     f"{_mig_element('index')}{_mig_element('gpu_instance_id')}{_mig_element('compute_instance_id')}"
     + _mig_block("device_attributes", _mig_block("shared", f"(?:{_mig_leaf('shared')})*"))
     + _mig_block("ecc_error_count",
-                 f"(?:<(?P<count>{_MIG_NAME})>{_MIG_BLANK}(?:{_mig_leaf('error')})*</(?P=count)>{_MIG_BLANK})*")
+                 f"(?P<ecc>(?:<(?P<count>{_MIG_NAME})>{_MIG_BLANK}(?:{_mig_leaf('error')})*</(?P=count)>{_MIG_BLANK})*)")
     + f"<fb_memory_usage>{_MIG_BLANK}{_mig_element('total')}(?:{_mig_element('reserved')})?"
     f"{_mig_element('used')}{_mig_element('free')}</fb_memory_usage>{_MIG_BLANK}"
     + _mig_block("bar1_memory_usage", f"(?:{_mig_leaf('bar1')})*")
     + "</mig_device>|(.))",
     re.S,
 )
-# index, gpu_instance_id, compute_instance_id; total, used, free, reserved (Memory's order).
-_mig_values = itemgetter(0, 1, 2, 6, 8, 9, 7)
-_mig_junk = itemgetter(11)
-_MigRow = tuple[str, str, str, str, str, str, str]
+# index, gpu_instance_id, compute_instance_id; total, used, free, reserved (Memory's order); the
+# ECC counts' blocks.
+_mig_values = itemgetter(0, 1, 2, 7, 9, 10, 8, 4)
+_mig_junk = itemgetter(12)
+_MigRow = tuple[str, str, str, str, str, str, str, str]
+# Inside an <ecc_error_count> the row's grammar admitted: its blocks, and their leaves.
+_MIG_COUNT = re.compile(f"<({_MIG_NAME})>{_MIG_BLANK}((?:<{_MIG_NAME}>{_MIG_TEXT}</{_MIG_NAME}>{_MIG_BLANK})*)</")
+_MIG_LEAF = re.compile(f"<({_MIG_NAME})>({_MIG_TEXT})</")
 
 
 class _Read(NamedTuple):
@@ -279,6 +291,9 @@ def _parse(data: bytes) -> etree._Element:
         raise ParseError(f"nvidia-smi -q -x output could not be read: {_one_line(str(e))}") from None
 
 
+_Cut = tuple[int, int, bytes]  # a section's start and end in the report, and its placeholder
+
+
 def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._Element, _Sections] | None:
     """The report parsed with each plain ``<processes>`` section read apart and each plain
     ``<supported_clocks>`` left out, or ``None`` where the report or a ``<processes>``
@@ -297,9 +312,35 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
         return None
     known = memo or SectionMemo()
     seen = SectionMemo()  # what this report's sections read as: the memo's next content
-    cuts: list[tuple[int, int, bytes]] = []
+    cut = _cut_processes(data, known, seen)
+    if cut is None:
+        return None
+    cuts, sections = cut
+    clock_starts, mig_starts = _section_starts(data, cuts)
+    clocks = _cut_clocks(data, clock_starts, known, seen, cuts)
+    migs = _cut_mig_devices(data, mig_starts, known, seen, cuts)
+    if not cuts:
+        return None  # nothing to gain
+    spliced = _splice(data, cuts)
+    if spliced is None:
+        return None
+    try:
+        root = etree.fromstring(spliced, _parser())
+    except (etree.LxmlError, ValueError):
+        return None  # the whole parse says why
+    if not _marks_in_place(root, (("processes", len(sections)), ("mig_devices", len(migs)),
+                                  ("supported_clocks", clocks))):
+        return None
+    if memo is not None:
+        memo.processes, memo.mig_devices, memo.clocks = seen.processes, seen.mig_devices, seen.clocks
+    return root, _Sections(sections, migs)
+
+
+def _cut_processes(data: bytes, known: SectionMemo, seen: SectionMemo) -> tuple[list[_Cut], list[_Read]] | None:
+    """Each ``<processes>`` section read (or found in ``known``) and its cut, or ``None``
+    where one is not plain (the report is then parsed whole)."""
+    cuts: list[_Cut] = []
     sections: list[_Read] = []
-    migs: list[_Read] = []
     start = end = 0
     while (start := data.find(_SECTION_OPEN, end)) >= 0:
         close = data.find(_SECTION_CLOSE, start)
@@ -316,11 +357,16 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
         end = close + len(_SECTION_CLOSE)
         cuts.append((start, end, b'<processes %s="%d"/>' % (_MARK_BYTES, len(sections))))
         sections.append(read)
-    # <supported_clocks> and <mig_devices>: a card's MIG devices come early in it and its clocks
-    # just before its processes, so each is looked for between one card's processes and the next's
-    # (the clocks backwards from the processes): a pass over the whole report for each was a third
-    # of the memo's read. What follows the last <processes> is looked through whole (a report
-    # without any, all of it). A section not found so is parsed by lxml, as any other.
+    return cuts, sections
+
+
+def _section_starts(data: bytes, cuts: list[_Cut]) -> tuple[list[int], list[int]]:
+    """Where ``<supported_clocks>`` and ``<mig_devices>`` sections start. A card's MIG devices
+    come early in it and its clocks just before its processes, so each is looked for between
+    one card's processes and the next's (the clocks backwards from the processes): a pass over
+    the whole report for each was a third of the memo's read. What follows the last
+    ``<processes>`` is looked through whole (a report without any, all of it). A section not
+    found so is parsed by lxml, as any other."""
     clock_starts: list[int] = []
     mig_starts: list[int] = []
     lo = 0
@@ -333,9 +379,14 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
         lo = end
     clock_starts += _starts(data, _CLOCKS_OPEN, lo)
     mig_starts += _starts(data, _MIG_OPEN, lo)
+    return clock_starts, mig_starts
+
+
+def _cut_clocks(data: bytes, starts: list[int], known: SectionMemo, seen: SectionMemo, cuts: list[_Cut]) -> int:
+    """Each plain ``<supported_clocks>`` cut out (added to ``cuts``); how many."""
     clocks = last_end = 0
     clock_tables: set[bytes] = set()
-    for start in clock_starts:
+    for start in starts:
         if start < last_end:
             continue  # inside the one before (not plain): a find from each would cost O(n) apiece
         close = data.find(_CLOCKS_CLOSE, start)
@@ -350,8 +401,15 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
                              b'<supported_clocks %s="%d"/>' % (_MARK_BYTES, clocks)))
                 clocks += 1
     seen.clocks = frozenset(clock_tables)
+    return clocks
+
+
+def _cut_mig_devices(data: bytes, starts: list[int], known: SectionMemo, seen: SectionMemo,
+                     cuts: list[_Cut]) -> list[_Read]:
+    """Each plain ``<mig_devices>`` read (or found in ``known``) and cut out (added to ``cuts``)."""
+    migs: list[_Read] = []
     last_end = 0
-    for start in mig_starts:
+    for start in starts:
         if start < last_end:
             continue
         close = data.find(_MIG_CLOSE, start)
@@ -368,8 +426,12 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
         seen.mig_devices[section] = read
         cuts.append((start, close + len(_MIG_CLOSE), b'<mig_devices %s="%d"/>' % (_MARK_BYTES, len(migs))))
         migs.append(read)
-    if not cuts:
-        return None  # nothing to gain
+    return migs
+
+
+def _splice(data: bytes, cuts: list[_Cut]) -> bytes | None:
+    """The report with each cut section's placeholder in its place; ``None`` where one
+    section lies inside another."""
     cuts.sort()
     parts: list[bytes] = []
     end = 0
@@ -379,29 +441,27 @@ def _parse_fast(data: bytes, memo: SectionMemo | None = None) -> tuple[etree._El
         parts += (data[end:start], placeholder)
         end = close
     parts.append(data[end:])
-    try:
-        root = etree.fromstring(b"".join(parts), _parser())
-    except (etree.LxmlError, ValueError):
-        return None  # the whole parse says why
-    # Each placeholder once, in order, each where a card's section is read, and no other
-    # element with a mark anywhere (a foreign one on a card could stand for a placeholder
-    # that landed where nothing reads it).
+    return b"".join(parts)
+
+
+def _marks_in_place(root: etree._Element, counts: tuple[tuple[str, int], ...]) -> bool:
+    """Each placeholder once, in order, each where a card's section is read, and no other
+    element with a mark anywhere (a foreign one on a card could stand for a placeholder
+    that landed where nothing reads it). Clocks too: one left out deep down could make a
+    report libxml2 refuses (depth) shallow enough."""
     if root.tag != "nvidia_smi_log":
-        return None
-    # Clocks too: one left out deep down could make a report libxml2 refuses (depth) shallow enough.
-    for tag, count in (("processes", len(sections)), ("mig_devices", len(migs)), ("supported_clocks", clocks)):
+        return False
+    for tag, count in counts:
         found = []
         for marked in root.iter(tag):
             if (mark := marked.get(_MARK)) is not None:
                 gpu = marked.getparent()
                 if gpu is None or gpu.tag != "gpu" or gpu.getparent() is not root:
-                    return None
+                    return False
                 found.append(mark)
         if found != [str(i) for i in range(count)]:
-            return None
-    if memo is not None:
-        memo.processes, memo.mig_devices, memo.clocks = seen.processes, seen.mig_devices, seen.clocks
-    return root, _Sections(sections, migs)
+            return False
+    return True
 
 
 def _starts(data: bytes, tag: bytes, start: int) -> list[int]:
@@ -420,9 +480,22 @@ def _processes_read(rows: list[_Row]) -> _Read:
 def _instances_read(rows: list[_MigRow]) -> _Read:
     def add(out: list[MigInstance], values: _Values) -> None:
         for row in rows:
-            _add_instance(out, values, row[0], row[1], row[2], row[3:])
+            _add_instance(out, values, row[0], row[1], row[2], row[3:7], _mig_ecc(row[7]))
 
     return _read_apart(add)
+
+
+def _mig_ecc(blocks: str) -> dict[str, dict[str, str | None]]:
+    """An ``<ecc_error_count>``'s content the row's grammar admitted, as ``instance_ecc_blocks``
+    reads the element: the first block of each tag, and in it the first leaf of each tag."""
+    counts: dict[str, dict[str, str | None]] = {}
+    for tag, leaves in _MIG_COUNT.findall(blocks):
+        if tag not in counts:
+            texts: dict[str, str | None] = {}
+            for leaf, text in _MIG_LEAF.findall(leaves):
+                texts.setdefault(leaf, text)
+            counts[tag] = texts
+    return counts
 
 
 def _read_apart(add: Callable[[list[Any], _Values], None]) -> _Read:
@@ -546,38 +619,8 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
     card = _Children(gpu)
     mig_current = values.flag(card, "mig_mode/current_mig")
     mig_pending = values.flag(card, "mig_mode/pending_mig")
-    instances: list[MigInstance] = []
-    for devices in gpu.iterfind("mig_devices"):
-        if sections is not None and (mark := devices.get(_MARK)) is not None:
-            read = sections.mig_devices[int(mark)]
-            _take(read, problems)
-            instances.extend(cast(tuple[MigInstance, ...], read.rows))
-            continue
-        for el in devices.iterfind("mig_device"):
-            # One pass: each child's text by tag (the first of a repeated tag, as find gives)
-            # and the first memory block; a MIG device has few children, all but one read here.
-            fields: dict[object, str | None] = {}
-            block = None
-            for child in el:
-                tag = child.tag
-                if tag not in fields:
-                    fields[tag] = child.text
-                    if tag == "fb_memory_usage":
-                        block = child
-            sizes = None if block is None else list(map(_child_texts(block).get, _MEMORY_FIELDS))
-            _add_instance(instances, values, fields.get("index"), fields.get("gpu_instance_id"),
-                          fields.get("compute_instance_id"), sizes)
-    processes: list[ProcessReading] = []
-    for section in gpu.iterfind("processes"):
-        if sections is not None and (mark := section.get(_MARK)) is not None:
-            read = sections.processes[int(mark)]
-            _take(read, problems)
-            processes.extend(cast(tuple[ProcessReading, ...], read.rows))
-            continue
-        for el in section.iterfind("process_info"):
-            texts = _child_texts(el)
-            _add_process(processes, values, texts.get("pid"), texts.get("type"), texts.get("process_name"),
-                         texts.get("used_memory"), texts.get("gpu_instance_id"), texts.get("compute_instance_id"))
+    instances = _read_instances(gpu, sections, values)
+    processes = _read_processes(gpu, sections, values)
     return CardReading(
         index=index,
         uuid=_text(card, "uuid"),
@@ -591,13 +634,60 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
         memory=values.memory(card, "fb_memory_usage"),
         instances=tuple(instances),
         processes=tuple(processes),
+        health=read_health(card, values),
     )
 
 
+def _read_instances(gpu: etree._Element, sections: _Sections | None, values: _Values) -> list[MigInstance]:
+    """The card's ``<mig_device>``s: of a section read apart, its rows; else by lxml."""
+    instances: list[MigInstance] = []
+    for devices in gpu.iterfind("mig_devices"):
+        if sections is not None and (mark := devices.get(_MARK)) is not None:
+            read = sections.mig_devices[int(mark)]
+            _take(read, values.problems)
+            instances.extend(cast(tuple[MigInstance, ...], read.rows))
+            continue
+        for el in devices.iterfind("mig_device"):
+            # One pass: each child's text by tag (the first of a repeated tag, as find gives)
+            # and the first memory and ECC blocks; a MIG device has few children, all but two read here.
+            fields: dict[object, str | None] = {}
+            block = ecc = None
+            for child in el:
+                tag = child.tag
+                if tag not in fields:
+                    fields[tag] = child.text
+                    if tag == "fb_memory_usage":
+                        block = child
+                    elif tag == "ecc_error_count":
+                        ecc = child
+            sizes = None if block is None else list(map(_child_texts(block).get, _MEMORY_FIELDS))
+            _add_instance(instances, values, fields.get("index"), fields.get("gpu_instance_id"),
+                          fields.get("compute_instance_id"), sizes, instance_ecc_blocks(ecc))
+    return instances
+
+
+def _read_processes(gpu: etree._Element, sections: _Sections | None, values: _Values) -> list[ProcessReading]:
+    """The card's ``<process_info>``s: of a section read apart, its rows; else by lxml."""
+    processes: list[ProcessReading] = []
+    for section in gpu.iterfind("processes"):
+        if sections is not None and (mark := section.get(_MARK)) is not None:
+            read = sections.processes[int(mark)]
+            _take(read, values.problems)
+            processes.extend(cast(tuple[ProcessReading, ...], read.rows))
+            continue
+        for el in section.iterfind("process_info"):
+            texts = _child_texts(el)
+            _add_process(processes, values, texts.get("pid"), texts.get("type"), texts.get("process_name"),
+                         texts.get("used_memory"), texts.get("gpu_instance_id"), texts.get("compute_instance_id"))
+    return processes
+
+
 def _add_instance(instances: list[MigInstance], values: _Values, index: str | None, gi: str | None,
-                  ci: str | None, sizes: Sequence[str | None] | None) -> None:
+                  ci: str | None, sizes: Sequence[str | None] | None,
+                  ecc: Mapping[str, Mapping[str, str | None]]) -> None:
     """A ``<mig_device>``'s untrimmed texts read into an instance, or a problem line;
-    ``sizes``: its fb_memory_usage's in Memory's order (``None`` without the block)."""
+    ``sizes``: its fb_memory_usage's in Memory's order (``None`` without the block); ``ecc``:
+    its ecc_error_count's blocks, as ``instance_ecc`` takes them."""
     mig_index = values.integer_field(index, "index")
     if mig_index is None:
         values.problems.append("a MIG device without a readable index; skipped")
@@ -608,6 +698,7 @@ def _add_instance(instances: list[MigInstance], values: _Values, index: str | No
         values.integer_field(ci, "compute_instance_id"),
         Memory() if sizes is None else Memory(*[
             values.size_in(raw, "fb_memory_usage", name) for raw, name in zip(sizes, _MEMORY_FIELDS, strict=True)]),
+        ecc_errors=instance_ecc(ecc, values),
     ))
 
 
@@ -709,14 +800,59 @@ class _Values:
         self.problems = problems
 
     def number(self, el: _Lookup, path: str, unit: str) -> float | None:
-        text = _text(el, path)
+        found = el.find(path)
+        return None if found is None else self.number_of(found.text, path, unit)
+
+    def number_of(self, raw: str | None, path: str, unit: str) -> float | None:
+        """An element's untrimmed text as a number, bare or in ``unit`` (lower case)."""
+        if raw is None or raw in _MARKERS:
+            return None
+        # The short way for "<n> <unit>" and "<n>.<n> <unit>", as nvidia-smi writes them: the
+        # value _NUMBER reads (ASCII digits, a point inside them, a finite float).
+        number, space, rest = raw.partition(" ")
+        if (space and rest.lower() == unit and number.isascii() and len(number) < 300
+                and number.replace(".", "", 1).isdigit() and number[0] != "." and number[-1] != "."):
+            return float(number)
+        text = _known(raw)
         if text is None:
             return None
         m = _NUMBER.match(text)
-        if not m or m.group(2).lower() not in ("", unit):
+        # 309 digits and more make an infinite float: no reading.
+        if not m or m.group(2).lower() not in ("", unit) or not math.isfinite(value := float(m.group(1))):
             self.problems.append(f"{path}: unreadable value {text[:60]!r}")
             return None
-        return float(m.group(1))
+        return value
+
+    def count_of(self, raw: str | None, path: str, unit: str = "") -> int | None:
+        """An element's untrimmed text as a count: a whole number of at most 20 digits (a
+        64-bit counter), bare or followed by ``unit`` ("512 bank(s)")."""
+        if raw is None or raw in _MARKERS:
+            return None
+        if not unit and raw.isascii() and raw.isdigit() and len(raw) <= 20:
+            return int(raw)
+        text = _known(raw)
+        if text is None:
+            return None
+        digits = text[:-len(unit)].rstrip() if unit and text.endswith(unit) else text
+        if digits.isascii() and digits.isdigit() and len(digits) <= 20:
+            return int(digits)
+        self.problems.append(f"{path}: unreadable count {text[:60]!r}")
+        return None
+
+    def choice(self, raw: str | None, path: str, table: Mapping[str, _T]) -> _T | None:
+        """An element's untrimmed text as one of ``table``'s words (in lower case)."""
+        if raw is None:
+            return None
+        value = table.get(raw.lower())  # the short way: no table word is an unknown marker
+        if value is not None:
+            return value
+        text = _known(raw)
+        if text is None:
+            return None
+        value = table.get(text.lower())
+        if value is None:
+            self.problems.append(f"{path}: unreadable value {text[:60]!r}")
+        return value
 
     def first_number(self, el: _Lookup, paths: tuple[str, ...], unit: str) -> float | None:
         for path in paths:

@@ -421,70 +421,87 @@ def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | Non
     live = [run for run in runs if run.proc is not None]
     with selectors.DefaultSelector() as sel:
         try:
-            for run in live:
-                assert run.proc is not None and run.proc.stdout is not None and run.proc.stderr is not None
-                run.outcome = "running"
-                sel.register(run.proc.stdout, selectors.EVENT_READ, (run, True))
-                sel.register(run.proc.stderr, selectors.EVENT_READ, (run, False))
-                run.pidfd = _open_pidfd(run.proc.pid)
-                if run.pidfd is not None:
-                    sel.register(run.pidfd, selectors.EVENT_READ, (run, None))
-            while True:
-                if runs[0].failed():
-                    for run in live:
-                        if not run.done:
-                            run.stop("cancelled", sel)  # of no use without the first
-                running = [run for run in live if not run.done]
-                if not running:
-                    return
-                remaining = _wait_for(deadline, cancel)
-                if isinstance(remaining, str):
-                    for run in running:
-                        run.stop(remaining, sel)
-                    return
-                held = [run for run in running if run.exited_at is not None]
-                if held:
-                    due = min(run.exited_at or 0.0 for run in held) + _HELD_S - time.monotonic()
-                    if due <= 0:
-                        _sweep_after(live)
-                        for run in held:
-                            run.exited_at = None  # once: what a sweep cannot kill, the deadline ends
-                        continue
-                    remaining = min(remaining, due)
-                exits = []
-                for key, _ in sel.select(remaining):
-                    run, is_stdout = key.data
-                    if run.outcome != "running":
-                        continue  # stopped by an event before this one: its pipes are closed
-                    if is_stdout is None:
-                        exits.append(run)
-                        continue
-                    chunk = os.read(key.fd, _CHUNK)
-                    if not chunk:
-                        sel.unregister(key.fileobj)
-                        key.fileobj.close()  # type: ignore[union-attr]
-                        run.open_pipes -= 1
-                    elif is_stdout:
-                        if not run.budget.take(len(chunk)):
-                            run.drop()  # now: the read's other command may go on with it
-                            run.stop("overflow", sel)
-                            continue
-                        run.stdout.append(chunk)
-                        run.stdout_bytes += len(chunk)
-                    elif len(run.stderr) < _MAX_STDERR_BYTES:
-                        run.stderr += chunk[: _MAX_STDERR_BYTES - len(run.stderr)]
-                for run in exits:  # after the pipes: their EOF in the same wait is no held pipe
-                    if run.outcome == "running":
-                        assert run.proc is not None
-                        run.end_pidfd(sel)
-                        _end_group(run.proc)
-                        if run.open_pipes:
-                            run.exited_at = time.monotonic()
+            _register(live, sel)
+            while _step(runs, live, sel, deadline, cancel):
+                pass
         finally:
             for run in live:
                 if run.outcome == "running" and run.done:
                     run.outcome = "eof"
                 run.close(sel)
+
+
+def _register(live: list[_Run], sel: selectors.BaseSelector) -> None:
+    """Each started run's pipes, and its pidfd where it has one, watched by ``sel``."""
+    for run in live:
+        assert run.proc is not None and run.proc.stdout is not None and run.proc.stderr is not None
+        run.outcome = "running"
+        sel.register(run.proc.stdout, selectors.EVENT_READ, (run, True))
+        sel.register(run.proc.stderr, selectors.EVENT_READ, (run, False))
+        run.pidfd = _open_pidfd(run.proc.pid)
+        if run.pidfd is not None:
+            sel.register(run.pidfd, selectors.EVENT_READ, (run, None))
+
+
+def _step(runs: list[_Run], live: list[_Run], sel: selectors.BaseSelector, deadline: Deadline,
+          cancel: threading.Event | None) -> bool:
+    """One wait of ``_collect``'s and what it brought; ``False`` once every run has ended."""
+    if runs[0].failed():
+        for run in live:
+            if not run.done:
+                run.stop("cancelled", sel)  # of no use without the first
+    running = [run for run in live if not run.done]
+    if not running:
+        return False
+    remaining = _wait_for(deadline, cancel)
+    if isinstance(remaining, str):
+        for run in running:
+            run.stop(remaining, sel)
+        return False
+    held = [run for run in running if run.exited_at is not None]
+    if held:
+        due = min(run.exited_at or 0.0 for run in held) + _HELD_S - time.monotonic()
+        if due <= 0:
+            _sweep_after(live)
+            for run in held:
+                run.exited_at = None  # once: what a sweep cannot kill, the deadline ends
+            return True
+        remaining = min(remaining, due)
+    for run in _read_ready(sel, remaining):  # after the pipes: their EOF in the same wait is no held pipe
+        if run.outcome == "running":
+            assert run.proc is not None
+            run.end_pidfd(sel)
+            _end_group(run.proc)
+            if run.open_pipes:
+                run.exited_at = time.monotonic()
+    return True
+
+
+def _read_ready(sel: selectors.BaseSelector, timeout: float) -> list[_Run]:
+    """What the pipes ready within ``timeout`` seconds hold, read; the runs whose exit came."""
+    exits = []
+    for key, _ in sel.select(timeout):
+        run, is_stdout = key.data
+        if run.outcome != "running":
+            continue  # stopped by an event before this one: its pipes are closed
+        if is_stdout is None:
+            exits.append(run)
+            continue
+        chunk = os.read(key.fd, _CHUNK)
+        if not chunk:
+            sel.unregister(key.fileobj)
+            key.fileobj.close()  # type: ignore[union-attr]
+            run.open_pipes -= 1
+        elif is_stdout:
+            if not run.budget.take(len(chunk)):
+                run.drop()  # now: the read's other command may go on with it
+                run.stop("overflow", sel)
+                continue
+            run.stdout.append(chunk)
+            run.stdout_bytes += len(chunk)
+        elif len(run.stderr) < _MAX_STDERR_BYTES:
+            run.stderr += chunk[: _MAX_STDERR_BYTES - len(run.stderr)]
+    return exits
 
 
 def _wait_for(deadline: Deadline, cancel: threading.Event | None) -> float | str:

@@ -11,6 +11,8 @@ placement rules, so a dashboard cannot tell which path fed it except by the
   instance's name, "NVIDIA A100-SXM4-80GB MIG 3g.40gb" (``-L``'s profile);
 - memory: ``GetMemoryInfo`` v2 where the driver has it, for ``reserved``
   (``fb_memory_usage``);
+- temperature: ``GetTemperatureV`` where the driver has it, else ``GetTemperature`` (``gpu_temp``);
+- health (heat, power, wear; a MIG instance's own ECC count): sources/nvml_health.py;
 - processes: compute, graphics and MPS lists on each MIG handle, or on the
   card (``processes/process_info``), v3 with a fallback to v2.
 
@@ -49,6 +51,7 @@ from mig_exporter.model.snapshot import (
     is_plausible_pid,
 )
 from mig_exporter.sources.nvml_gateway import Nvml, NvmlCallError, NvmlUnavailable, error_name
+from mig_exporter.sources.nvml_health import CardKey, HealthReader
 
 DEFAULT_TIMEOUT_S = 10.0
 _EMPTY_SLOT = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
@@ -92,6 +95,7 @@ class NvmlSource:
         self._checks: Flights[str, tuple[bool, str]] = Flights("nvml-ready", ends_at_deadline=False)
         self._readings: dict[tuple[_Row, str], ProcessReading] = {}
         self._placement = PlacementMemo()  # each card as the last read placed it (model/placement.py)
+        self._health = HealthReader(self.nvml)
 
     def ready(self) -> tuple[bool, str]:
         def late() -> tuple[bool, str]:
@@ -179,35 +183,44 @@ class NvmlSource:
         mode = nv.optional(pynvml.nvmlDeviceGetMigMode, handle)
         identity["mig_current"] = mig_current = None if mode is None else bool(mode[0])
         identity["mig_pending"] = None if mode is None else bool(mode[1])
-        temperature = nv.optional(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU)
+        card: CardKey = (identity["uuid"] or index, mig_current)
+        temperature = self._health.temperature(card, handle)
         power_mw = nv.optional(pynvml.nvmlDeviceGetPowerUsage, handle)
         utilization = None if mig_current else nv.optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
         identity["memory"] = self._memory(handle)
+        health = self._health.card(card, handle, mig_current)
         instances: list[MigInstance] = []
         processes: list[_Row] = []
         if mig_current:
             for mig_index, mig_handle in self._mig_handles(handle):
-                gi = nv.uint("nvmlDeviceGetGpuInstanceId", mig_handle)
-                ci = nv.uint("nvmlDeviceGetComputeInstanceId", mig_handle)
-                instances.append(MigInstance(
-                    mig_index=mig_index,
-                    gpu_instance_id=gi,
-                    compute_instance_id=ci,
-                    memory=self._memory(mig_handle),
-                    profile=_profile(_text(nv.optional(nv.text, "nvmlDeviceGetName", mig_handle, _NAME_BYTES))),
-                    uuid=_text(nv.optional(nv.text, "nvmlDeviceGetUUID", mig_handle, _UUID_BYTES)),
-                ))
-                processes.extend(self._processes(mig_handle, gi, ci, f"card {index} MIG device {mig_index}", problems))
+                instance = self._instance(card, mig_index, mig_handle)
+                instances.append(instance)
+                processes.extend(self._processes(mig_handle, instance.gpu_instance_id, instance.compute_instance_id,
+                                                 f"card {index} MIG device {mig_index}", problems))
         else:
             processes.extend(self._processes(handle, None, None, f"card {index}", problems))
         return dict(
             index=index,
-            temperature_celsius=None if temperature is None else float(temperature),
+            temperature_celsius=temperature,
             power_draw_watts=None if power_mw is None else power_mw / 1000.0,
             utilization_ratio=None if utilization is None else utilization.gpu / 100.0,
             instances=tuple(instances),
+            health=health,
             **identity,
         ), processes
+
+    def _instance(self, card: CardKey, mig_index: int, mig_handle: Any) -> MigInstance:
+        nv = self.nvml
+        gi = nv.uint("nvmlDeviceGetGpuInstanceId", mig_handle)
+        ci = nv.uint("nvmlDeviceGetComputeInstanceId", mig_handle)
+        memory = self._memory(mig_handle)
+        profile = _profile(_text(nv.optional(nv.text, "nvmlDeviceGetName", mig_handle, _NAME_BYTES)))
+        uuid = _text(nv.optional(nv.text, "nvmlDeviceGetUUID", mig_handle, _UUID_BYTES))
+        return MigInstance(
+            mig_index=mig_index, gpu_instance_id=gi, compute_instance_id=ci, memory=memory, profile=profile, uuid=uuid,
+            # Remembered apart from the card: a MIG instance answers its own calls.
+            ecc_errors=self._health.instance_ecc((uuid or f"{card[0]}/{mig_index}", True), mig_handle),
+        )
 
     def _mig_handles(self, handle: Any) -> list[tuple[int, Any]]:
         nv = self.nvml

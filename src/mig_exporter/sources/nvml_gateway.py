@@ -44,6 +44,17 @@ CARD_FAILURES = frozenset({
     pynvml.NVML_ERROR_IRQ_ISSUE,
     pynvml.NVML_ERROR_CORRUPTED_INFOROM,
 })
+# Of those, the errors that say the card (or the library) is gone, whichever reading asked: a
+# reading that only concerns itself (NO_PERMISSION on one counter, an InfoROM's aggregate ECC
+# corrupted) leaves the rest of the card readable.
+CARD_GONE = frozenset({
+    pynvml.NVML_ERROR_GPU_IS_LOST,
+    pynvml.NVML_ERROR_RESET_REQUIRED,
+    pynvml.NVML_ERROR_TIMEOUT,
+    pynvml.NVML_ERROR_IRQ_ISSUE,
+}) | _REINIT_ERRORS
+# Answers that stay true while the library stays loaded and the card's mode stays the same.
+LASTING_UNSUPPORTED = frozenset({pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND})
 
 
 # Raised by pynvml's unversioned wrappers when the driver lacks the version
@@ -67,6 +78,10 @@ class NvmlCallError(ReadError):
     def unsupported(self) -> bool:
         return self.code in UNSUPPORTED
 
+    @property
+    def card_gone(self) -> bool:
+        return self.code in CARD_GONE
+
 
 def error_name(code: int) -> str:
     """``NVML_ERROR_GPU_IS_LOST`` for 15, and so on."""
@@ -82,6 +97,9 @@ class Nvml:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._initialised = False
+        # Counts initialisations: what was learnt of the library (an unsupported call) holds
+        # until the next one, which may be a reloaded or upgraded driver.
+        self.generation = 0
 
     def ensure(self) -> None:
         """Initialise if needed. Raises ``NvmlUnavailable`` with the reason."""
@@ -95,6 +113,7 @@ class Nvml:
             except OSError as e:  # the shared library itself would not load
                 raise NvmlUnavailable(f"libnvidia-ml cannot be loaded: {e}") from None
             self._initialised = True
+            self.generation += 1
 
     def shutdown(self) -> None:
         with self._lock:

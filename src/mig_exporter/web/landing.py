@@ -11,7 +11,10 @@ Per card: its mode (MIG on or off, and a pending change), its product name,
 then one row per GPU instance (MIG) or one for the whole card, with a bar
 sized by the memory total (one scale for the page) and filled to the used
 memory, the display name (``1/mig2``), the profile, used/total in MiB and the
-top processes. Compute instances of one GPU instance share its memory: they
+top processes. Under its heading, the card's health mark (ok, warning, needs
+reset, replace: ``model/health.py``'s grade, the rules of
+``mig_exporter_card_health``) with every reason; a card that could not be read
+has none, its health being unknown. Compute instances of one GPU instance share its memory: they
 are one row, naming each of their devices, not several full bars. Above the
 cards, the inference engines on no GPU's process list (running on the CPU),
 counted as EngineHoldsNoGPUMemory counts them.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from mig_exporter.metrics.scrape import ReadOutcome
+from mig_exporter.model.health import Verdict, grade, instance_uncorrectable
 from mig_exporter.model.readings import EngineReading, ProcessPod
 from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process
 
@@ -164,10 +168,28 @@ def _mode(card: Card) -> str:
     return current
 
 
+def verdict(card: Card | None, devices: Iterable[Device]) -> Verdict | None:
+    """The card's grade, its MIG instances' own uncorrectable ECC errors counted as
+    mig_exporter_card_health counts them; None when the card is unknown or unreadable."""
+    if card is None or card.error is not None:
+        return None
+    return grade(card.health, sum(instance_uncorrectable(d.ecc_errors) for d in devices))
+
+
+def _health(found: Verdict | None) -> str:
+    if found is None:
+        return ""
+    reasons = "".join(f"<li>{_e(r)}</li>" for r in found.reasons)
+    listed = f"<ul class=\"reasons\">{reasons}</ul>" if reasons else ""
+    return (f"<div class=\"health {found.state}\" data-state=\"{found.state}\">"
+            f"<span class=\"mark\">{_e(found.label)}</span>{listed}</div>\n")
+
+
 def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int, pods: dict[int, ProcessPod]) -> str:
     name = card.name if card is not None and card.name else "unknown card"
     head = (f"<section class=\"card\" id=\"card-{index}\">\n<h2><span class=\"index\">GPU {index}</span> "
             f"<span class=\"product\">{_e(name)}</span>{' ' + _mode(card) if card is not None else ''}</h2>\n")
+    head += _health(verdict(card, (d for r in card_rows for d in r.devices)))
     notes = []
     if card is not None and card.error:
         notes.append(f"<p class=\"card-error\">This card could not be read: {_e(_short(card.error))}</p>\n")
@@ -282,6 +304,14 @@ svg.bar {{ display: block; }}
 .pid {{ font-family: ui-monospace, monospace; color: #52606d; }} .pmem {{ font-weight: 600; }}
 .on, .pod, .more, .none, .unknown, .empty {{ color: #616e7c; }}
 .problems li {{ color: #8a1c1c; }}
+.health {{ margin: 0 0 8px; display: flex; align-items: baseline; gap: 10px; }}
+.health .mark {{ font-size: 12px; font-weight: 700; padding: 2px 10px; border-radius: 10px; white-space: nowrap;
+  text-transform: uppercase; letter-spacing: 0.03em; }}
+.health ul.reasons {{ margin: 0; padding: 0; list-style: none; }}
+.health.ok .mark {{ background: #d7f5e3; color: #146c43; }}
+.health.warning .mark {{ background: #fff3c4; color: #8d5b00; }} .health.warning .reasons {{ color: #8d5b00; }}
+.health.reset .mark {{ background: #d64545; color: #fff; }} .health.reset .reasons {{ color: #8a1c1c; }}
+.health.replace .mark {{ background: #610404; color: #fff; }} .health.replace .reasons {{ color: #610404; }}
 .engines-cpu {{ margin: 12px 0; padding: 6px 12px; border-left: 4px solid #c81e1e; background: #fde8e8; }}
 .engines-cpu h2 {{ font-size: 15px; margin: 4px 0; color: #8a1c1c; }}
 .engines-cpu ul {{ margin: 4px 0; padding-left: 18px; }} .engines-cpu p {{ margin: 4px 0; color: #52606d; }}
