@@ -42,6 +42,30 @@ def all_panels(dashboard: dict) -> list[dict]:
 # Panels folded in a collapsed row: empty on most fleets (docs/hpc.md), so the e2e
 # fleet, which runs no Slurm job and no systemd unit, leaves them without data.
 FOLDED = {("overview.json", "GPU memory by Slurm job / systemd unit")}
+# Queries of the health dashboard that the e2e machine (the demo: two A100s on 550, read through
+# nvidia-smi) leaves empty, each for what it shows: (dashboard, panel, family queried) → why.
+QUIET_ON_THE_DEMO = {
+    ("health.json", "Card health", "mig_exporter_card_temperature_margin_celsius"): "an A100 has no T.Limit margin",
+    ("health.json", "Margin to the thermal limit", "mig_exporter_card_temperature_margin_celsius"):
+        "an A100 has no T.Limit margin",
+    ("health.json", "Card health", "mig_exporter_xid_last_seconds"): "XIDs are NVML's events: nvidia-smi has none",
+    ("health.json", "XID errors", "mig_exporter_xid_errors_total"): "XIDs are NVML's events: nvidia-smi has none",
+    ("health.json", "Clock event reasons active", "mig_exporter_card_clock_event_active"):
+        "it shows only reasons in force, and the demo's cards have none",
+    ("health.json", "Time held down by clock event reason", "mig_exporter_card_clock_event_seconds_total"):
+        "550 has no clock-event counters (575+)",
+    ("health.json", "Retired pages and recovery action", "mig_exporter_card_retired_pages"):
+        "page retirement is pre-Ampere's: an A100 writes N/A",
+    ("health.json", "Retired pages and recovery action", "mig_exporter_card_retired_pages_pending"):
+        "page retirement is pre-Ampere's: an A100 writes N/A",
+}
+
+
+def quiet_key(dash: str, title: str, expr: str) -> tuple[str, str, str] | None:
+    """The QUIET_ON_THE_DEMO entry a query is, if any: the family it reads is named in it."""
+    families = set(re.findall(r"\b(mig_exporter_[a-z_]+)\b", expr))
+    keys = [k for k in QUIET_ON_THE_DEMO if k[:2] == (dash, title) and k[2] in families]
+    return keys[0] if len(keys) == 1 else None
 
 def dashboard_queries() -> list[tuple[str, str, str]]:
     """(dashboard, panel title, expr) for every query of every panel, in collapsed rows too."""

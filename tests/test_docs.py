@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO, scenario
+import pytest
+
+import fake_nvml as fake_nvml_scenarios
+from conftest import REPO, require_real_corpus, scenario
 from kube_node import PODS, make_kubelet_logs
 from mig_exporter.config.file import ProbeTarget, parse_config
 from mig_exporter.core.errors import CommandFailed
@@ -16,21 +19,23 @@ from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podresources import PodResourcesClient
 from mig_exporter.kubernetes.pods import PodReader
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
+from mig_exporter.model.health import XidSeen
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.sources.demo import DemoProcs, DemoSource
+from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.web.probe import Prober, ProbeResult
 from proc_tree import CONTAINER_NS, make_proc
 from test_owners import HPC
 from test_pods import demo_proc
+from test_source_nvml import NVML_ONLY_FAMILIES
 
 SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved", "a100-mig-pending",
              "na-memory"]
 
 
 class _Source:
-    name = "nvidia-smi"
-
-    def __init__(self, snapshot=None, error=None):
-        self.snapshot, self.error = snapshot, error
+    def __init__(self, snapshot=None, error=None, name="nvidia-smi"):
+        self.snapshot, self.error, self.name = snapshot, error, name
 
     def read(self, deadline=None):
         if self.error:
@@ -73,10 +78,10 @@ def _prober() -> Prober:
     return Prober(config, config_file="mig.yml")
 
 
-def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
-    """Every family /metrics emits over all scenarios, a failed read and the
-    demo, with and without engines (the demo's host, a /proc outside the host
-    namespace, a failed GPU read beside a readable /proc), with pods (the
+def _emitted(tmp_path, kubelet, nvml_snapshots) -> dict[str, tuple[str, set[str]]]:
+    """Every family /metrics emits over all scenarios, the real corpus, the NVML-only
+    scenarios, an XID listener, a failed read and the demo, with and without engines (the
+    demo's host, a /proc outside the host namespace, a failed GPU read beside a readable /proc), with pods (the
     Kubernetes node of kube_node.py), with a Slurm job-map directory, with
     owners (a Slurm and systemd host), and with a config file, the probe counters."""
     failing = _Source(error=CommandFailed("nvidia-smi: exit status 9"))
@@ -92,8 +97,39 @@ def _emitted(tmp_path, kubelet) -> dict[str, tuple[str, set[str]]]:
         Scraper(DemoSource(), job_map=SlurmJobMap(str(_job_map(tmp_path / "job-map")))),
         Scraper(DemoSource(), owners=OwnerReader(str(make_proc(tmp_path / "hpc", HPC)))),
     ]
+    scrapers += [Scraper(_Source(snapshot)) for snapshot in _real_corpus()]
+    scrapers += [Scraper(_Source(snapshot, name="nvml")) for snapshot in nvml_snapshots]
+    xids = Scraper(_Source(scenario("h100-mig-processes"), name="nvml"))
+    xids.xids = _Xids()  # type: ignore[assignment]
+    scrapers.append(xids)
     families = [f for scraper in scrapers for f in scraper.families()]
     return _kinds([*families, *_prober().collect()])
+
+
+class _Xids:
+    """What serve's XID listener hands a scrape: one XID 48 on card 0."""
+
+    def seen(self, snapshot):
+        return [XidSeen(card=0, device_index=1000, xid=48, seen=1, last_seconds=1.7e9)]
+
+
+def _real_corpus():
+    """Every real nvidia-smi -q -x output: the card-health families the samples leave out
+    (retirement, repairs, clock-event counters) come from drivers that write them."""
+    corpus = require_real_corpus()
+    return [snapshot_from_smi(path.read_bytes(), None) for path in sorted(corpus.glob("*.xml"))]
+
+
+@pytest.fixture
+def nvml_snapshots(fake_nvml_lib):
+    """The NVML-only scenarios read through the real pynvml over the fake libnvidia-ml: the
+    energy counter and the MIG instances' own ECC count are NVML's."""
+    snapshots = []
+    for fake in (fake_nvml_scenarios.demo(), fake_nvml_scenarios.pascal_page_retirement(),
+                 fake_nvml_scenarios.h100_r570_sram_split()):
+        fake_nvml_lib(fake)
+        snapshots.append(NvmlSource().read())
+    return snapshots
 
 
 def _job_map(directory):
@@ -103,15 +139,20 @@ def _job_map(directory):
 
 
 def _emitted_by_probe() -> dict[str, tuple[str, set[str]]]:
-    """Every family /probe emits over all scenarios and a failed read."""
+    """Every family /probe emits over all scenarios, the real corpus and a failed read."""
     target = ProbeTarget("gpu-a", ("nvidia-smi",))
     outcomes = [ReadOutcome(scenario(name), 0.2) for name in SCENARIOS]
+    outcomes += [ReadOutcome(snapshot, 0.2) for snapshot in _real_corpus()]
+    # Every real 570+ output writes sram_threshold_exceeded N/A (no ECC): one as a card with ECC writes it.
+    ecc_card = (require_real_corpus() / "telegraf-dual-rtx-a5000-v13-drv590.xml").read_bytes()
+    outcomes.append(ReadOutcome(snapshot_from_smi(ecc_card.replace(
+        b"<sram_threshold_exceeded>N/A<", b"<sram_threshold_exceeded>No<"), None), 0.2))
     outcomes.append(ReadOutcome(None, 0.2, "nvidia-smi: exit status 9"))
     return _kinds([f for outcome in outcomes for f in ProbeResult(target, outcome, 0.2).collect()])
 
 
-def test_every_emitted_metric_is_documented_with_its_type_and_labels(tmp_path, fake_kubelet):
-    assert _emitted(tmp_path, fake_kubelet(PODS)) == _documented()
+def test_every_emitted_metric_is_documented_with_its_type_and_labels(tmp_path, fake_kubelet, nvml_snapshots):
+    assert _emitted(tmp_path, fake_kubelet(PODS), nvml_snapshots) == _documented()
 
 
 def test_every_probe_metric_is_documented_and_the_rest_are_those_of_metrics():
@@ -119,6 +160,11 @@ def test_every_probe_metric_is_documented_and_the_rest_are_those_of_metrics():
     own = {name: kind for name, kind in emitted.items() if name.startswith("probe_")}
     assert own == _documented("/probe")
     shared = {name: kind for name, kind in emitted.items() if not name.startswith("probe_")}
+    # A probe reads nvidia-smi: the NVML-only families come out empty there (and are not written).
+    nvml_only = {f"{family}_total" for family in NVML_ONLY_FAMILIES}
+    assert {name for name, (_, labels) in shared.items() if not labels} == nvml_only
+    assert {name: _documented()[name][0] for name in nvml_only} == {name: shared[name][0] for name in nvml_only}
+    shared = {name: kind for name, kind in shared.items() if name not in nvml_only}
     assert shared == {name: _documented()[name] for name in shared}
     assert {name.split("_")[2] for name in shared} == {"device", "process", "card"}
 
