@@ -245,6 +245,37 @@ def test_unsupported_calls_are_asked_again_after_nvml_is_initialised_again(fake_
     assert fake.exceptions == []
 
 
+FIXED = {"nvmlDeviceGetMaxClockInfo": 4, "nvmlDeviceGetPowerManagementLimitConstraints": 1,
+         "nvmlDeviceGetPowerManagementDefaultLimit": 1, "nvmlDeviceGetSupportedClocksEventReasons": 1,
+         "nvmlDeviceGetTemperatureThreshold": 4}  # per card: every threshold but the settable target
+
+
+def test_what_a_card_keeps_while_the_driver_is_loaded_is_asked_once_until_nvml_is_initialised_again(
+        fake_nvml_lib):
+    fake = fake_nvml_lib(h100_r570_sram_split())  # one card, with a target temperature
+    source = NvmlSource()
+    first = source.read()
+    assert dict(first.cards[0].health.temperature_thresholds_celsius)["target"] == 83.0
+    once = {name: n + (name == "nvmlDeviceGetTemperatureThreshold") for name, n in FIXED.items()}
+    asked = {name: fake.called(name) for name in FIXED}
+    assert asked == once
+    assert source.read() == first
+    # Again: of the kept ones only the target temperature, and every changing value.
+    assert {name: fake.called(name) - asked[name] for name in FIXED} == {
+        name: int(name == "nvmlDeviceGetTemperatureThreshold") for name in FIXED}
+    assert fake.called("nvmlDeviceGetClockInfo") == 2 * 4
+    healthy = fake.scenario
+    fake.set_scenario(dataclasses.replace(healthy, system_errors={"nvmlDeviceGetCount_v2":
+                                                                  pynvml.NVML_ERROR_UNINITIALIZED}))
+    with pytest.raises(ReadError):
+        source.read()
+    fake.set_scenario(healthy)
+    before = {name: fake.called(name) for name in FIXED}
+    assert source.read() == first  # a new initialisation may be a new driver: asked again
+    assert {name: fake.called(name) - before[name] for name in FIXED} == once
+    assert fake.exceptions == []
+
+
 def test_temperature_v_is_preferred_and_the_deprecated_call_is_the_fallback(fake_nvml_lib):
     fake = fake_nvml_lib("demo")
     assert [c.temperature_celsius for c in NvmlSource().read().cards] == [34.0, 51.0]
