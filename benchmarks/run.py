@@ -79,10 +79,12 @@ PROMETHEUS_HEADERS = {
 }
 # The targets of issue 17, on this 2-core machine at a quiet moment (docs/performance.md#targets).
 TARGET_OVERHEAD_BIG_MIG_MS = 8.0
-TARGET_SERVER_CPU_BIG_MIG_MS = 9.0
+# Issue 26 let card health cost at most 15% more server CPU than the 8.5 ms median before it, and
+# peak RSS up to 45 MiB (docs/performance.md#issue-26-card-health).
+TARGET_SERVER_CPU_BIG_MIG_MS = 9.8
 TARGET_OVERHEAD_BIG_WHOLE_MS = 7.0
 TARGET_OVERHEAD_SINGLE_MS = 1.5
-TARGET_PEAK_RSS_MIB = 40.0
+TARGET_PEAK_RSS_MIB = 45.0
 TARGET_SLOPE_PER_PROCESS_US = 8.0
 TARGET_SLOPE_PER_INSTANCE_US = 25.0
 TARGET_PROC_SCAN_MS = 10.0

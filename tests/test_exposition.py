@@ -26,7 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from conftest import FIXTURES, REPO, SAMPLES, families_of, fixture_bytes, require_real_corpus
 from mig_exporter.metrics import exposition
-from mig_exporter.metrics.exposition import GaugeColumns, render
+from mig_exporter.metrics.exposition import CounterColumns, GaugeColumns, render
 from mig_exporter.metrics.families import read_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.model.readings import OwnerReading, PodReading, ProcessOwner, ProcessPod
@@ -296,6 +296,45 @@ def test_a_column_family_reads_as_the_family_add_metric_makes():
     assert columns == reference  # name, help, type, unit and samples (Metric.__eq__)
     assert [list(s.labels) for s in columns.samples] == [["b", "a", "c"]] * 3  # add_metric's label order
     assert not columns.unread
+
+
+def test_a_counter_held_as_columns_reads_and_renders_as_counter_metric_family_makes_it():
+    columns = CounterColumns("mig_exporter_test_errors", "h", labels=["card", "type"],
+                             columns=[["0", "0", "1"], ["correctable", "uncorrectable", "correctable"]],
+                             values=[12, 0, 3], count=3)
+    reference = CounterMetricFamily("mig_exporter_test_errors", "h", labels=["card", "type"])
+    for row, value in ((["0", "correctable"], 12), (["0", "uncorrectable"], 0), (["1", "correctable"], 3)):
+        reference.add_metric(row, value)
+    for accept in ACCEPT_HEADERS[:6]:
+        assert render([columns], accept) == _reference([reference], accept)
+    assert b'mig_exporter_test_errors_total{card="1",type="correctable"} 3.0\n' in render([columns], "")[0]
+    assert columns.unread
+    assert columns == reference  # type counter, samples named _total
+    assert [s.name for s in columns.samples] == ["mig_exporter_test_errors_total"] * 3
+
+
+def test_a_column_family_is_written_once_however_often_it_is_rendered():
+    family = GaugeColumns("mig_exporter_test_value", "h", labels=["a"], columns=[["x", "y"]], values=[1, 2], count=2)
+    assert family.lines is None
+    text = render([family], "")[0]
+    assert family.lines == 'mig_exporter_test_value{a="x"} 1.0\nmig_exporter_test_value{a="y"} 2.0\n'
+    family.columns = (["changed", "not read"],)  # (a family is never changed; this shows the lines are kept)
+    assert render([family], "")[0] == text
+    assert render([family], ACCEPT_HEADERS[1])[0].endswith(family.lines.encode() + b"# EOF\n")
+
+
+def test_zero_kept_from_one_scrape_is_never_the_text_of_a_negative_zero_in_the_next():
+    # 0 and -0.0 are one dict key: the text kept for 0 must not be written for -0.0, in either path.
+    for values in ([0, 5], [-0.0, 5], [0.0, 0.0], [-0.0, -0.0], [0, 0]):
+        family = GaugeColumns("mig_exporter_test_value", "h", labels=["a"], columns=[["x", "y"]], values=values,
+                              count=2)
+        reference = GaugeMetricFamily("mig_exporter_test_value", "h", labels=["a"])
+        reference.add_metric(["x"], values[0])
+        reference.add_metric(["y"], values[1])
+        assert render([family], "") == _reference([reference], ""), values
+        assert render([reference], "") == _reference([reference], ""), values  # the samples' path
+    one = GaugeColumns("mig_exporter_test_value", "h", labels=["a"], columns=[["x"]], values=-0.0, count=1)
+    assert render([one], "")[0].endswith(b'{a="x"} -0.0\n')
 
 
 def test_a_column_family_whose_samples_were_read_renders_from_them():

@@ -3,8 +3,11 @@ the device, unknown values left out, and the card's grade as one series per stat
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client.core import Metric
 
+from mig_exporter.metrics.exposition import render
 from mig_exporter.metrics.health_families import health_families, xid_families
 from mig_exporter.model.health import CardHealth, ClockReading, EccCount, Verdict, XidSeen, grade
 from mig_exporter.model.placement import place
@@ -132,3 +135,35 @@ def test_xids_by_card_instance_and_code():
         (("card", "1"), ("index", "1102"), ("xid", "43")): 2, (("card", "1"), ("index", "1"), ("xid", "79")): 1}
     assert _samples(families, "mig_exporter_xid_last_seconds")[(("card", "1"), ("index", "1"), ("xid", "79"))] == (
         1_700_000_100.0)
+
+
+def test_a_family_whose_rows_are_unchanged_is_the_one_made_last_time_and_its_lines_are_written_once():
+    # A card's wear and limits seldom change between two scrapes; its temperatures do.
+    first = {f.name: f for f in health_families(place([_mig_card(5, SICK)], driver_version=None, cuda_version=None))}
+    body = render(list(first.values()), "")[0].decode()
+    assert first["mig_exporter_card_ecc_errors"].lines is not None
+    hotter = dataclasses.replace(SICK, memory_temperature_celsius=61.0)
+    second = {f.name: f for f in health_families(place([_mig_card(5, hotter)], driver_version=None,
+                                                        cuda_version=None))}
+    assert second["mig_exporter_card_ecc_errors"] is first["mig_exporter_card_ecc_errors"]
+    assert second["mig_exporter_card_memory_temperature_celsius"] is not first[
+        "mig_exporter_card_memory_temperature_celsius"]
+    again = render(list(second.values()), "")[0].decode()
+    assert again == body.replace('mig_exporter_card_memory_temperature_celsius{card="5"} 58.0',
+                                 'mig_exporter_card_memory_temperature_celsius{card="5"} 61.0')
+    # Once a reader has its samples (another registry, a test), a family is made anew.
+    assert second["mig_exporter_card_ecc_errors"].samples
+    third = {f.name: f for f in health_families(place([_mig_card(5, hotter)], driver_version=None,
+                                                       cuda_version=None))}
+    assert third["mig_exporter_card_ecc_errors"] is not second["mig_exporter_card_ecc_errors"]
+    assert third["mig_exporter_card_ecc_errors"] == second["mig_exporter_card_ecc_errors"]
+
+
+def test_a_negative_zero_is_never_written_as_the_zero_kept_before_it():
+    lines = []
+    for margin in (0.0, -0.0, -0.0, 0.0):
+        card = CardReading(index=7, memory=_memory(15360), health=CardHealth(temperature_margin_celsius=margin))
+        body = render(list(health_families(place([card], driver_version=None, cuda_version=None))), "")[0]
+        lines += [line for line in body.decode().splitlines() if line.startswith("mig_exporter_card_temperature_m")]
+    assert lines == [f'mig_exporter_card_temperature_margin_celsius{{card="7"}} {t}' for t in
+                     ("0.0", "-0.0", "-0.0", "0.0")]

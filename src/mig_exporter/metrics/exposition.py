@@ -8,7 +8,8 @@ sample name); on a node with hundreds of processes that was most of a
 scrape's cost (docs/performance.md). Here a line template is built once per
 sample name and label names, and a sample is one ``%`` format of its label
 values, escaped only when they hold a backslash, quote or newline.
-The hot families (a line per device, two per process) are ``GaugeColumns``: the
+The hot families (a line per device, two per process, the card health's) are
+``GaugeColumns`` or ``CounterColumns``: the
 collector keeps their label values as columns, written here straight into the
 template, with no ``Sample`` or label dict per line; their ``samples`` are
 built only when something else reads them (another registry, a test).
@@ -24,6 +25,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from itertools import repeat
+from math import copysign
 from operator import itemgetter
 
 from prometheus_client import exposition
@@ -54,9 +56,12 @@ class GaugeColumns(Metric):
     ``GaugeMetricFamily.add_metric`` makes, in row order, built from the columns the first time
     they are read (by another registry, ``generate_latest``, a test)."""
 
+    TYPE = "gauge"
+    SAMPLE_SUFFIX = ""
+
     def __init__(self, name: str, documentation: str, labels: Sequence[str], columns: Sequence[Column],
                  values: Sequence[float] | float, count: int) -> None:
-        Metric.__init__(self, name, documentation, "gauge")
+        Metric.__init__(self, name, documentation, self.TYPE)
         if len(columns) != len(labels):
             raise ValueError(f"{name}: {len(labels)} labels, {len(columns)} columns")
         for column in (*columns, values):
@@ -67,6 +72,9 @@ class GaugeColumns(Metric):
         self.values = values
         self.count = count
         self._samples: list[Sample] | None = None  # after Metric's own ``samples = []``
+        # Its lines once written (the same in both formats): the family is not changed after it
+        # is made, and one made for an earlier scrape may be given again (health_families.py).
+        self.lines: str | None = None
 
     @property  # Metric's is a plain attribute; these are built when first read
     def samples(self) -> list[Sample]:
@@ -77,7 +85,8 @@ class GaugeColumns(Metric):
             values = self.values
             each = repeat(values, count) if isinstance(values, (int, float)) else values
             name, names = self.name, self.label_names
-            self._samples = [Sample(name, dict(zip(names, row, strict=True)), value)
+            sample_name = name + self.SAMPLE_SUFFIX
+            self._samples = [Sample(sample_name, dict(zip(names, row, strict=True)), value)
                              for row, value in zip(rows, each, strict=True)]
         return self._samples
 
@@ -89,6 +98,14 @@ class GaugeColumns(Metric):
     def unread(self) -> bool:
         """Whether ``samples`` were never read nor set: the columns are then all there is."""
         return self._samples is None
+
+
+class CounterColumns(GaugeColumns):
+    """A counter family held as columns: its lines are ``name_total``, as
+    ``CounterMetricFamily.add_metric`` writes them (with no ``_created``)."""
+
+    TYPE = "counter"
+    SAMPLE_SUFFIX = "_total"
 
 
 class _Unsupported(Exception):
@@ -222,7 +239,7 @@ def _render(families: Sequence[Metric], openmetrics_format: bool) -> bytes:
                 raise _Unsupported  # a timestamp, an exemplar, a native histogram
             if value is None:
                 raise _Unsupported
-            number = numbers[value]
+            number = numbers[value] if value or copysign(1.0, value) > 0 else floatToGoString(value)
             # The same label names as the sample before: the same line, values
             # picked by name (a missing name raises KeyError; with the count
             # equal too, the names are the same set).
@@ -308,7 +325,9 @@ class _Numbers(dict[float, str]):
             text = _int_text(value)
         else:
             text = floatToGoString(value)
-        if value:  # 0 and -0.0 are one key, two texts
+        # 0 and -0.0 are one key, two texts: the key holds 0's, and a reader looks -0.0 up
+        # apart (copysign); a health family's counts and flags are mostly 0.
+        if value or copysign(1.0, value) > 0:
             self[value] = text
         return text
 
@@ -320,7 +339,14 @@ def _columns_text(metric: GaugeColumns, numbers: _Numbers) -> str:
     """The lines of a ``GaugeColumns`` family, labels in sorted order as prometheus_client writes
     them: each line one ``%`` format of its varying columns, in a C loop (``map``); a column
     holding one value, and one value for all rows, are written into the template."""
-    name, names, count = metric.name, metric.label_names, metric.count
+    if metric.lines is not None:
+        return metric.lines
+    metric.lines = _write_columns(metric, numbers)
+    return metric.lines
+
+
+def _write_columns(metric: GaugeColumns, numbers: _Numbers) -> str:
+    name, names, count = metric.name + metric.SAMPLE_SUFFIX, metric.label_names, metric.count
     if (name, names) not in _PLAIN_COLUMNS:
         if not _PLAIN_NAME.match(name) or not all(_PLAIN_NAME.match(k) for k in names):
             raise _Unsupported
@@ -344,10 +370,14 @@ def _columns_text(metric: GaugeColumns, numbers: _Numbers) -> str:
     values = metric.values
     if isinstance(values, (int, float)) or (values[0] and values.count(values[0]) == count):
         # One value for every row (an _info family): 0 and -0.0 compare equal, but are two texts.
-        template += numbers[values if isinstance(values, (int, float)) else values[0]] + "\n"
+        one = values if isinstance(values, (int, float)) else values[0]
+        template += (numbers[one] if one or copysign(1.0, one) > 0 else floatToGoString(one)) + "\n"
     else:
         template += "%s\n"
-        args.append(list(map(numbers.__getitem__, values)))
+        if 0 in values and any(copysign(1.0, value) < 0 for value in values if value == 0):
+            args.append([numbers[v] if v or copysign(1.0, v) > 0 else floatToGoString(v) for v in values])
+        else:  # no -0.0: each value's text is the one kept for it
+            args.append(list(map(numbers.__getitem__, values)))
     if not args:
         return (template % ()) * count
     if len(args) == 1:
