@@ -99,7 +99,11 @@ def test_the_answer_is_the_scrapes_families_then_the_other_collectors() -> None:
     source.release.set()
     answer = Exporter(Scraper(source), Counters()).answer(Deadline.after(5))
     names = [family.name for family in answer.families]
-    assert names[-1] == "mig_exporter_probes" and "mig_exporter_read_success" in names[:-1]
+    # Last, what the answer costs: its samples counted, the other collectors' included.
+    assert names[-2:] == ["mig_exporter_probes", "mig_exporter_scrape_series"]
+    assert "mig_exporter_read_success" in names[:-2]
+    samples = sum(len(family.samples) for family in answer.families[:-1])
+    assert answer.families[-1].samples[0].value == samples + 1
     assert answer.outcome is not None and answer.outcome.success
 
 

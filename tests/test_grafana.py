@@ -72,6 +72,16 @@ TABLES = {
         _layout("1", "1", "1", "", "", "", "a100-80g", UUID_1, 22110, 81920),
     ],
     ("overview.json", "Top processes by GPU memory"): PROCESSES,
+    # One row per class, the node counted once though a /probe job reads it too; free memory from
+    # demo.xml's fb_memory_usage/free (MiB). Only the 1g.10gb has no process: free.
+    ("overview.json", "Capacity by class"): [
+        {"Class": cls, "Devices": 1, "Free": free, "In use": 1 - free, "Memory free": mib * MIB}
+        for cls, free, mib in [("a100-80g-mig-3g.40gb", 0, 28529), ("a100-80g-mig-2g.20gb", 0, 10717),
+                               ("a100-80g-mig-1g.10gb", 1, 9715), ("a100-80g", 0, 59248)]
+    ],
+    ("overview.json", "Nodes with a free device of the chosen class"): [
+        {"Node": NODE, "Class": "a100-80g-mig-1g.10gb", "Free": 1},
+    ],
     ("overview.json", "Engines holding no GPU memory"): [
         {"Node": NODE, "Engine": "llama.cpp", "PID": "52040", "Process": "llama-server"},
     ],

@@ -33,6 +33,8 @@ FLOORS: dict[str, int] = {
     "metrics": 5,
     "web": 6,
     "doctor": 7,
+    "status": 7,
+    "fleet": 7,
     "cli": 8,
     "__main__": 9,
 }

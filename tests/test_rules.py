@@ -78,7 +78,21 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
         "instance_card:mig_exporter_device_memory_used_bytes:sum",
         "instance_card:mig_exporter_device_memory_total_bytes:sum",
         "instance_card_work:mig_exporter_process_info:count",
+        *CAPACITY_RECORDS,
     ]
+    # Issue 27: these six names are what other tools may rely on.
+    groups = {group["name"]: group for group in yaml.safe_load(ALERTS.read_text())["groups"]}
+    assert [r["record"] for r in groups["mig-exporter.capacity"]["rules"]] == CAPACITY_RECORDS
+
+
+CAPACITY_RECORDS = [
+    "instance_class:mig_exporter_devices:count",
+    "instance_class:mig_exporter_devices_free:count",
+    "instance_class:mig_exporter_device_memory_free_bytes:sum",
+    "class:mig_exporter_devices:count",
+    "class:mig_exporter_devices_free:count",
+    "class:mig_exporter_device_memory_free_bytes:sum",
+]
 
 
 def test_promtool_unit_tests_pass():
@@ -149,12 +163,29 @@ def test_every_alert_input_rides_through_failed_reads():
 
 def test_rules_over_device_card_and_process_series_count_the_exporters_own_series_only():
     """Probe targets export these families too, never build_info (docs/probe.md)."""
-    families = re.compile(r"mig_exporter_(device|card|process)_")
+    families = re.compile(r"(?<!:)mig_exporter_(device|card|process)_")
     guarded = [r.get("alert") or r["record"] for r in _rules() if families.search(r["expr"])]
-    assert len(guarded) == 20
+    assert len(guarded) == 23
     for rule in _rules():
         if families.search(rule["expr"]):
-            assert _words(rule["expr"]).endswith(PROBE_GUARD), rule.get("alert") or rule["record"]
+            # The capacity rules match with ignoring, not on (job, instance): a ruler over
+            # many clusters keeps each cluster's nodes apart (docs/capacity.md).
+            guard = CAPACITY_GUARD if rule.get("record") in CAPACITY_RECORDS else PROBE_GUARD
+            assert _words(rule["expr"]).endswith(guard), rule.get("alert") or rule["record"]
+
+
+CAPACITY_GUARD = "and ignoring (class, version) last_over_time(mig_exporter_build_info[3m])"
+
+
+def test_the_capacity_rules_keep_every_target_and_external_label():
+    """No `by (` or `on (` in the node rules: what they aggregate away is named (`without`,
+    `ignoring`), so job, instance, node, cluster and replica stay; the fleet rules sum them."""
+    by_name = {r.get("record"): r for r in _rules()}
+    for name in CAPACITY_RECORDS[:3]:
+        expr = _words(by_name[name]["expr"])
+        assert " by (" not in expr and " on (" not in expr, name
+    for name in CAPACITY_RECORDS[3:]:
+        assert _words(by_name[name]["expr"]) == f"sum by (class) (instance_{name})"
 
 
 CARD_HEALTH_ALERTS = [

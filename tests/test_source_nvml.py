@@ -17,7 +17,7 @@ import pynvml
 import pytest
 from click.testing import CliRunner
 
-from conftest import MIB, fixture_bytes, sample_value, scenario
+from conftest import MIB, fixture_bytes, sample_value, samples_of, scenario
 from fake_nvml import OLD_DRIVER_MISSING, SCENARIOS
 from mig_exporter.cli import cli
 from mig_exporter.core import flight
@@ -27,6 +27,7 @@ from mig_exporter.doctor import timed_read
 from mig_exporter.engines.attribution import EngineReader
 from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.metrics.exporter import Exporter
+from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.demo import DemoProcs, DemoSource
@@ -130,6 +131,17 @@ def test_an_older_driver_without_v3_process_calls_or_memory_v2_still_reads(fake_
     assert all(d.memory.reserved_bytes is None for d in snapshot.devices)
     assert snapshot.device(1002).memory.total_bytes == 9984 * MIB
     assert fake.exceptions == []
+
+
+def test_a_driver_with_no_process_list_pynvml_can_call_makes_every_device_unknown_not_free(fake_nvml_lib):
+    lists = {f"nvmlDeviceGet{kind}RunningProcesses{suffix}"
+             for kind in ("Compute", "Graphics", "MPSCompute") for suffix in ("_v2", "_v3")}
+    fake_nvml_lib(dataclasses.replace(SCENARIOS["h100-mig-processes"](), missing_functions=frozenset(lists)))
+    snapshot = NvmlSource().read()
+    assert snapshot.devices and not any(d.processes_known for d in snapshot.devices)
+    assert snapshot.processes == ()
+    assert any("processes unknown" in problem for problem in snapshot.problems)
+    assert samples_of(list(snapshot_families(snapshot)), "mig_exporter_device_processes") == []
 
 
 def test_unknown_process_memory_is_none(fake_nvml_lib):

@@ -31,6 +31,7 @@ table and stat with Grafana's own code (docs/dashboards.md).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,43 @@ def alert_expr(name: str) -> str:
     rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"] if r.get("alert") == name]
     assert len(rules) == 1, f"alert {name}: {len(rules)} rules"
     return str(rules[0]["expr"]).strip()
+
+
+def record_expr(name: str) -> str:
+    """The expression of one of the shipped recording rules (deploy/prometheus/alerts.yml)."""
+    rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"] if r.get("record") == name]
+    assert len(rules) == 1, f"record {name}: {len(rules)} rules"
+    return " ".join(str(rules[0]["expr"]).split())
+
+
+def selected(expr: str, sel: str) -> str:
+    """``expr`` with ``sel`` on each of its selectors (none of which has matchers of its own)."""
+    return re.sub(r"\b(mig_exporter_[a-z_]+)\b(?![{\w:])", rf"\1{{{sel}}}", expr)
+
+
+def per_class(record: str, sel: str) -> str:
+    """A node rule of the capacity group (devices, free devices, memory free by class) summed over
+    the chosen nodes: the rule's own expression, so the table counts what the rules count."""
+    return f"sum by (class) ({selected(record_expr(record), sel)})"
+
+
+def in_use_per_class(sel: str) -> str:
+    """Devices with a process on them, by class, with an explicit 0 (devices less free less
+    unknown: a device whose process list the driver did not give is neither)."""
+    devices = record_expr("instance_class:mig_exporter_devices:count")
+    busy = devices.replace("mig_exporter_device_info )", "mig_exporter_device_info and ignoring (uuid, gpu_instance, "
+                           "compute_instance, class, name, device) (mig_exporter_device_processes > 0) )", 1)
+    assert busy != devices
+    every = per_class("instance_class:mig_exporter_devices:count", sel)
+    return f"sum by (class) ({selected(busy, sel)}) or 0 * {every}"
+
+
+def nodes_with_free(sel: str) -> str:
+    """Each node's free devices of the chosen classes, where it has one or more."""
+    free = record_expr("instance_class:mig_exporter_devices_free:count")
+    cut = free.index("mig_exporter_device_info") + len("mig_exporter_device_info")  # the devices counted free
+    chosen = selected(free[:cut], f'{sel}, class=~"$class"') + selected(free[cut:], sel)
+    return f"sum by (job, instance, class) ({chosen}) > 0"
 
 
 def with_device(expr: str, sel: str, labels: str = "device") -> str:
@@ -161,7 +199,7 @@ def table(title: str, targets: list[dict], columns: dict[str, str], units: dict[
     }
 
 
-def variables(with_card: bool) -> list[dict]:
+def variables(with_card: bool, with_class: bool = False) -> list[dict]:
     out = [
         {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source",
          "current": {}, "hide": 0, "refresh": 1},
@@ -179,15 +217,24 @@ def variables(with_card: bool) -> list[dict]:
             "includeAll": True, "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
             "refresh": 2, "sort": 3,
         })
+    if with_class:
+        query = 'label_values(mig_exporter_device_info{instance=~"$node"}, class)'
+        out.append({
+            "name": "class", "type": "query", "label": "Device class", "datasource": DS,
+            "query": {"query": query, "refId": "class"}, "definition": query,
+            "includeAll": True, "multi": True, "allValue": ".*", "current": {"text": "All", "value": "$__all"},
+            "refresh": 2, "sort": 1,
+        })
     return out
 
 
-def dashboard(uid: str, title: str, description: str, panels: list[dict], with_card: bool) -> dict:
+def dashboard(uid: str, title: str, description: str, panels: list[dict], with_card: bool,
+              with_class: bool = False) -> dict:
     return {
         "uid": uid, "title": title, "description": description, "tags": ["gpu", "nvidia", "mig", "mig-exporter"],
         "timezone": "browser", "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
         "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
-        "templating": {"list": variables(with_card)},
+        "templating": {"list": variables(with_card, with_class)},
         "annotations": {"list": []},
         "links": [{"title": "mig-exporter dashboards", "type": "dashboards", "tags": ["mig-exporter"],
                    "asDropdown": True}],
@@ -212,6 +259,31 @@ def overview() -> dict:
                  thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]), 4, 4)
     lay.add(stat("MIG cards with nothing carved", f"count(mig_exporter_card_mig_instances{{{SEL}}} == 0) or vector(0)",
                  thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]), 4, 4)
+    capacity = table("Capacity by class", [
+        target(per_class("instance_class:mig_exporter_devices:count", SEL), ref="A", instant=True, fmt="table"),
+        target(per_class("instance_class:mig_exporter_devices_free:count", SEL), ref="B", instant=True, fmt="table"),
+        target(in_use_per_class(SEL), ref="C", instant=True, fmt="table"),
+        target(per_class("instance_class:mig_exporter_device_memory_free_bytes:sum", SEL), ref="D", instant=True,
+               fmt="table"),
+    ], {"class": "Class", "Value #A": "Devices", "Value #B": "Free", "Value #C": "In use", "Value #D": "Memory free"},
+        {"Value #D": "bytes"}, sort_by="Value #B",
+        description="One row per device class on the chosen nodes. Free: no process on the device; in use: one or "
+                    "more; a device whose process list the driver does not give is neither. Memory free counts each "
+                    "GPU instance once. The recording rules' own expressions (docs/capacity.md); a probe target "
+                    "is never counted. Click a class for the nodes with one free.")
+    capacity["fieldConfig"]["overrides"].append({
+        "matcher": {"id": "byName", "options": "class"},
+        "properties": [{"id": "links", "value": [{
+            "title": "Nodes with a free ${__value.raw}",
+            "url": "/d/mig-exporter-overview/?${node:queryparam}&var-class=${__value.raw}",
+        }]}],
+    })
+    lay.add(capacity, 14, 8)
+    lay.add(table("Nodes with a free device of the chosen class", [
+        target(nodes_with_free(SEL), instant=True, fmt="table"),
+    ], {"instance": "Node", "class": "Class", "Value": "Free"}, {}, sort_by="Value",
+        description="Each node with at least one free device of the classes chosen above (Device class): "
+                    "where a job asking for one can start now."), 10, 8)
     lay.add(timeseries("Memory used by card and GPU instance", [target(
         per_gpu_instance("mig_exporter_device_memory_used_bytes", SEL),
         "{{instance}} card {{card}} GI {{gpu_instance}}")], "bytes",
@@ -279,7 +351,8 @@ def overview() -> dict:
     ], "bytes", description="What each Slurm job's processes, and each systemd unit's, hold on all the node's "
                             "devices (bare-metal and HPC nodes; docs/hpc.md). Empty on Kubernetes nodes."), 24, 8)])
     return dashboard("mig-exporter-overview", "GPU memory / overview",
-                     "Fleet-wide GPU memory by card, MIG instance and process (mig-exporter).", lay.panels, False)
+                     "Fleet-wide GPU memory by card, MIG instance and process (mig-exporter).", lay.panels, False,
+                     with_class=True)
 
 
 def node() -> dict:

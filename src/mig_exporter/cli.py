@@ -23,6 +23,8 @@ import click
 from click.core import ParameterSource
 
 from mig_exporter import __version__
+from mig_exporter import fleet as fleet_view
+from mig_exporter import status as status_view
 from mig_exporter.config.checks import ConfigError
 from mig_exporter.config.file import EMPTY, Config, load_config
 from mig_exporter.core.deadline import Deadline
@@ -40,6 +42,7 @@ from mig_exporter.kubernetes.podlogs import DEFAULT_LOG_DIR
 from mig_exporter.kubernetes.podresources import DEFAULT_SOCKET, PodResourcesClient
 from mig_exporter.kubernetes.pods import PodReader
 from mig_exporter.metrics.exporter import Exporter
+from mig_exporter.metrics.process_series import ALL_PROCESSES, ProcessSeries
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.auto import AutoSource
 from mig_exporter.sources.base import Source
@@ -148,6 +151,28 @@ def _slurm_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return _with_options(options)(func)
 
 
+class _ProcessSeriesType(click.ParamType):  # type: ignore[type-arg]
+    name = "all|top=N|none"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> ProcessSeries:
+        if isinstance(value, ProcessSeries):
+            return value
+        try:
+            return ProcessSeries.parse(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _process_series_option() -> Callable[..., Any]:
+    return click.option(
+        "--collector.processes", "process_series", type=_ProcessSeriesType(), default="all", show_default=True,
+        envvar=_env("COLLECTOR_PROCESSES"), show_envvar=True,
+        help="Which processes get series of their own (process_memory_used_bytes, process_info): all; top=N, the N "
+             "holding the most memory on each device and one pid=\"other\" series for the rest; or none. Device, "
+             "pod, Slurm job, systemd unit and engine families count every process whatever this says "
+             "(docs/scale.md).")
+
+
 def _make_pod_reader(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
     """Where pods are read from, or None when switched off (and in the demo,
     whose sample host is not a Kubernetes node)."""
@@ -178,11 +203,12 @@ def _make_owner_reader(proc_root: str, passwd: str | None, demo: bool) -> OwnerR
 
 def _make_scraper(source: Source, engines: EngineReader, *, proc_root: str, host_passwd: str | None,
                   kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
-                  demo: bool) -> Scraper:
+                  demo: bool, process_series: ProcessSeries = ALL_PROCESSES) -> Scraper:
     """The scrape of ``source`` with the readers the options ask for (serve and read alike)."""
     pods = _make_pod_reader(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo)
     owners = _make_owner_reader(proc_root, host_passwd, demo)
-    return Scraper(source, engines, pods=pods, owners=owners, job_map=_make_job_map(slurm_job_map_dir))
+    return Scraper(source, engines, pods=pods, owners=owners, job_map=_make_job_map(slurm_job_map_dir),
+                   process_series=process_series)
 
 
 def _make_engine_reader(settings: EngineSettings, proc_root: str, demo: bool) -> EngineReader:
@@ -327,11 +353,12 @@ def _load_config(path: str) -> Config:
               help="Count the XID errors the driver reports (NVML events, waited for in a thread of their own) "
                    "into mig_exporter_xid_errors_total, with --source nvml or auto. The XIDs of MIG instances "
                    "need root (docs/metrics.md); the nvidia-smi path has none.")
+@_process_series_option()
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
           config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
           pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
           listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
-          web_config_file: str | None, xid: bool) -> None:
+          web_config_file: str | None, xid: bool, process_series: ProcessSeries) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
@@ -343,6 +370,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
         slurm_job_map_dir=slurm_job_map_dir, listen_address=listen_address, timeout_offset=timeout_offset,
         max_concurrent=max_concurrent, max_connections=max_connections, web_config_file=web_config_file, xid=xid,
+        process_series=process_series,
     )
     _run(server)
 
@@ -350,7 +378,8 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
 def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: str | None, proc_root: str,
                  host_passwd: str | None, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
                  slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
-                 max_connections: int, web_config_file: str | None, xid: bool = True) -> ExporterServer:
+                 max_connections: int, web_config_file: str | None, xid: bool = True,
+                 process_series: ProcessSeries = ALL_PROCESSES) -> ExporterServer:
     """The server serve runs, listening and assembled from serve's options (``source`` as
     ``_chosen_source`` names it): the source and the scrape with its readers, the probe targets,
     the one exporter that composes their metrics, the web config. A bad option or file is a
@@ -371,7 +400,9 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
     scraper = _make_scraper(_make_source(source, nvidia_smi, timeout, strict=False), engines, proc_root=proc_root,
                             host_passwd=host_passwd, kubernetes=kubernetes,
                             pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
-                            slurm_job_map_dir=slurm_job_map_dir, demo=demo)
+                            slurm_job_map_dir=slurm_job_map_dir, demo=demo, process_series=process_series)
+    if process_series != ALL_PROCESSES:
+        log.info("per-process series: %s (--collector.processes)", process_series)
     if xid and source in ("nvml", "auto"):  # XIDs are NVML's events: the nvidia-smi path has none
         scraper.xids = XidListener()
     # /metrics: the scrape's families, then the counters about probes.
@@ -459,10 +490,11 @@ def check_web_config(web_config_file: str) -> None:
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
+@_process_series_option()
 def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
          config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
          pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
-         output: str | None) -> None:
+         output: str | None, process_series: ProcessSeries) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     setup_logging(log_level, log_format)
     demo = _is_demo(source, demo)
@@ -474,7 +506,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
                           strict_about_path=False, unready=f"writing read_success 0 to {output}")
     scraper = _make_scraper(chosen, engines, proc_root=proc_root, host_passwd=host_passwd, kubernetes=kubernetes,
                             pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
-                            slurm_job_map_dir=slurm_job_map_dir, demo=demo)
+                            slurm_job_map_dir=slurm_job_map_dir, demo=demo, process_series=process_series)
     with _reaping(), _signals_kill_commands():
         # serve's answer to a scrape without a header, text format: the same exporter and encoder.
         text, _content_type = Exporter(scraper, timeout_s=timeout).answer(Deadline.after(timeout)).encoded(None, False)
@@ -488,6 +520,63 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
             raise click.ClickException(f"cannot write {output}: {e.strerror or e}") from None
     if scraper.errors_total:
         sys.exit(1)
+
+
+@cli.command()
+@_source_options
+@_with_options(_log_options("warning"))
+@_engine_options
+@_kubernetes_options
+@_slurm_options
+@click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="A table for a person, or JSON for scripts.")
+def status(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
+           config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
+           pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
+           output_format: str) -> None:
+    """This node at a glance: each device with its class, memory and processes, the top process
+    with its pod, job or unit, and the devices counted by class. Reads once, as read does; exit 1
+    when the read failed."""
+    setup_logging(log_level, log_format)
+    demo = _is_demo(source, demo)
+    config = _load_config(config_file) if config_file else EMPTY
+    engines = _make_engine_reader(config.engines, proc_root, demo)
+    chosen = _make_source(_chosen_source(source, demo), nvidia_smi, timeout, strict=True)
+    scraper = _make_scraper(chosen, engines, proc_root=proc_root, host_passwd=host_passwd, kubernetes=kubernetes,
+                            pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
+                            slurm_job_map_dir=slurm_job_map_dir, demo=demo)
+    with _reaping(), _signals_kill_commands():
+        outcome = scraper.read(Deadline.after(timeout))
+    if output_format == "json":
+        click.echo(json.dumps(status_view.as_json(outcome), indent=2))
+    else:
+        click.echo(status_view.render_text(outcome), nl=False)
+    if not outcome.success:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--prometheus", "prometheus_url", metavar="URL", required=True, envvar=_env("PROMETHEUS_URL"),
+              show_envvar=True,
+              help="The Prometheus (or Thanos Query, Mimir, VictoriaMetrics) that scrapes the exporters, e.g. "
+                   "http://prometheus:9090; asked through its HTTP query API.")
+@click.option("--class", "device_class", metavar="CLASS", default=None,
+              help="Also list the nodes that have a free device of this class now (e.g. a100-80g-mig-3g.40gb).")
+@click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="A table for a person, or JSON for scripts.")
+@click.option("--timeout", type=click.FloatRange(min=0.1, max=600), default=10.0, show_default=True,
+              help="Seconds each query may take.")
+def fleet(prometheus_url: str, device_class: str | None, output_format: str, timeout: float) -> None:
+    """The fleet by device class, from a Prometheus: devices and free devices per class, and with
+    --class the nodes that have one free now. Free: no process on the device (docs/capacity.md)."""
+    try:
+        found = fleet_view.read_fleet(fleet_view.PrometheusClient(prometheus_url, timeout), device_class)
+    except fleet_view.FleetError as e:
+        raise click.ClickException(f"cannot ask the Prometheus: {e}") from None
+    if output_format == "json":
+        click.echo(json.dumps(fleet_view.as_json(found), indent=2))
+    else:
+        click.echo(fleet_view.render_text(found, device_class), nl=False)
 
 
 @cli.command()

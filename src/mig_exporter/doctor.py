@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mig_exporter.core.errors import ReadError
+from mig_exporter.model.capacity import count_by_class, summary
 from mig_exporter.model.health import CardHealth, EccCount, Verdict, grade, instance_uncorrectable
 from mig_exporter.model.snapshot import MIB, Card, Device, Snapshot
 
@@ -448,6 +449,9 @@ def render_text(report: Report) -> str:
         for card in snapshot.cards:
             lines.append("")
             lines.extend(_card_lines(snapshot, card.index))
+        if snapshot.devices:
+            lines.append("")
+            lines.append("devices by class: " + summary(count_by_class(snapshot)))
     if report.xids is not None and report.xids.watching:
         partly = f" ({report.xids.reason})" if report.xids.reason else ""
         lines.append(f"XIDs: watched through NVML events on {report.xids.cards} card(s){partly}")
@@ -538,6 +542,11 @@ def as_json(report: Report) -> dict[str, Any]:
                 ],
             }
             for c in snapshot.cards
+        ] if snapshot else [],
+        "classes": [
+            {"class": c.device_class, "devices": c.devices, "free": c.free, "in_use": c.in_use, "unknown": c.unknown,
+             "memory_free_bytes": c.memory_free_bytes}
+            for c in count_by_class(snapshot)
         ] if snapshot else [],
         "warnings": [
             {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix} for f in report.findings

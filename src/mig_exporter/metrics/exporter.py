@@ -18,11 +18,11 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.flight import FlightNotStarted, Flights
-from mig_exporter.metrics.exposition import negotiate, render
+from mig_exporter.metrics.exposition import negotiate, render, sample_count
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.sources.base import Source
 from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S
@@ -132,6 +132,14 @@ class Exporter:
     def _answer(self, outcome: ReadOutcome, families: list[Metric]) -> Answer:
         for collector in self.collectors:
             families.extend(collector.collect())
+        # What this answer costs the Prometheus that scrapes it, counted as its
+        # scrape_samples_scraped counts: every sample line, this one included.
+        families.append(GaugeMetricFamily(
+            "mig_exporter_scrape_series",
+            "Samples in this /metrics answer, this one included: what Prometheus counts as scrape_samples_scraped "
+            "(docs/scale.md).",
+            value=sample_count(families) + 1,
+        ))
         return Answer(families, outcome)
 
     def _late(self, deadline: Deadline, started: float) -> Answer:

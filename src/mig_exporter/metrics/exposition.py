@@ -393,3 +393,9 @@ _NUMBERS_KEPT = 8192
 
 def _escape_value(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def sample_count(families: Iterable[Metric]) -> int:
+    """How many sample lines ``render`` writes for ``families`` (in either format: neither
+    writes a ``_created`` here), without building a ``GaugeColumns``' samples."""
+    return sum(f.count if isinstance(f, GaugeColumns) else len(f.samples) for f in families)

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from mig_exporter.metrics.exposition import Column, GaugeColumns
 from mig_exporter.metrics.health_families import health_families
+from mig_exporter.metrics.process_series import ALL_PROCESSES, OTHER_PID, ProcessSeries
 from mig_exporter.model.readings import (
     EngineReading,
     OwnerReading,
@@ -43,12 +44,14 @@ def _device_labels(d: Device) -> tuple[str, str, str]:
 
 
 def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None,
-                      owners: OwnerReading | None = None) -> Iterator[Metric]:
+                      owners: OwnerReading | None = None,
+                      process_series: ProcessSeries = ALL_PROCESSES) -> Iterator[Metric]:
     """Device, process and card families for one snapshot; ``pods`` gives
     the processes' pod labels (empty without it: /probe, not on Kubernetes),
-    ``owners`` their Slurm job, systemd unit and user (empty without it: /probe)."""
+    ``owners`` their Slurm job, systemd unit and user (empty without it: /probe);
+    ``process_series`` which processes get series of their own (--collector.processes)."""
     yield from _device_families(snapshot)
-    yield from _process_families(snapshot, pods, owners)
+    yield from _process_families(snapshot, pods, owners, process_series)
     yield from _card_families(snapshot)
     yield from health_families(snapshot)
 
@@ -84,10 +87,12 @@ def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
             DEVICE_LABELS, [index, card, profile], values,
         )
     by_device = Counter(map(attrgetter("device_index"), snapshot.processes))
-    yield GaugeColumns(
+    # A device whose process list the driver did not give is left out: unknown, not free.
+    yield _known(
         "mig_exporter_device_processes",
-        "Processes holding memory on the device, as the driver lists them.",
-        labels=DEVICE_LABELS, columns=[index, card, profile], values=[by_device[d.index] for d in devices], count=n,
+        "Processes holding memory on the device, as the driver lists them (left out where it does not list them).",
+        DEVICE_LABELS, [index, card, profile],
+        [by_device[d.index] if d.processes_known else None for d in devices],
     )
 
 
@@ -103,17 +108,29 @@ def _known(name: str, documentation: str, labels: list[str], columns: list[list[
     return GaugeColumns(name, documentation, labels=labels, columns=columns, values=known, count=len(known))
 
 
-def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: OwnerReading | None) -> Iterator[Metric]:
-    processes = snapshot.processes
+def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: OwnerReading | None,
+                      process_series: ProcessSeries) -> Iterator[Metric]:
+    if not process_series.enabled:
+        return
+    processes, other = process_series.select(snapshot.processes)
     n = len(processes)
     device_labels = {d.index: _device_labels(d) for d in snapshot.devices}
     on = [device_labels[p.device_index] for p in processes]
     index, card, profile = ([d[0] for d in on], [d[1] for d in on], [d[2] for d in on])
     pid = [str(p.pid) for p in processes]
+    used: list[int | None] = [p.used_bytes for p in processes]
+    if other:  # top=N: one pid="other" row per device for the processes folded together
+        folded_on = [device_labels[device] for device in other]
+        memory_columns = [index + [d[0] for d in folded_on], card + [d[1] for d in folded_on],
+                          profile + [d[2] for d in folded_on], pid + [OTHER_PID] * len(other)]
+        used = used + list(other.values())
+    else:
+        memory_columns = [index, card, profile, pid]
     yield _known(
         "mig_exporter_process_memory_used_bytes",
-        "Device memory held by the process on the device, in bytes (left out where the driver does not say).",
-        PROCESS_LABELS, [index, card, profile, pid], [p.used_bytes for p in processes],
+        "Device memory held by the process on the device, in bytes (left out where the driver does not say). "
+        "With --collector.processes=top=N, pid=\"other\" holds the memory of a device's other processes.",
+        PROCESS_LABELS, memory_columns, used,
     )
     # Without pods or owners (/probe, a node without them) each of their labels is one "" for all.
     in_pods = pods.processes if pods is not None else {}

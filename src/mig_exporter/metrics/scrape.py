@@ -53,6 +53,7 @@ from mig_exporter.metrics.families import (
     snapshot_families,
 )
 from mig_exporter.metrics.health_families import xid_families
+from mig_exporter.metrics.process_series import ALL_PROCESSES, ProcessSeries
 from mig_exporter.model.readings import EngineReading, OwnerReading, PodReading, SlurmJobMapReading
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.base import Source, read_telling_start
@@ -110,8 +111,9 @@ class Scraper:
 
     def __init__(self, source: Source, engines: EngineReader | None = None, name: str | None = None,
                  pods: PodReader | None = None, owners: OwnerReader | None = None,
-                 job_map: SlurmJobMap | None = None) -> None:
+                 job_map: SlurmJobMap | None = None, process_series: ProcessSeries = ALL_PROCESSES) -> None:
         self.source = source
+        self.process_series = process_series  # --collector.processes
         self.name = name or source.name  # what the log calls this read path
         self.engines = engines
         self.pods = pods
@@ -409,7 +411,7 @@ class Scraper:
 
     def families_for(self, outcome: ReadOutcome) -> Iterator[Metric]:
         if outcome.snapshot is not None:
-            yield from snapshot_families(outcome.snapshot, outcome.pods, outcome.owners)
+            yield from snapshot_families(outcome.snapshot, outcome.pods, outcome.owners, self.process_series)
             if outcome.pods is not None:
                 yield from pod_families(outcome.pods, outcome.snapshot)
             if outcome.owners is not None:

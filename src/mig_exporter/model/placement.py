@@ -81,7 +81,7 @@ def place(
     now: dict[int, tuple[_PlacementKey, _Placed]] = {}
     for reading in readings:
         key = (reading.index, reading.uuid, reading.name, reading.mig_current, reading.error, reading.memory,
-               reading.instances, reading.processes)
+               reading.instances, reading.processes, reading.processes_known)
         klass = card_class(reading.name, reading.memory.total_bytes)
         in_mig = reading.mig_current is True and reading.error is None
         kept = last.get(reading.index)
@@ -150,6 +150,7 @@ def _place_whole_card(r: CardReading, klass: str | None) -> tuple[Device, list[P
         name=r.name,
         device_class=klass,
         memory=r.memory,
+        processes_known=r.processes_known,
     )
     return device, _merge(r.processes, device.index)
 
@@ -175,6 +176,7 @@ def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device
             device_class=mig_device_class(klass, inst.profile),
             memory=inst.memory,
             ecc_errors=inst.ecc_errors,
+            processes_known=r.processes_known and inst.gpu_instance_id is not None,
         )
         devices.append(device)
         if inst.gpu_instance_id is not None:

@@ -92,6 +92,9 @@ class CardReading:
     processes: tuple[ProcessReading, ...] = ()
     error: str | None = None
     health: CardHealth = NO_HEALTH
+    # False when the driver did not list the card's processes (N/A, no list it can give):
+    # its devices are then neither free nor in use, but unknown.
+    processes_known: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,9 @@ class Device:
     memory: Memory
     # A MIG instance's own ECC counts (the driver gives no other health per instance).
     ecc_errors: tuple[EccCount, ...] = ()
+    # False when which processes run here is unknown: the card's list was N/A, or a MIG
+    # instance's GPU instance id was (no process can be placed on it).
+    processes_known: bool = True
 
     @property
     def is_mig(self) -> bool:

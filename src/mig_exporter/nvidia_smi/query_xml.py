@@ -633,7 +633,8 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
         utilization_ratio=_percent_to_ratio(values.number(card, "utilization/gpu_util", "%")),
         memory=values.memory(card, "fb_memory_usage"),
         instances=tuple(instances),
-        processes=tuple(processes),
+        processes=tuple(processes or ()),
+        processes_known=processes is not None,
         health=read_health(card, values),
     )
 
@@ -666,10 +667,16 @@ def _read_instances(gpu: etree._Element, sections: _Sections | None, values: _Va
     return instances
 
 
-def _read_processes(gpu: etree._Element, sections: _Sections | None, values: _Values) -> list[ProcessReading]:
-    """The card's ``<process_info>``s: of a section read apart, its rows; else by lxml."""
+def _read_processes(gpu: etree._Element, sections: _Sections | None, values: _Values) -> list[ProcessReading] | None:
+    """The card's ``<process_info>``s: of a section read apart, its rows; else by lxml.
+    ``None`` when the driver does not list them: no ``<processes>``, or one that says ``N/A``
+    (an empty list would read as an idle, free device)."""
     processes: list[ProcessReading] = []
+    listed = False
     for section in gpu.iterfind("processes"):
+        if section.get(_MARK) is None and len(section) == 0 and (section.text or "").strip():
+            continue  # N/A, Not Supported: this section lists nothing known
+        listed = True
         if sections is not None and (mark := section.get(_MARK)) is not None:
             read = sections.processes[int(mark)]
             _take(read, values.problems)
@@ -679,7 +686,7 @@ def _read_processes(gpu: etree._Element, sections: _Sections | None, values: _Va
             texts = _child_texts(el)
             _add_process(processes, values, texts.get("pid"), texts.get("type"), texts.get("process_name"),
                          texts.get("used_memory"), texts.get("gpu_instance_id"), texts.get("compute_instance_id"))
-    return processes
+    return processes if listed else None
 
 
 def _add_instance(instances: list[MigInstance], values: _Values, index: str | None, gi: str | None,

@@ -191,16 +191,22 @@ class NvmlSource:
         health = self._health.card(card, handle, mig_current)
         instances: list[MigInstance] = []
         processes: list[_Row] = []
+        known = True
         if mig_current:
             for mig_index, mig_handle in self._mig_handles(handle):
                 instance = self._instance(card, mig_index, mig_handle)
                 instances.append(instance)
-                processes.extend(self._processes(mig_handle, instance.gpu_instance_id, instance.compute_instance_id,
-                                                 f"card {index} MIG device {mig_index}", problems))
+                listed = self._processes(mig_handle, instance.gpu_instance_id, instance.compute_instance_id,
+                                         f"card {index} MIG device {mig_index}", problems)
+                known = known and listed is not None
+                processes.extend(listed or ())
         else:
-            processes.extend(self._processes(handle, None, None, f"card {index}", problems))
+            listed = self._processes(handle, None, None, f"card {index}", problems)
+            known = listed is not None
+            processes.extend(listed or ())
         return dict(
             index=index,
+            processes_known=known,
             temperature_celsius=temperature,
             power_draw_watts=None if power_mw is None else power_mw / 1000.0,
             utilization_ratio=None if utilization is None else utilization.gpu / 100.0,
@@ -252,9 +258,10 @@ class NvmlSource:
         return Memory(total_bytes=m.total, used_bytes=m.used, free_bytes=m.free)
 
     def _processes(self, handle: Any, gi: int | None, ci: int | None, where: str,
-                   problems: list[str]) -> list[_Row]:
+                   problems: list[str]) -> list[_Row] | None:
         """Compute (C), graphics (G) and MPS (M) processes; placement merges a pid
-        listed in several of them into one process of type C+G or M+C."""
+        listed in several of them into one process of type C+G or M+C. ``None`` when
+        the driver has no list to give: which processes run is then unknown."""
         found: list[_Row] = []
         readable = False
         for letter, functions in _PROCESS_LISTS:
@@ -268,6 +275,7 @@ class NvmlSource:
             # symbols; a driver with neither would show every device as idle.
             problems.append(f"{where}: this driver's NVML has no process list pynvml can call; "
                             "processes unknown (use --source nvidia-smi)")
+            return None
         return found
 
     def _process_list(self, handle: Any, functions: tuple[str, ...], where: str,

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from mig_exporter.metrics.scrape import ReadOutcome
+from mig_exporter.model.capacity import count_by_class
 from mig_exporter.model.health import Verdict, grade, instance_uncorrectable
 from mig_exporter.model.readings import EngineReading, ProcessPod
-from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process
+from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process, Snapshot
 
 BAR_WIDTH = 360  # px: the widest row on the page (the largest card) spans this
 BAR_HEIGHT = 22
@@ -87,6 +88,8 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
              "(and at every load of this page).</p>\n"
              f"<p class=\"source\">Source: {_e(source)}</p>\n{_links()}</header>\n<main>\n"]
     parts.append(_read_summary(outcome))
+    if outcome.snapshot is not None and outcome.snapshot.devices:
+        parts.append(_classes(outcome.snapshot))
     parts.append(_engines_on_the_cpu(outcome.engines))
     snapshot = outcome.snapshot
     if snapshot is not None:
@@ -140,6 +143,14 @@ def _read_summary(outcome: ReadOutcome) -> str:
     return (f"<p class=\"read ok\">Read in {outcome.duration_s:.2f}s{versions} · {len(snapshot.cards)} "
             f"card{'s' if len(snapshot.cards) != 1 else ''}, {len(snapshot.devices)} "
             f"device{'s' if len(snapshot.devices) != 1 else ''}. Reload the page to read again.</p>\n")
+
+
+def _classes(snapshot: Snapshot) -> str:
+    """A line per device class on this node: 7 x h100-80g-mig-1g.10gb (2 free), free counted as
+    every view counts it (model/capacity.py)."""
+    items = "".join(f"<li data-class=\"{_e(c.device_class)}\" data-devices=\"{c.devices}\" data-free=\"{c.free}\">"
+                    f"{_e(c.describe())}</li>\n" for c in count_by_class(snapshot))
+    return f"<section class=\"classes\"><h2>Devices by class</h2>\n<ul>\n{items}</ul>\n</section>\n"
 
 
 def _engines_on_the_cpu(engines: EngineReading | None) -> str:
@@ -312,6 +323,8 @@ svg.bar {{ display: block; }}
 .health.warning .mark {{ background: #fff3c4; color: #8d5b00; }} .health.warning .reasons {{ color: #8d5b00; }}
 .health.reset .mark {{ background: #d64545; color: #fff; }} .health.reset .reasons {{ color: #8a1c1c; }}
 .health.replace .mark {{ background: #610404; color: #fff; }} .health.replace .reasons {{ color: #610404; }}
+.classes {{ margin: 12px 0; }} .classes h2 {{ font-size: 15px; margin: 4px 0; }}
+.classes ul {{ margin: 4px 0; padding-left: 18px; columns: 2; }}
 .engines-cpu {{ margin: 12px 0; padding: 6px 12px; border-left: 4px solid #c81e1e; background: #fde8e8; }}
 .engines-cpu h2 {{ font-size: 15px; margin: 4px 0; color: #8a1c1c; }}
 .engines-cpu ul {{ margin: 4px 0; padding-left: 18px; }} .engines-cpu p {{ margin: 4px 0; color: #52606d; }}

@@ -1,0 +1,132 @@
+"""``mig-exporter status``: this node at a glance, for a person at a terminal (or, as JSON,
+for a script). One read's outcome in, text or a JSON-ready dict out; nothing here reads.
+
+    DEVICE  CLASS                 MEMORY USED / TOTAL  PROCESSES
+    0/mig0  a100-80g-mig-3g.40gb     11.2 / 39.5 GiB          1
+    1       a100-80g                 21.6 / 80.0 GiB          2
+
+    Top process: 50102 python3, 20.0 GiB on 1 (pod ml/trainer-0)
+    By class: 1 x a100-80g-mig-3g.40gb (in use), 1 x a100-80g (in use)   (x: a multiplication sign)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mig_exporter.metrics.scrape import ReadOutcome
+from mig_exporter.model.capacity import count_by_class, device_state
+from mig_exporter.model.snapshot import Process, Snapshot
+
+_GIB = 1024**3
+
+
+def as_json(outcome: ReadOutcome) -> dict[str, Any]:
+    """``devices`` (each with its name, placement index, class, memory used and total in bytes,
+    and its process count, ``None`` where unknown), ``classes`` (class, devices, free, in use,
+    unknown, memory free) and the ``top_process``; ``error`` when the read failed."""
+    snapshot = outcome.snapshot
+    if snapshot is None:
+        return {"error": outcome.error, "devices": [], "classes": [], "top_process": None}
+    on = _processes_by_device(snapshot)
+    return {
+        "devices": [{
+            "device": d.display_name,
+            "index": d.index,
+            "class": d.device_class,
+            "state": device_state(d, on.get(d.index, 0)),
+            "memory_used_bytes": d.memory.used_bytes,
+            "memory_total_bytes": d.memory.total_bytes,
+            "processes": on.get(d.index, 0) if d.processes_known else None,
+        } for d in snapshot.devices],
+        "classes": [{
+            "class": c.device_class,
+            "devices": c.devices,
+            "free": c.free,
+            "in_use": c.in_use,
+            "unknown": c.unknown,
+            "memory_free_bytes": c.memory_free_bytes,
+        } for c in count_by_class(snapshot)],
+        "top_process": _top_json(outcome),
+    }
+
+
+def render_text(outcome: ReadOutcome) -> str:
+    snapshot = outcome.snapshot
+    if snapshot is None:
+        return f"The read failed: {outcome.error}\n"
+    if not snapshot.devices:
+        return "No GPU devices: the driver lists no cards, or none could be read.\n" + _problems(snapshot)
+    on = _processes_by_device(snapshot)
+    table = [("DEVICE", "CLASS", "MEMORY USED / TOTAL", "PROCESSES")]
+    for d in snapshot.devices:
+        count = str(on.get(d.index, 0)) if d.processes_known else "unknown"
+        table.append((d.display_name, d.device_class or "-", _used_total(d.memory.used_bytes, d.memory.total_bytes),
+                      count))
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:>{widths[3]}}".rstrip()
+             for row in table]
+    top = _top(snapshot)
+    lines.append("")
+    lines.append(f"Top process: {_describe_top(outcome, top)}" if top is not None else "Top process: none")
+    lines.append("By class: " + ", ".join(c.describe() for c in count_by_class(snapshot)))
+    return "\n".join(lines) + "\n" + _problems(snapshot)
+
+
+def _processes_by_device(snapshot: Snapshot) -> dict[int, int]:
+    on: dict[int, int] = {}
+    for p in snapshot.processes:
+        on[p.device_index] = on.get(p.device_index, 0) + 1
+    return on
+
+
+def _top(snapshot: Snapshot) -> Process | None:
+    """The process holding the most memory on one device (the lower pid among equals);
+    one of unknown memory only when no other is listed."""
+    if not snapshot.processes:
+        return None
+    return min(snapshot.processes, key=lambda p: (p.used_bytes is None, -(p.used_bytes or 0), p.pid))
+
+
+def _work(outcome: ReadOutcome, pid: int) -> str | None:
+    """Whose the process is, as a person names it: its pod, else its Slurm job, else its systemd unit."""
+    pod = outcome.pods.processes.get(pid) if outcome.pods is not None else None
+    if pod is not None:
+        return f"pod {pod.namespace}/{pod.pod}"
+    owner = outcome.owners.processes.get(pid) if outcome.owners is not None else None
+    if owner is not None and owner.slurm_job:
+        return f"Slurm job {owner.slurm_job}"
+    if owner is not None and owner.systemd_unit:
+        return f"unit {owner.systemd_unit}"
+    return None
+
+
+def _describe_top(outcome: ReadOutcome, top: Process) -> str:
+    assert outcome.snapshot is not None
+    device = outcome.snapshot.device(top.device_index)
+    where = device.display_name if device is not None else str(top.device_index)
+    memory = "memory unknown" if top.used_bytes is None else f"{top.used_bytes / _GIB:.1f} GiB"
+    work = _work(outcome, top.pid)
+    return f"{top.pid} {top.name or '?'}, {memory} on {where}" + (f" ({work})" if work else "")
+
+
+def _top_json(outcome: ReadOutcome) -> dict[str, Any] | None:
+    assert outcome.snapshot is not None
+    top = _top(outcome.snapshot)
+    if top is None:
+        return None
+    device = outcome.snapshot.device(top.device_index)
+    return {"pid": top.pid, "name": top.name, "device": device.display_name if device else None,
+            "index": top.device_index, "memory_used_bytes": top.used_bytes, "work": _work(outcome, top.pid)}
+
+
+def _used_total(used: int | None, total: int | None) -> str:
+    def gib(value: int | None) -> str:
+        return "?" if value is None else f"{value / _GIB:.1f}"
+
+    return f"{gib(used)} / {gib(total)} GiB"
+
+
+def _problems(snapshot: Snapshot) -> str:
+    if not snapshot.problems:
+        return ""
+    return "Problems in this read:\n" + "".join(f"  - {problem}\n" for problem in snapshot.problems)
