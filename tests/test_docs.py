@@ -10,6 +10,7 @@ import fake_nvml as fake_nvml_scenarios
 from conftest import REPO, require_real_corpus, scenario
 from kube_node import PODS, make_kubelet_logs
 from mig_exporter.config.file import ProbeTarget, parse_config
+from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandFailed
 from mig_exporter.engines.attribution import EngineReader
 from mig_exporter.engines.rules import DEFAULT_SETTINGS
@@ -18,6 +19,7 @@ from mig_exporter.host.owners import OwnerReader
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podresources import PodResourcesClient
 from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.model.health import XidSeen
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
@@ -103,6 +105,8 @@ def _emitted(tmp_path, kubelet, nvml_snapshots) -> dict[str, tuple[str, set[str]
     xids.xids = _Xids()  # type: ignore[assignment]
     scrapers.append(xids)
     families = [f for scraper in scrapers for f in scraper.families()]
+    # A whole /metrics answer: the scrape's families, then what it costs (mig_exporter_scrape_series).
+    families += Exporter(Scraper(DemoSource())).answer(Deadline.after(30)).families
     return _kinds([*families, *_prober().collect()])
 
 

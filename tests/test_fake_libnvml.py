@@ -39,7 +39,7 @@ from fake_nvml import (
 )
 from fake_nvml_c import SONAME, scenario_text
 from mig_exporter.cli import cli
-from test_source_nvml import NVML_ONLY_LINES
+from test_source_nvml import without_volatile
 
 PACKAGE_ROOT = str(Path(mig_exporter.__file__).resolve().parent.parent)
 FIXTURE_SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved",
@@ -94,10 +94,8 @@ def _read(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 def _without_volatile(text: str) -> str:
     """Exposition minus the per-read duration and what only NVML gives (the energy, which
     ``nvidia-smi -q -x`` lacks: test_source_nvml.py's NVML_ONLY_LINES), with the source label
-    made neutral."""
-    skipped = ("mig_exporter_read_duration_seconds{", *NVML_ONLY_LINES)
-    lines = [line for line in text.splitlines() if not line.startswith(skipped)]
-    return re.sub(r'source="[^"]+"', 'source="*"', "\n".join(lines))
+    made neutral and the sample count less those samples (test_source_nvml.py's without_volatile)."""
+    return without_volatile(text)
 
 
 def _sample(text: str, prefix: str) -> str | None:

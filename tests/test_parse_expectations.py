@@ -23,8 +23,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks import scenarios
 
 EXPECTED = json.loads((FIXTURES / "snapshot-digests.json").read_text())
-# The health fields of the snapshot's parts, which the digests were written without.
-HEALTH_FIELDS = {"cards": "health", "devices": "ecc_errors"}
+# The fields of the snapshot's parts the digests were written without: the health (issue 26), and
+# whether a device's process list is known (issue 27).
+HEALTH_FIELDS = {"cards": ("health",), "devices": ("ecc_errors", "processes_known")}
 NOT_PLAIN = b"<!-- read whole -->"  # after the root: the report is parsed whole by lxml
 
 
@@ -32,7 +33,8 @@ def _split(outcome: Any) -> tuple[Any, Any]:
     """An outcome less its health fields, and those fields (``None`` for a parse error)."""
     if outcome[0] != "Snapshot":
         return outcome, None
-    health = {group: [item[1].pop(field) for item in outcome[1][group]] for group, field in HEALTH_FIELDS.items()}
+    health = {group: [[item[1].pop(field) for field in fields] for item in outcome[1][group]]
+              for group, fields in HEALTH_FIELDS.items()}
     return outcome, health
 
 
@@ -103,8 +105,9 @@ def test_health_reads_as_the_whole_parse_reads_it():
     assert [_health_mismatches(cases) for cases in groups] == [[], [], []]
     # Else the comparison would compare empty health: the demo's wear and the corpus's cards are read.
     demo = _split(smi_variants.outcome(*groups[0]["fixture:demo.xml"]))[1]
-    assert demo is not None and any(demo["devices"])
-    assert sum(c[1]["clocks"] != [] for case in groups[1].values()
+    assert demo is not None and any(ecc for ecc, _ in demo["devices"])
+    assert all(known for _, known in demo["devices"])
+    assert sum(c[0][1]["clocks"] != [] for case in groups[1].values()
                if (h := _split(smi_variants.outcome(*case))[1]) for c in h["cards"]) > 100
 
 

@@ -178,3 +178,21 @@ def test_the_demo_and_every_scenario_know_their_process_lists():
 def test_all_is_the_default():
     assert Scraper(DemoSource()).process_series == ALL_PROCESSES
     assert str(ALL_PROCESSES) == "all"
+
+
+def test_the_series_a_node_costs_follow_the_setting():
+    """benchmarks/series.py's counts (docs/scale.md): per process two series (memory and info)
+    under all; under top=3 three of each a device and one "other"; none under none."""
+    from benchmarks.series import churn, series_of, snapshot_of
+
+    snapshot = snapshot_of(FOUR_EACH)
+    counts = {setting: len(series_of(snapshot, setting)) for setting in ("all", "top=3", "none")}
+    devices, processes = len(snapshot.devices), len(snapshot.processes)
+    assert (devices, processes) == (6, 24)
+    assert counts["all"] == counts["none"] + 2 * processes
+    assert counts["top=3"] == counts["none"] + devices * (2 * 3 + 1)
+    # A day of turnover every 10 minutes: each turnover makes every per-process series anew.
+    day = churn(FOUR_EACH, "all")
+    assert day.per_scrape == counts["all"]
+    assert day.distinct_in_a_day == counts["none"] + 144 * 2 * processes
+    assert churn(FOUR_EACH, "none").new_per_hour == 0
