@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import mig_exporter
-from benchmarks import run, scenarios
+from benchmarks import scenarios, serving
 from benchmarks.scenarios import BIG_MIG, BIG_WHOLE, SINGLE, Shape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,18 +99,18 @@ def _python_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def measure_ours(shape: Shape, env: dict[str, str], library: Path, reps: int, warmup: int) -> dict[str, float]:
-    proc, port = run.start_serve(["--source", "nvml", "--log-level", "error"], env, within_s=30)
+    proc, port = serving.start_serve(["--source", "nvml", "--log-level", "error"], env, within_s=30)
     try:
-        scrape = run.Scrape(port)
+        scrape = serving.Scrape(port)
         for _ in range(warmup):
             scrape()
         walls = []
-        cpu_before = run.cpu_seconds(proc.pid)
+        cpu_before = serving.cpu_seconds(proc.pid)
         for _ in range(reps):
             t = time.perf_counter_ns()
             last, _ = scrape.raw()
             walls.append(time.perf_counter_ns() - t)
-        cpu_s = run.cpu_seconds(proc.pid) - cpu_before
+        cpu_s = serving.cpu_seconds(proc.pid) - cpu_before
         scrape.close()
         body = gzip.decompress(last)
         if b'mig_exporter_read_success{source="nvml"} 1' not in body:
@@ -121,7 +121,7 @@ def measure_ours(shape: Shape, env: dict[str, str], library: Path, reps: int, wa
         if str(library / SONAME) not in Path(f"/proc/{proc.pid}/maps").read_text():
             raise RuntimeError("the serving process did not map our libnvidia-ml")
     finally:
-        run.stop_server(proc)
+        serving.stop_server(proc)
     return {"scrape_p50_ms": statistics.median(walls) / 1e6, "cpu_per_scrape_ms": cpu_s * 1000 / reps}
 
 

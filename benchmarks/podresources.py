@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from benchmarks.tables import f, table
 from mig_exporter.kubernetes.podresources import parse_list_response
 
 REPO = Path(__file__).resolve().parent.parent
@@ -257,8 +258,6 @@ def _pure_python_child(reps: int, warmup: int) -> None:
 
 def report(results: DecodeResults) -> list[str]:
     """The table, for benchmarks/run.py's report."""
-    from benchmarks.run import f, table  # here: run.py imports this module
-
     out = [f"pod-resources List decoding (ms, p50 of {results.reps}; protobuf = {results.backend}, FromString and "
            f"our dataclasses; fields read = FromString and every field we use read, no dataclasses; "
            f"parse only = FromString alone; pure-python = {results.pure_python_backend}, p50 of "

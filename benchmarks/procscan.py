@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import scenarios, serving
 from benchmarks.scenarios import REPO
+from benchmarks.tables import f, table
 from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.host.procfs import ProcfsSource
 
@@ -182,22 +184,20 @@ def measure_reads(root: Path, count: int, reps: int) -> ReadFigures:
 
 def measure_scrapes(big: Path, small: Path, reps: int, warmup: int) -> ScrapeFigures:
     """``serve --proc.root`` on each tree, the single scenario, scrapes in turn."""
-    from benchmarks import run, scenarios
-
     shape = scenarios.SINGLE
     xml, listing = scenarios.query_xml(shape), scenarios.listing(shape)
     with tempfile.TemporaryDirectory(prefix="mig-bench-procscan-") as tmp:
-        fake = run.write_fake_nvidia_smi(Path(tmp), xml, listing, QUERY_S)
+        fake = serving.write_fake_nvidia_smi(Path(tmp), xml, listing, QUERY_S)
         servers = []
         try:
             for root in (small, big):
-                servers.append(run.start_server(fake, proc_root=root))
-            scrapers = [run.Scrape(port) for _, port in servers]
+                servers.append(serving.start_server(fake, proc_root=root))
+            scrapers = [serving.Scrape(port) for _, port in servers]
             for _ in range(warmup):
                 for scrape in scrapers:
                     scrape()
             times: list[list[int]] = [[], []]
-            cpu_before = [run.cpu_seconds(proc.pid) for proc, _ in servers]
+            cpu_before = [serving.cpu_seconds(proc.pid) for proc, _ in servers]
             for rep in range(reps):
                 # Alternate which goes first, so neither always follows the other.
                 order = (0, 1) if rep % 2 == 0 else (1, 0)
@@ -205,7 +205,7 @@ def measure_scrapes(big: Path, small: Path, reps: int, warmup: int) -> ScrapeFig
                     t = time.perf_counter_ns()
                     body = scrapers[i]()
                     times[i].append(time.perf_counter_ns() - t)
-            cpu = [(run.cpu_seconds(proc.pid) - before) * 1000 / reps
+            cpu = [(serving.cpu_seconds(proc.pid) - before) * 1000 / reps
                    for (proc, _), before in zip(servers, cpu_before, strict=True)]
             for scrape in scrapers:
                 scrape.close()
@@ -213,7 +213,7 @@ def measure_scrapes(big: Path, small: Path, reps: int, warmup: int) -> ScrapeFig
                 raise RuntimeError("the scrape did not read the fake nvidia-smi")
         finally:
             for proc, _ in servers:
-                run.stop_server(proc)
+                serving.stop_server(proc)
     return ScrapeFigures(SMALL_TREE, BIG_TREE, _ms(times[0]), _ms(times[1]), cpu[0], cpu[1], reps)
 
 
@@ -229,8 +229,6 @@ def measure(quick: bool) -> Results:
 
 
 def report(results: Results) -> list[str]:
-    from benchmarks.run import f, table
-
     r = results.read
     out = [f"/proc scan of a fabricated tree (tests/proc_tree.py) of {r.processes} processes "
            f"(ms, p50 of {r.reps}; wall and this process's CPU; churn = {CHURN:.0%} replaced before each read)"]

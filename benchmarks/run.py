@@ -9,6 +9,7 @@ Run from the repository root::
     python -m benchmarks --profile serve # py-spy of a serving process, by stage
     python -m benchmarks --check         # exit 1 when a target is missed
     python -m benchmarks --podresources  # only the pod-resources decoding table
+    python -m benchmarks --fleet         # only the fleet: a real Prometheus scraping 50 exporters (fleet.py)
 
 For each scenario (benchmarks/scenarios.py) it measures, as medians over
 repeated runs:
@@ -39,17 +40,12 @@ import argparse
 import cProfile
 import gzip
 import http.client
-import importlib.metadata
 import importlib.util
 import io
 import json
 import os
-import platform
 import pstats
 import re
-import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -59,24 +55,23 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import mig_exporter
-from benchmarks import podresources, procscan, scenarios
+from benchmarks import fleet, podresources, procscan, scenarios, series
 from benchmarks.scenarios import BIG_MIG, BIG_WHOLE, MAIN_SHAPES, SINGLE, Shape
+from benchmarks.serving import (
+    PROMETHEUS_ACCEPT,
+    PROMETHEUS_HEADERS,
+    Scrape,
+    cpu_seconds,
+    start_server,
+    stop_server,
+    vm_hwm_mib,
+    write_fake_nvidia_smi,
+)
+from benchmarks.tables import f, machine, table
 from mig_exporter.kubernetes.podresources import DEFAULT_SOCKET
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
 
-# What Prometheus 2.42 (Debian's, which the tests run) sends with every scrape.
-PROMETHEUS_ACCEPT = (
-    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
-    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
-)
-PROMETHEUS_HEADERS = {
-    "Accept": PROMETHEUS_ACCEPT,
-    "Accept-Encoding": "gzip",
-    "User-Agent": "Prometheus/2.42.0",
-    "X-Prometheus-Scrape-Timeout-Seconds": "10",
-}
 # The targets of issue 17, on this 2-core machine at a quiet moment (docs/performance.md#targets).
 TARGET_OVERHEAD_BIG_MIG_MS = 8.0
 # Issue 26 let card health cost at most 15% more server CPU than the 8.5 ms median before it, and
@@ -192,22 +187,6 @@ def count_lines(body: bytes, prefix: bytes) -> int:
     return sum(1 for line in body.splitlines() if line.startswith(prefix))
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system time of the process itself (its reaped children not counted)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def vm_hwm_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 # -- results ---------------------------------------------------------------------
 
 
@@ -300,34 +279,6 @@ def changing(xml: bytes, variants: int = CHANGING_VARIANTS) -> list[bytes]:
 # -- nvidia-smi path: through HTTP -------------------------------------------------
 
 
-def write_fake_nvidia_smi(directory: Path, xml: bytes | list[bytes], listing: bytes, query_s: float = 0.0) -> Path:
-    """A fake nvidia-smi that only writes the files (tests/conftest.py's, without logging);
-    with ``query_s``, ``-q -x`` first takes that long, as the driver's own query does. Given several
-    reports, ``-q -x`` writes them in turn, one a run (a counter file says which is next)."""
-    reports = [xml] if isinstance(xml, bytes) else xml
-    for n, report in enumerate(reports):
-        (directory / f"q{n}.xml").write_bytes(report)
-    (directory / "L.txt").write_bytes(listing)
-    q = shlex.quote(str(directory / "q"))
-    if len(reports) == 1:
-        query = f"exec cat {q}0.xml"
-    else:
-        counter = shlex.quote(str(directory / "next"))
-        (directory / "next").write_text("0\n")
-        query = f"n=$(cat {counter}); echo $(( (n + 1) % {len(reports)} )) > {counter}; exec cat {q}$n.xml"
-    script = directory / "nvidia-smi"
-    script.write_text(
-        "#!/bin/sh\n"
-        'case "$1" in\n'
-        f"  -q) {f'sleep {query_s}; ' if query_s else ''}{query} ;;\n"
-        f"  -L) exec cat {shlex.quote(str(directory / 'L.txt'))} ;;\n"
-        "esac\n"
-        "exit 2\n"
-    )
-    script.chmod(0o755)
-    return script
-
-
 def run_fake_alone(fake: Path) -> None:
     """Both runs the exporter makes, in parallel as it makes them, and nothing else."""
     listing = subprocess.Popen([str(fake), "-L"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -338,84 +289,6 @@ def run_fake_alone(fake: Path) -> None:
     listing.wait()
     query.stdout.close()
     listing.stdout.close()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(fake: Path, proc_root: Path | None = None) -> tuple[subprocess.Popen, int]:
-    """``mig-exporter serve`` on the fake, as it runs with no options but these: every engine preset
-    on, Kubernetes on (the kubelet's default socket and log directory), owners read from the cgroups
-    of ``proc_root`` (this machine's /proc when None)."""
-    extra = [] if proc_root is None else ["--proc.root", str(proc_root)]
-    return start_serve(["--source", "nvidia-smi", "--nvidia-smi", str(fake), "--log-level", "warning", *extra])
-
-
-def start_serve(options: list[str], env: dict[str, str] | None = None,
-                within_s: float = 20.0) -> tuple[subprocess.Popen, int]:
-    """``mig-exporter serve`` with ``options`` on a free port of 127.0.0.1, in ``env`` (this
-    process's by default), running the same mig_exporter as this process; once /-/healthy answers."""
-    port = free_port()
-    env = dict(os.environ if env is None else env)
-    package_root = str(Path(mig_exporter.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mig_exporter", "serve", *options, "--web.listen-address", f"127.0.0.1:{port}"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mig-exporter serve exited: {proc.stderr.read().decode(errors='replace')[-2000:]}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/-/healthy")
-            if conn.getresponse().status == 200:
-                conn.close()
-                return proc, port
-        except OSError:
-            time.sleep(0.05)
-    stop_server(proc)
-    raise RuntimeError(f"mig-exporter serve did not answer /-/healthy within {within_s:.0f}s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if proc.stderr:
-        proc.stderr.close()
-
-
-class Scrape:
-    """GET /metrics with Prometheus' headers over one kept-alive connection; the body, gunzipped."""
-
-    def __init__(self, port: int) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-
-    def __call__(self) -> bytes:
-        body, gzipped = self.raw()
-        return gzip.decompress(body) if gzipped else body
-
-    def raw(self) -> tuple[bytes, bool]:
-        """The body as sent, and whether it is gzipped: what a timed loop measures (the client's
-        gunzip is not the server's cost)."""
-        self.conn.request("GET", "/metrics", headers=PROMETHEUS_HEADERS)
-        response = self.conn.getresponse()
-        body = response.read()
-        if response.status != 200:
-            raise RuntimeError(f"/metrics answered {response.status}")
-        return body, response.getheader("Content-Encoding") == "gzip"
-
-    def close(self) -> None:
-        self.conn.close()
 
 
 def measure_http(result: SmiResult, xml: bytes | list[bytes], listing: bytes, s: Settings) -> None:
@@ -596,41 +469,6 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     ss_res = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys, strict=True))
     ss_tot = sum((y - my) ** 2 for y in ys)
     return slope, intercept, 1 - ss_res / ss_tot if ss_tot else 1.0
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    """A Markdown table: the first column left-aligned, the figures right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
-
-
-def f(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None or value != value else f"{value:.{digits}f}"
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = []
-    for dist in ("lxml", "prometheus-client", "nvidia-ml-py", "nvitop-exporter", "nvitop"):
-        try:
-            versions.append(f"{dist} {importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            versions.append(f"{dist} -")
-    return (f"{cpu}, {os.cpu_count()} CPU(s), Linux {platform.release()}, "
-            f"Python {platform.python_version()}; " + ", ".join(versions))
 
 
 SCALING = (("process", "processes"), ("instance", "devices"))
@@ -947,7 +785,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the (last) run's figures as JSON, for benchmarks/plot.py")
     parser.add_argument("--podresources", action="store_true",
                         help="only the pod-resources decoding: ours before and after, and protobuf's")
+    parser.add_argument("--series", action="store_true",
+                        help="only count the series a node exports and their churn (benchmarks/series.py; no timing)")
+    parser.add_argument("--fleet", action="store_true",
+                        help="only the fleet (benchmarks/fleet.py): N exporters of big-mig with job turnover, one real "
+                             "Prometheus scraping them, for each --collector.processes mode (~35 minutes; --quick: ~2)")
+    parser.add_argument("--fleet-nodes", type=int, metavar="N", help="exporters in the fleet (default 50; quick 5)")
+    parser.add_argument("--fleet-minutes", type=float, metavar="M",
+                        help="minutes each mode runs after every target's first scrape (default 10; quick 0.3)")
+    parser.add_argument("--fleet-turnover", type=int, metavar="S",
+                        help="seconds between a node's job turnovers, its processes all replaced (default 600; "
+                             "quick 10)")
+    parser.add_argument("--fleet-picture", metavar="PATH",
+                        help="where the fleet's picture goes (default docs/images/fleet.png; none with --quick)")
     args = parser.parse_args(argv)
+    if args.series:
+        return series.main(["--json", args.json] if args.json else [])
+    if args.fleet:
+        return fleet.main(args.quick, args.fleet_nodes, args.fleet_minutes, args.fleet_turnover, args.json,
+                          args.fleet_picture)
     settings = Settings.make(args.quick)
     if args.podresources:
         load_before = os.getloadavg()

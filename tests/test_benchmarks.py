@@ -4,6 +4,7 @@ figures are checked by the benchmark itself, on a quiet machine."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import itertools
 import json
@@ -11,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from conftest import MIB, REPO
 
 sys.path.insert(0, str(REPO))
-from benchmarks import plot, podresources, procscan, scenarios
+from benchmarks import fleet, plot, podresources, procscan, scenarios
 from benchmarks.run import (
     CHANGING,
     INSTANCE_SCALING,
@@ -28,8 +30,8 @@ from benchmarks.run import (
     changing,
     runs_table,
     targets,
-    write_fake_nvidia_smi,
 )
+from benchmarks.serving import write_fake_nvidia_smi
 from mig_exporter.host.procfs import ProcfsSource
 from mig_exporter.kubernetes.podresources import parse_list_response
 from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
@@ -265,3 +267,107 @@ def test_the_every_value_new_reports_share_no_section_with_the_one_before(tmp_pa
         assert snapshot == snapshot_from_smi(now, listing)
     used = {p.pid: p.used_bytes for p in snapshot_from_smi(reports[1], listing).processes}
     assert all(used[p.pid] == p.used_bytes + MIB for p in snapshot_from_smi(reports[0], listing).processes)
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """For each module of benchmarks/, the modules of benchmarks/ it imports: at the top or inside a
+    function (an import put off until a call is an arrow all the same)."""
+    modules = {path.stem: path for path in (REPO / "benchmarks").glob("*.py")}
+    arrows: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks."))
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level == 0 and module.startswith("benchmarks."):
+                    found.add(module.split(".")[1])
+                elif (node.level, module) in ((0, "benchmarks"), (1, "")):
+                    found.update(a.name for a in node.names)
+                elif node.level == 1:
+                    found.add(module.split(".")[0])
+        arrows[name] = (found & modules.keys()) - {name}
+    return arrows
+
+
+def _a_cycle(arrows: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules around it (the first again at the end), or None."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name):], name]
+        if name in done:
+            return None
+        for other in sorted(arrows.get(name, ())):
+            if (cycle := visit(other, [*path, name])) is not None:
+                return cycle
+        done.add(name)
+        return None
+
+    return next((c for name in sorted(arrows) if (c := visit(name, [])) is not None), None)
+
+
+def test_the_benchmarks_import_each_other_one_way():
+    """No module of benchmarks/ imports one that imports it back, directly or around a circle:
+    run.py imports the measurements, they import the shared serving and table helpers."""
+    arrows = _benchmark_imports()
+    assert {"procscan", "podresources", "nvml_lib"} <= arrows["run"]
+    assert arrows["serving"] == arrows["tables"] == set()
+    assert _a_cycle(arrows) is None, f"import cycle: {' -> '.join(_a_cycle(arrows) or [])}"
+    # The check sees a cycle where there is one, including one through a function's late import.
+    cycle = _a_cycle({**arrows, "tables": {"run"}})
+    assert cycle is not None and cycle[0] == cycle[-1] == "run" and "tables" in cycle, cycle
+
+
+def test_each_fleet_node_writes_its_own_pids_and_uuids_and_new_pids_at_each_turnover(tmp_path, monkeypatch):
+    s = fleet.Settings.make(quick=False, nodes=2)
+    fakes = [fleet.write_node(tmp_path / f"node-{n}", n, s) for n in range(2)]
+    for node, fake in enumerate(fakes):
+        fleet.arm(fake, node, s)
+
+    def read(fake):
+        xml = subprocess.run([str(fake), "-q", "-x"], capture_output=True, check=True).stdout
+        listing = subprocess.run([str(fake), "-L"], capture_output=True, check=True).stdout
+        return snapshot_from_smi(xml, listing)
+
+    first, other = read(fakes[0]), read(fakes[1])
+    assert first.problems == () and len(first.processes) == len(other.processes) == 896
+    assert not {p.pid for p in first.processes} & {p.pid for p in other.processes}
+    assert not {d.uuid for d in first.devices} & {d.uuid for d in other.devices}
+    # One turnover later (armed as if a turnover ago): every process of the node is a new one.
+    now = time.time()
+    monkeypatch.setattr(fleet.time, "time", lambda: now - s.turnover_s)
+    fleet.arm(fakes[0], 0, s)
+    later = read(fakes[0])
+    assert not {p.pid for p in first.processes} & {p.pid for p in later.processes}
+    assert [d.uuid for d in later.devices] == [d.uuid for d in first.devices]
+    assert [p.used_bytes for p in later.processes] == [p.used_bytes for p in first.processes]
+
+
+# About 90 s alone: three modes of 5 exporters and a fresh Prometheus, 18 s each after the first scrapes.
+@pytest.mark.prometheus
+@pytest.mark.timeout(400)
+def test_the_fleet_runs_in_quick_mode_and_none_keeps_fewer_series_than_all(tmp_path):
+    figures_path = tmp_path / "fleet.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--fleet", "--quick", "--json", str(figures_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=390, env=dict(os.environ),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "QUICK MODE" in out
+    rows = _rows(out, "fleet: one Prometheus")
+    assert [r[0] for r in rows] == ["all", "top=3", "none"]
+    for row in rows:
+        assert all(re.fullmatch(r"\d+(\.\d+)?", cell) for cell in row[1:]), row  # every figure measured
+    head = {r[0]: float(r[3]) for r in rows}
+    assert head["none"] < head["top=3"] < head["all"]
+    samples = {r[0]: float(r[11]) for r in rows}
+    assert samples["none"] < samples["top=3"] < samples["all"]
+    assert out.count("scrape_samples_scraped == mig_exporter_scrape_series on every target: yes") == 3
+    assert "PROBLEMS" not in out
+    figures = json.loads(figures_path.read_text())
+    assert figures["quick"] is True
+    assert [(m["mode"], m["head_series"]) for m in figures["modes"]] == [(mode, head[mode]) for mode in head]
