@@ -157,8 +157,8 @@ def test_the_rules_the_dashboard_and_fleet_count_it_once_though_a_probe_reads_it
             answer = json.loads(fleet.stdout)
             assert {"class": THREE_G, "devices": 3, "free": 2} in answer["classes"]
             assert {"class": ONE_G, "devices": 3, "free": 3} in answer["classes"]
-            assert answer["nodes"] == sorted([{"instance": a.address, "free": 1}, {"instance": b.address, "free": 1}],
-                                             key=lambda n: n["instance"])
+            assert [(n["instance"], n["free"], n["labels"]) for n in answer["nodes"]] == sorted(
+                (address, 1, {"job": "mig-exporter"}) for address in (a.address, b.address))
             text = _cli("fleet", "--prometheus", prom.url, "--class", THREE_G)
             assert re.search(rf"^{re.escape(THREE_G)}\s+3\s+2$", text.stdout, re.M), text.stdout
             assert f"Nodes with a free {THREE_G} now:" in text.stdout and f"  {a.address}  1 free" in text.stdout

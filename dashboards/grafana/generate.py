@@ -246,7 +246,8 @@ def overview() -> dict:
     lay = Layout()
     lay.add(stat("Devices", f"count(mig_exporter_device_info{{{SEL}}}) or vector(0)",
                  description="Whole cards and MIG instances: what workloads run on."), 4, 4)
-    lay.add(stat("GPU processes", f"count(mig_exporter_process_info{{{SEL}}}) or vector(0)"), 4, 4)
+    # Every process, whatever --collector.processes keeps of the per-process series.
+    lay.add(stat("GPU processes", f"sum(mig_exporter_device_processes{{{SEL}}}) or vector(0)"), 4, 4)
     lay.add(stat("Memory used (no double counting)",
                  f"sum({per_gpu_instance('mig_exporter_device_memory_used_bytes', SEL)})", unit="bytes",
                  description="One value per GPU instance: compute instances sharing one are counted once."), 4, 4)

@@ -59,7 +59,7 @@ def count_by_class(snapshot: Snapshot) -> tuple[ClassCount, ...]:
     for p in snapshot.processes:
         on[p.device_index] = on.get(p.device_index, 0) + 1
     states: dict[str, dict[str, int]] = {}
-    memory: dict[str, dict[tuple[int, int | None, int], int]] = {}
+    memory: dict[str, dict[tuple[int, int | None], int]] = {}
     for device in snapshot.devices:
         klass = device.device_class or UNKNOWN_CLASS
         counts = states.setdefault(klass, {"free": 0, "in use": 0, "unknown": 0})
@@ -67,8 +67,9 @@ def count_by_class(snapshot: Snapshot) -> tuple[ClassCount, ...]:
         free = device.memory.free_bytes
         per_instance = memory.setdefault(klass, {})
         if free is not None:
-            # A whole card, or a GPU instance: the key its compute instances share.
-            key = (device.card, device.gpu_instance_id, device.index if device.gpu_instance_id is None else -1)
+            # A whole card, or a GPU instance: the key its compute instances share. As the rules
+            # take it (gpu_instance "" on a whole card, and on a MIG device whose id is N/A).
+            key = (device.card, device.gpu_instance_id)
             per_instance[key] = max(free, per_instance.get(key, 0))
     return tuple(
         ClassCount(klass, sum(c.values()), c["free"], c["in use"], c["unknown"],

@@ -268,12 +268,14 @@ class NvmlSource:
             listed = self._process_list(handle, functions, where, problems)
             if listed is None:
                 continue
-            readable = True
+            # The compute list is the one that says whether the device is free: an empty
+            # graphics list alone would show a busy compute device as free.
+            readable = readable or letter == "C"
             found.extend((pid, letter, used, gi, ci) for pid, used in listed)
         if not readable:
             # pynvml reaches the process lists only through their _v2 and _v3
             # symbols; a driver with neither would show every device as idle.
-            problems.append(f"{where}: this driver's NVML has no process list pynvml can call; "
+            problems.append(f"{where}: this driver's NVML has no compute process list pynvml can call; "
                             "processes unknown (use --source nvidia-smi)")
             return None
         return found
