@@ -199,3 +199,46 @@ def test_fleet_says_what_a_prometheus_error_was(fake_nvidia_smi, tmp_path):
             assert json.loads(odd.stdout)["nodes"] == []
             with pytest.raises(FleetError, match=r"/api/v1/query: HTTP 400: bad_data: .*parse error"):
                 PrometheusClient(prom.url).query("sum(")
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"status": "success", "data": []}', "expected an instant vector, got 'list'"),
+    (b'{"status": "success", "data": {"resultType": "matrix", "result": []}}', "got 'matrix'"),
+    (b'{"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}, "value": [1, "x"]}]}}',
+     "not a Prometheus instant vector's"),
+    (b"<html>not json</html>", "the answer is not JSON"),
+    (b'{"status": "error", "errorType": "timeout", "error": "query timed out"}', "timeout: query timed out"),
+])
+def test_fleet_refuses_an_answer_that_is_not_prometheus_with_a_reason(body, says):
+    """Something at the URL that answers 200 but not as Prometheus does (a proxy, another API)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(FleetError, match=re.escape(says)) as raised:
+            PrometheusClient(url).query("up")
+        assert f"{url}/api/v1/query: " in str(raised.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_fleet_refuses_a_url_with_a_bad_port_without_a_traceback():
+    done = _cli("fleet", "--prometheus", "http://prom:90x0")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "http://prom:90x0: not a URL" in done.stderr
