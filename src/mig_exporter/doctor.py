@@ -543,11 +543,7 @@ def as_json(report: Report) -> dict[str, Any]:
             }
             for c in snapshot.cards
         ] if snapshot else [],
-        "classes": [
-            {"class": c.device_class, "devices": c.devices, "free": c.free, "in_use": c.in_use, "unknown": c.unknown,
-             "memory_free_bytes": c.memory_free_bytes}
-            for c in count_by_class(snapshot)
-        ] if snapshot else [],
+        "classes": [c.as_json() for c in count_by_class(snapshot)] if snapshot else [],
         "warnings": [
             {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix} for f in report.findings
         ],

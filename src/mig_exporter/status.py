@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from mig_exporter.metrics.scrape import ReadOutcome
-from mig_exporter.model.capacity import count_by_class, device_state
+from mig_exporter.model.capacity import count_by_class, device_state, processes_per_device
 from mig_exporter.model.snapshot import Process, Snapshot
 
 _GIB = 1024**3
@@ -27,25 +27,18 @@ def as_json(outcome: ReadOutcome) -> dict[str, Any]:
     snapshot = outcome.snapshot
     if snapshot is None:
         return {"error": outcome.error, "devices": [], "classes": [], "top_process": None}
-    on = _processes_by_device(snapshot)
+    on = processes_per_device(snapshot)
     return {
         "devices": [{
             "device": d.display_name,
             "index": d.index,
             "class": d.device_class,
-            "state": device_state(d, on.get(d.index, 0)),
+            "state": device_state(d, on[d.index]),
             "memory_used_bytes": d.memory.used_bytes,
             "memory_total_bytes": d.memory.total_bytes,
-            "processes": on.get(d.index, 0) if d.processes_known else None,
+            "processes": on[d.index] if d.processes_known else None,
         } for d in snapshot.devices],
-        "classes": [{
-            "class": c.device_class,
-            "devices": c.devices,
-            "free": c.free,
-            "in_use": c.in_use,
-            "unknown": c.unknown,
-            "memory_free_bytes": c.memory_free_bytes,
-        } for c in count_by_class(snapshot)],
+        "classes": [c.as_json() for c in count_by_class(snapshot)],
         "top_process": _top_json(outcome),
     }
 
@@ -56,10 +49,10 @@ def render_text(outcome: ReadOutcome) -> str:
         return f"The read failed: {outcome.error}\n"
     if not snapshot.devices:
         return "No GPU devices: the driver lists no cards, or none could be read.\n" + _problems(snapshot)
-    on = _processes_by_device(snapshot)
+    on = processes_per_device(snapshot)
     table = [("DEVICE", "CLASS", "MEMORY USED / TOTAL", "PROCESSES")]
     for d in snapshot.devices:
-        count = str(on.get(d.index, 0)) if d.processes_known else "unknown"
+        count = str(on[d.index]) if d.processes_known else "unknown"
         table.append((d.display_name, d.device_class or "-", _used_total(d.memory.used_bytes, d.memory.total_bytes),
                       count))
     widths = [max(len(row[i]) for row in table) for i in range(4)]
@@ -70,13 +63,6 @@ def render_text(outcome: ReadOutcome) -> str:
     lines.append(f"Top process: {_describe_top(outcome, top)}" if top is not None else "Top process: none")
     lines.append("By class: " + ", ".join(c.describe() for c in count_by_class(snapshot)))
     return "\n".join(lines) + "\n" + _problems(snapshot)
-
-
-def _processes_by_device(snapshot: Snapshot) -> dict[int, int]:
-    on: dict[int, int] = {}
-    for p in snapshot.processes:
-        on[p.device_index] = on.get(p.device_index, 0) + 1
-    return on
 
 
 def _top(snapshot: Snapshot) -> Process | None:

@@ -11,10 +11,8 @@ unknown value is left out, never written as 0. Sample output (demo)::
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from itertools import compress
-from operator import attrgetter
 from typing import TypeVar, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from mig_exporter.metrics.exposition import Column, GaugeColumns
 from mig_exporter.metrics.health_families import health_families
 from mig_exporter.metrics.process_series import ALL_PROCESSES, OTHER_PID, ProcessSeries
+from mig_exporter.model.capacity import processes_per_device
 from mig_exporter.model.readings import (
     EngineReading,
     OwnerReading,
@@ -86,7 +85,7 @@ def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
             f"Device framebuffer memory {text}, in bytes (nvidia-smi fb_memory_usage/{field}).",
             DEVICE_LABELS, [index, card, profile], values,
         )
-    by_device = Counter(map(attrgetter("device_index"), snapshot.processes))
+    by_device = processes_per_device(snapshot)
     # A device whose process list the driver did not give is left out: unknown, not free.
     yield _known(
         "mig_exporter_device_processes",

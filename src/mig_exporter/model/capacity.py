@@ -11,7 +11,10 @@ all of it (docs/metrics.md#shared-memory-of-compute-instances).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
 
 from mig_exporter.model.snapshot import Device, Snapshot
 
@@ -45,6 +48,16 @@ class ClassCount:
             state = "none free"
         return f"{self.devices} {TIMES} {name} ({state})"
 
+    def as_json(self) -> dict[str, Any]:
+        """As ``status --output json`` and ``doctor --format json`` give it."""
+        return {"class": self.device_class, "devices": self.devices, "free": self.free, "in_use": self.in_use,
+                "unknown": self.unknown, "memory_free_bytes": self.memory_free_bytes}
+
+
+def processes_per_device(snapshot: Snapshot) -> Counter[int]:
+    """How many processes the driver lists on each device, by placement index (none: absent)."""
+    return Counter(map(attrgetter("device_index"), snapshot.processes))
+
 
 def device_state(device: Device, processes_on: int) -> str:
     """``free``, ``in use`` or ``unknown``, for a device with ``processes_on`` processes listed."""
@@ -55,15 +68,13 @@ def device_state(device: Device, processes_on: int) -> str:
 
 def count_by_class(snapshot: Snapshot) -> tuple[ClassCount, ...]:
     """The node's devices by class, in the order the classes first appear."""
-    on: dict[int, int] = {}
-    for p in snapshot.processes:
-        on[p.device_index] = on.get(p.device_index, 0) + 1
+    on = processes_per_device(snapshot)
     states: dict[str, dict[str, int]] = {}
     memory: dict[str, dict[tuple[int, int | None], int]] = {}
     for device in snapshot.devices:
         klass = device.device_class or UNKNOWN_CLASS
         counts = states.setdefault(klass, {"free": 0, "in use": 0, "unknown": 0})
-        counts[device_state(device, on.get(device.index, 0))] += 1
+        counts[device_state(device, on[device.index])] += 1
         free = device.memory.free_bytes
         per_instance = memory.setdefault(klass, {})
         if free is not None:
