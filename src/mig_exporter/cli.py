@@ -480,13 +480,17 @@ def check_web_config(web_config_file: str) -> None:
     click.echo(f"{web_config_file}: ok: {config.summary()}")
 
 
+def _one_read_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """What read and status, which read once, take: the source, the log (warning, not info: read
+    runs from cron, where every line on stderr is mail), and the host's readers."""
+    for options in reversed((_source_options, _with_options(_log_options("warning")), _engine_options,
+                             _kubernetes_options, _slurm_options)):
+        func = options(func)
+    return func
+
+
 @cli.command()
-@_source_options
-# warning, not info: read runs from cron, where every line on stderr is mail.
-@_with_options(_log_options("warning"))
-@_engine_options
-@_kubernetes_options
-@_slurm_options
+@_one_read_options
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
@@ -523,11 +527,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
 
 
 @cli.command()
-@_source_options
-@_with_options(_log_options("warning"))
-@_engine_options
-@_kubernetes_options
-@_slurm_options
+@_one_read_options
 @click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="A table for a person, or JSON for scripts.")
 def status(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
