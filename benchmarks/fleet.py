@@ -47,6 +47,7 @@ from typing import Any
 
 import mig_exporter
 from benchmarks import scenarios
+from benchmarks.plot import pyplot, save
 from benchmarks.serving import cpu_seconds, free_port, stop_server, vm_hwm_mib
 from benchmarks.tables import f, machine, table
 
@@ -508,11 +509,7 @@ def figures(results: list[ModeResult], s: Settings, load: dict[str, float]) -> d
 def draw(data: dict[str, Any], output: Path) -> None:
     """Four panels: head series and Prometheus' RSS over each mode's run, series created per node and
     hour, and the scrape durations."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     modes = data["modes"]
     colours = dict(zip(MODES, ("tab:red", "tab:orange", "tab:blue"), strict=True))
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=100)
@@ -549,15 +546,10 @@ def draw(data: dict[str, Any], output: Path) -> None:
     s = data["settings"]
     load = data["load_average"]
     note = "QUICK MODE, not a measurement; " if data.get("quick") else ""
-    fig.suptitle(f"mig-exporter: one Prometheus {data['prometheus']}, {s['nodes']} nodes of {data['shape']}, "
-                 f"{s['minutes']:g} min per mode, {s['interval_s']}s scrapes (python -m benchmarks --fleet)",
-                 fontsize=11.5)
-    fig.text(0.5, 0.01, f"{note}{data['machine']}; load average {load['during_mean']:.2f} mean, "
-             f"{load['during_max']:.2f} max during", ha="center", fontsize=8, color="dimgray", wrap=True)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output)
-    plt.close(fig)
+    save(plt, fig, output, f"mig-exporter: one Prometheus {data['prometheus']}, {s['nodes']} nodes of "
+         f"{data['shape']}, {s['minutes']:g} min per mode, {s['interval_s']}s scrapes (python -m benchmarks --fleet)",
+         11.5, f"{note}{data['machine']}; load average {load['during_mean']:.2f} mean, "
+         f"{load['during_max']:.2f} max during")
 
 
 def main(quick: bool, nodes: int | None, minutes: float | None, turnover_s: int | None, json_path: str | None,

@@ -18,6 +18,7 @@ import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PANELS = (("process_scaling", "processes", "with processes (1-8 H100 x 7 MIG, 16 or 32 per instance)"),
           ("instance_scaling", "devices", "with MIG instances (1-8 H100 x 7 MIG, no processes)"))
@@ -69,12 +70,29 @@ def series(figures: dict, panel: str) -> list[Series]:
     return out
 
 
-def draw(figures: dict, output: Path) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (no display); imported here, so that a benchmark run
+    without a picture needs no matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save(plt: Any, fig: Any, output: Path, title: str, title_size: float, footer: str) -> None:
+    """The picture's title and its footer (the machine, the load), laid out and written to ``output``."""
+    fig.suptitle(title, fontsize=title_size)
+    fig.text(0.5, 0.01, footer, ha="center", fontsize=8, color="dimgray", wrap=True)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output)
+    plt.close(fig)
+
+
+def draw(figures: dict, output: Path) -> None:
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(14, 6.2), dpi=100)
     for ax, (key, per, title) in zip(axes, PANELS, strict=True):
         for s in series(figures, key):
@@ -91,14 +109,10 @@ def draw(figures: dict, output: Path) -> None:
         ax.legend(fontsize=8.5, loc="upper left", title="least-squares line", title_fontsize=8.5)
     load = figures.get("load_average") or {}
     note = "QUICK MODE, not a measurement; " if figures.get("quick") else ""
-    fig.suptitle("mig-exporter: how a scrape's own cost grows (python -m benchmarks --json; benchmarks/plot.py)",
-                 fontsize=12)
-    fig.text(0.5, 0.01, f"{note}{figures.get('machine', '')}; load average {load.get('before', 0):.2f} → "
-             f"{load.get('after', 0):.2f}", ha="center", fontsize=8, color="dimgray", wrap=True)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output)
-    plt.close(fig)
+    save(plt, fig, output,
+         "mig-exporter: how a scrape's own cost grows (python -m benchmarks --json; benchmarks/plot.py)", 12,
+         f"{note}{figures.get('machine', '')}; load average {load.get('before', 0):.2f} → "
+         f"{load.get('after', 0):.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
