@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import MIB, SAMPLES
-from mig_exporter.fleet import FleetError, PrometheusClient
+from mig_exporter.fleet import DEVICES_PER_NODE, FREE_PER_NODE, FleetError, PrometheusClient
 from mig_exporter.model.capacity import TIMES, ClassCount, count_by_class, summary
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from test_grafana import panels_through_grafana, rows
@@ -175,6 +175,15 @@ def test_the_rules_the_dashboard_and_fleet_count_it_once_though_a_probe_reads_it
         assert {r["Class"]: r["Memory free"] for r in capacity}[THREE_G] == memory[THREE_G]
         nodes = rows(drawn[("overview.json", "table", "Nodes with a free device of the chosen class")])
         assert [(r["Node"], r["Free"]) for r in nodes if r["Class"] == THREE_G] == [("A", 1), ("B", 1)]
+
+
+def test_fleet_asks_the_recording_rules_own_expressions():
+    """One definition of free: fleet's queries are the node rules', so a Prometheus without the
+    rules loaded answers what one with them records."""
+    rules = {r["record"]: " ".join(r["expr"].split())
+             for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"] if "record" in r}
+    assert rules["instance_class:mig_exporter_devices:count"] == DEVICES_PER_NODE
+    assert rules["instance_class:mig_exporter_devices_free:count"] == FREE_PER_NODE
 
 
 def test_fleet_names_the_url_and_the_reason_when_it_cannot_ask(tmp_path):

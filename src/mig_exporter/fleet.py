@@ -19,15 +19,17 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-# The exporter's own /metrics series only: a probe target exports the device families but no
-# build_info. The same guard as deploy/prometheus/alerts.yml's capacity rules.
+# The expressions of deploy/prometheus/alerts.yml's instance_class:mig_exporter_devices:count and
+# instance_class:mig_exporter_devices_free:count, word for word (tests/test_capacity.py holds them
+# equal; the package carries no deploy/ to read them from). The exporter's own /metrics series only:
+# a probe target exports the device families but no build_info.
 _OWN = "and ignoring (class, version) last_over_time(mig_exporter_build_info[3m])"
 _DEVICE_LABELS = "index, card, mig_profile, uuid, gpu_instance, compute_instance, name, device"
-DEVICES_PER_NODE = f"count without ({_DEVICE_LABELS}) (mig_exporter_device_info) {_OWN}"
+DEVICES_PER_NODE = f"count without ({_DEVICE_LABELS}) ( mig_exporter_device_info ) {_OWN}"
 FREE_PER_NODE = (
-    f"count without ({_DEVICE_LABELS}) ("
-    "mig_exporter_device_info and ignoring (uuid, gpu_instance, compute_instance, class, name, device) "
-    f"(mig_exporter_device_processes == 0)) {_OWN}"
+    f"( count without ({_DEVICE_LABELS}) ( mig_exporter_device_info "
+    "and ignoring (uuid, gpu_instance, compute_instance, class, name, device) (mig_exporter_device_processes == 0) ) "
+    f"or 0 * count without ({_DEVICE_LABELS}) ( mig_exporter_device_info ) ) {_OWN}"
 )
 
 
