@@ -91,13 +91,6 @@ def _read(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def _without_volatile(text: str) -> str:
-    """Exposition minus the per-read duration and what only NVML gives (the energy, which
-    ``nvidia-smi -q -x`` lacks: test_source_nvml.py's NVML_ONLY_LINES), with the source label
-    made neutral and the sample count less those samples (test_source_nvml.py's without_volatile)."""
-    return without_volatile(text)
-
-
 def _sample(text: str, prefix: str) -> str | None:
     return next((line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(prefix + " ")), None)
 
@@ -438,7 +431,7 @@ def test_read_source_nvml_over_the_library_equals_nvidia_smi(fake_libnvml_env, f
     assert via_smi.returncode == 0, via_smi.stderr
     assert _sample(via_nvml.stdout, 'mig_exporter_read_success{source="nvml"}') == "1.0"
     assert "mig_exporter_card_energy_joules_total{" in via_nvml.stdout  # what parity skips is there
-    assert _without_volatile(via_nvml.stdout) == _without_volatile(via_smi.stdout)
+    assert without_volatile(via_nvml.stdout) == without_volatile(via_smi.stdout)
 
 
 @pytest.mark.parametrize("name", sorted(BENCH_SHAPES))
@@ -451,7 +444,7 @@ def test_the_benchmark_machines_read_the_same_through_the_library(fake_libnvml_e
     processes = [line for line in via_nvml.stdout.splitlines()
                  if line.startswith("mig_exporter_process_memory_used_bytes{")]
     assert len(processes) == shape.processes
-    assert _without_volatile(via_nvml.stdout) == _without_volatile(via_smi.stdout)
+    assert without_volatile(via_nvml.stdout) == without_volatile(via_smi.stdout)
 
 
 def _free_port() -> int:
@@ -743,4 +736,4 @@ def test_r535_garbled_v3_lists_are_read_again_with_v2_through_the_library(fake_l
     via_nvml = _read(fake_libnvml_env(garbled), "--source", "nvml")
     via_smi = _read(dict(os.environ), "--source", "nvidia-smi", "--nvidia-smi", str(smi))
     assert via_nvml.returncode == 0, via_nvml.stderr
-    assert _without_volatile(via_nvml.stdout) == _without_volatile(via_smi.stdout)
+    assert without_volatile(via_nvml.stdout) == without_volatile(via_smi.stdout)

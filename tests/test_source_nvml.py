@@ -274,8 +274,6 @@ def without_volatile(text: str) -> str:
     return re.sub(r'source="[^"]+"', 'source="*"', "\n".join(lines))
 
 
-_without_volatile = without_volatile
-
 
 @pytest.mark.parametrize("name", FIXTURE_SCENARIOS)
 def test_read_source_nvml_prints_the_same_series_as_the_nvidia_smi_path(fake_nvml_lib, fake_nvidia_smi, name):
@@ -288,7 +286,7 @@ def test_read_source_nvml_prints_the_same_series_as_the_nvidia_smi_path(fake_nvm
     assert 'mig_exporter_read_success{source="nvml"} 1.0' in via_nvml.stdout
     assert 'mig_exporter_read_success{source="nvidia-smi"} 1.0' in via_smi.stdout
     assert any(line.startswith(NVML_ONLY_FAMILIES) for line in via_nvml.stdout.splitlines())
-    assert _without_volatile(via_nvml.stdout) == _without_volatile(via_smi.stdout)
+    assert without_volatile(via_nvml.stdout) == without_volatile(via_smi.stdout)
 
 
 def test_source_auto_takes_nvml_where_the_library_loads(fake_nvml_lib):
