@@ -26,7 +26,14 @@ from mig_exporter.fleet import DEVICES_PER_NODE, FREE_PER_NODE, FleetError, Prom
 from mig_exporter.model.capacity import TIMES, ClassCount, count_by_class, summary
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from test_grafana import panels_through_grafana, rows
-from test_prometheus import STARTUP_S, _prometheus_binary, _target_after_scrapes, exporter, prometheus
+from test_prometheus import (
+    STARTUP_S,
+    _prometheus_binary,
+    _target_after_scrapes,
+    exporter,
+    prometheus,
+    with_probe_config,
+)
 
 pytestmark = pytest.mark.prometheus
 
@@ -112,21 +119,8 @@ def test_the_rules_the_dashboard_and_fleet_count_it_once_though_a_probe_reads_it
     common = ("--no-kubernetes", "--proc.root", str(tmp_path))
     with exporter(free, tmp_path, *common, "--config.file", str(config)) as a, \
             exporter(free, tmp_path, *common) as b, exporter(busy, tmp_path, *common) as c:
-        scrape_config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [
-                {"job_name": "mig-exporter", "static_configs": [{"targets": [a.address, b.address, c.address]}]},
-                {"job_name": "mig-exporter-probe", "metrics_path": "/probe",
-                 "static_configs": [{"targets": ["node-a-again"]}],
-                 "relabel_configs": [
-                     {"source_labels": ["__address__"], "target_label": "__param_target"},
-                     {"source_labels": ["__param_target"], "target_label": "instance"},
-                     {"target_label": "__address__", "replacement": a.address},
-                 ]},
-            ],
-        }
-        with prometheus("", tmp_path, yaml.safe_dump(scrape_config)) as prom:
+        config = with_probe_config([a.address, b.address, c.address], "node-a-again", a.address, rules)
+        with prometheus("", tmp_path, config) as prom:
             for address in (a.address, b.address, c.address, "node-a-again"):
                 assert _target_after_scrapes(prom, address)["health"] == "up"
             # The probe's read is stored: a view that counted it would see three free 3g.40gb.

@@ -30,6 +30,7 @@ from test_prometheus import (
     _value,
     exporter,
     prometheus,
+    with_probe_config,
 )
 
 pytestmark = pytest.mark.prometheus
@@ -87,21 +88,8 @@ def e2e_node(fake_nvidia_smi, fake_kubelet, tmp_path: Path) -> Iterator[tuple[Ex
 
     with exporter(smi, tmp_path, "--proc.root", str(proc), "--config.file", str(config),
                   "--kubelet.pod-resources-socket", kubelet.socket_path, "--kubelet.log-dir", str(logs)) as exp:
-        scrape_config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [
-                {"job_name": "mig-exporter", "static_configs": [{"targets": [exp.address]}]},
-                {"job_name": "mig-exporter-probe", "metrics_path": "/probe",
-                 "static_configs": [{"targets": ["gpu-node-2"]}],
-                 "relabel_configs": [
-                     {"source_labels": ["__address__"], "target_label": "__param_target"},
-                     {"source_labels": ["__param_target"], "target_label": "instance"},
-                     {"target_label": "__address__", "replacement": exp.address},
-                 ]},
-            ],
-        }
-        with prometheus("", tmp_path, yaml.safe_dump(scrape_config)) as prom:
+        config = with_probe_config([exp.address], "gpu-node-2", exp.address, rules)
+        with prometheus("", tmp_path, config) as prom:
             assert _target_after_scrapes(prom, exp.address)["health"] == "up"
             assert _target_after_scrapes(prom, "gpu-node-2")["health"] == "up"
             yield exp, prom

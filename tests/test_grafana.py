@@ -21,12 +21,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import MIB, REPO, fixture_bytes, require_tool
 from test_dashboards import _dashboards
 from test_e2e import ALERTS, _wait, e2e_node
-from test_prometheus import Prometheus, _prometheus_binary, _target_after_scrapes, exporter, prometheus
+from test_prometheus import (
+    Prometheus,
+    _prometheus_binary,
+    _target_after_scrapes,
+    exporter,
+    prometheus,
+    with_probe_config,
+)
 
 pytestmark = pytest.mark.prometheus
 HARNESS = REPO / "tests" / "grafana"
@@ -335,21 +341,8 @@ def troubled_fleet(fake_nvidia_smi, tmp_path: Path) -> Iterator[tuple[dict[str, 
     (tmp_path / "failing").mkdir()
     with exporter(carved_smi, tmp_path / "carved", "--no-kubernetes", "--config.file", str(config)) as carved, \
             exporter(failing_smi, tmp_path / "failing", "--no-kubernetes") as failing:
-        scrape_config = {
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(ALERTS)],
-            "scrape_configs": [
-                {"job_name": "mig-exporter", "static_configs": [{"targets": [carved.address, failing.address]}]},
-                {"job_name": "mig-exporter-probe", "metrics_path": "/probe",
-                 "static_configs": [{"targets": [PROBED]}],
-                 "relabel_configs": [
-                     {"source_labels": ["__address__"], "target_label": "__param_target"},
-                     {"source_labels": ["__param_target"], "target_label": "instance"},
-                     {"target_label": "__address__", "replacement": carved.address},
-                 ]},
-            ],
-        }
-        with prometheus("", tmp_path, yaml.safe_dump(scrape_config)) as prom:
+        config = with_probe_config([carved.address, failing.address], PROBED, carved.address, ALERTS)
+        with prometheus("", tmp_path, config) as prom:
             for address in (carved.address, failing.address, PROBED):
                 assert _target_after_scrapes(prom, address)["health"] == "up"
             raised = {"MIGCardHasNoInstances", "GPUExporterReadFailing"}

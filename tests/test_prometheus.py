@@ -307,6 +307,21 @@ BLACKBOX_RELABELLING = [
 ]
 
 
+def with_probe_config(exporters: list[str], probed: str, via: str, rules: Path) -> str:
+    """A 1 s Prometheus config: ``exporters`` scraped on /metrics as job mig-exporter, and the
+    probe target ``probed`` read through ``via``'s /probe, as instance ``probed``, with the
+    documented relabelling; ``rules`` loaded."""
+    return yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [
+            {"job_name": JOB, "static_configs": [{"targets": exporters}]},
+            {"job_name": "mig-exporter-probe", "metrics_path": "/probe", "static_configs": [{"targets": [probed]}],
+             "relabel_configs": [*BLACKBOX_RELABELLING[:2], {"target_label": "__address__", "replacement": via}]},
+        ],
+    })
+
+
 def documented_probe_scrape_config() -> dict:
     """The one Prometheus config in docs/probe.md."""
     text = (REPO / "docs" / "probe.md").read_text()
