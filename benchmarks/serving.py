@@ -103,11 +103,12 @@ def start_serve(options: list[str], env: dict[str, str] | None = None,
     raise RuntimeError(f"mig-exporter serve did not answer /-/healthy within {within_s:.0f}s")
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM, ``grace_s`` seconds to exit (a Prometheus writes its head out), then SIGKILL."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(5)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
