@@ -465,6 +465,10 @@ def test_a_changed_config_or_web_config_rolls_the_pods():
     assert users["checksum/web-config"] != base["checksum/web-config"]
     assert users["checksum/config"] == base["checksum/config"]
     assert checksums({"probe": {"targets": {"driver-root": None}}})["checksum/config"] != base["checksum/config"]
+    # A new certificate from values rolls them too (one of the user's own Secret is re-read by the exporter).
+    first = checksums({"tls": {"enabled": True, "cert": PEM, "key": KEY}})
+    renewed = checksums({"tls": {"enabled": True, "cert": PEM.replace("MIIB", "MIIC"), "key": KEY}})
+    assert first["checksum/web-config"] != renewed["checksum/web-config"]
 
 
 def test_the_values_users_set_reach_the_pods():
@@ -548,7 +552,8 @@ def test_bad_values_are_refused_by_the_schema_naming_the_value(values, named):
     ({"service": {"enabled": False}}, "serviceMonitor.enabled needs service.enabled"),
     ({"serviceMonitor": {"enabled": False}, "probe": {"scrape": True}}, "probe.scrape needs serviceMonitor.enabled"),
     ({"probe": {"scrape": True}, "config": {"existingConfigMap": "mine"}}, "probe.scrape scrapes probe.targets"),
-    ({"serviceMonitor": {"interval": "5s"}}, "serviceMonitor.scrapeTimeout (10s) is longer than serviceMonitor.interval"),
+    ({"serviceMonitor": {"interval": "5s"}},
+     "serviceMonitor.scrapeTimeout (10s) is longer than serviceMonitor.interval"),
     ({"probe": {"scrape": True, "interval": "5s"}}, "serviceMonitor.scrapeTimeout (10s) is longer than probe.interval"),
     ({"updateStrategy": {"rollingUpdate": {"maxSurge": 1}}}, "set updateStrategy.rollingUpdate.maxUnavailable=0"),
 ], ids=["two monitors", "monitor without service", "probe scrape without monitor", "probe scrape of a foreign config",
