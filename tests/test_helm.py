@@ -128,10 +128,16 @@ def container(docs: list[dict]) -> dict:
     return only
 
 
-def without_helm_bookkeeping(doc: dict) -> dict:
+def without_helm_labels(doc: dict) -> dict:
     doc = copy.deepcopy(doc)
     for key in HELM_LABELS:
         doc["metadata"]["labels"].pop(key)
+    return doc
+
+
+def without_helm_bookkeeping(daemonset: dict) -> dict:
+    """The DaemonSet less Helm's labels and the checksum annotations (all it has)."""
+    doc = without_helm_labels(daemonset)
     annotations = doc["spec"]["template"]["metadata"].pop("annotations")
     assert sorted(annotations) == sorted(HELM_POD_ANNOTATIONS)
     return doc
@@ -139,12 +145,6 @@ def without_helm_bookkeeping(doc: dict) -> dict:
 
 def k8s_daemonset() -> dict:
     return test_k8s.by_kind(test_k8s.render())["DaemonSet"]
-
-
-def component_patch(name: str) -> list[dict]:
-    component = yaml.safe_load((test_k8s.K8S / "components" / name / "kustomization.yaml").read_text())
-    (patch,) = component["patches"]
-    return yaml.safe_load(patch["patch"])
 
 
 # -- the chart itself -------------------------------------------------------------------------
@@ -258,12 +258,12 @@ def test_the_default_daemonset_is_deploy_k8s_daemonset_field_by_field():
 
 def test_non_root_is_deploy_k8s_non_root_component():
     chart = without_helm_bookkeeping(one(render({"nonRoot": True}), "DaemonSet"))
-    assert chart == test_k8s._apply(k8s_daemonset(), component_patch("non-root"))
+    assert chart == test_k8s.apply_patch(k8s_daemonset(), test_k8s.component("non-root")[1])
 
 
 def test_runtime_class_name_is_deploy_k8s_runtimeclass_component():
     chart = without_helm_bookkeeping(one(render({"runtimeClassName": "nvidia"}), "DaemonSet"))
-    assert chart == test_k8s._apply(k8s_daemonset(), component_patch("runtimeclass-nvidia"))
+    assert chart == test_k8s.apply_patch(k8s_daemonset(), test_k8s.component("runtimeclass-nvidia")[1])
 
 
 def test_the_default_objects_are_deploy_k8s_objects_less_the_namespace():
@@ -272,10 +272,7 @@ def test_the_default_objects_are_deploy_k8s_objects_less_the_namespace():
     k8s = test_k8s.render()
     assert kinds(chart) == sorted([d["kind"] for d in k8s if d["kind"] != "Namespace"] + ["ConfigMap"] * 3)
     for kind in ("Service", "ServiceMonitor", "ServiceAccount"):
-        ours, theirs = copy.deepcopy(one(chart, kind)), test_k8s.by_kind(k8s)[kind]
-        for key in HELM_LABELS:
-            ours["metadata"]["labels"].pop(key)
-        assert ours == theirs, kind
+        assert without_helm_labels(one(chart, kind)) == test_k8s.by_kind(k8s)[kind], kind
 
 
 def test_the_config_file_is_deploy_k8s_config_file():

@@ -154,19 +154,25 @@ def test_the_prometheus_rule_is_an_operator_object():
             assert ("alert" in r) != ("record" in r) and "expr" in r
 
 
+def component(name: str) -> tuple[dict, list[dict]]:
+    """A component of deploy/k8s/components: its kustomization, and its one patch's JSON patch ops."""
+    kustomization = yaml.safe_load((K8S / "components" / name / "kustomization.yaml").read_text())
+    (patch,) = kustomization["patches"]
+    return kustomization, yaml.safe_load(patch["patch"])
+
+
 def test_the_runtimeclass_component_patches_the_daemonset():
-    component = yaml.safe_load((K8S / "components" / "runtimeclass-nvidia" / "kustomization.yaml").read_text())
-    assert component["kind"] == "Component"
-    (patch,) = component["patches"]
-    assert patch["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
-    (op,) = yaml.safe_load(patch["patch"])
+    kustomization, ops = component("runtimeclass-nvidia")
+    assert kustomization["kind"] == "Component"
+    assert kustomization["patches"][0]["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
+    (op,) = ops
     assert op == {"op": "add", "path": "/spec/template/spec/runtimeClassName", "value": "nvidia"}
     daemonset = by_kind(render())["DaemonSet"]
     assert daemonset["metadata"]["name"] == "mig-exporter"
     assert "spec" in daemonset and "template" in daemonset["spec"]
 
 
-def _apply(doc: dict, ops: list[dict]) -> dict:
+def apply_patch(doc: dict, ops: list[dict]) -> dict:
     """The JSON patch ops the components use (add, replace), applied as kustomize does."""
     doc = copy.deepcopy(doc)
     for op in ops:
@@ -185,11 +191,10 @@ def _apply(doc: dict, ops: list[dict]) -> dict:
 
 
 def test_the_non_root_component_runs_as_nobody_and_asks_no_kubelet():
-    component = yaml.safe_load((K8S / "components" / "non-root" / "kustomization.yaml").read_text())
-    assert component["kind"] == "Component"
-    (patch,) = component["patches"]
-    assert patch["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
-    daemonset = _apply(by_kind(render())["DaemonSet"], yaml.safe_load(patch["patch"]))
+    kustomization, ops = component("non-root")
+    assert kustomization["kind"] == "Component"
+    assert kustomization["patches"][0]["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
+    daemonset = apply_patch(by_kind(render())["DaemonSet"], ops)
     pod = daemonset["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == 65534 and pod["securityContext"]["runAsNonRoot"] is True
     args = pod["containers"][0]["args"]

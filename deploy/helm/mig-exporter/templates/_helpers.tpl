@@ -64,6 +64,25 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 {{- default (printf "%s-web-config" (include "mig-exporter.fullname" .)) .Values.webConfig.existingSecret }}
 {{- end }}
 
+{{/*
+How the kubelet checks a pod: a GET of the path (over HTTPS with TLS on), or, with basic auth,
+only that the port is open, since the kubelet cannot log in. The argument is (list $ path).
+*/}}
+{{- define "mig-exporter.probeHandler" -}}
+{{- $root := index . 0 -}}
+{{- if include "mig-exporter.basicAuth" $root -}}
+tcpSocket:
+  port: metrics
+{{- else -}}
+httpGet:
+  path: {{ index . 1 }}
+  port: metrics
+  {{- if $root.Values.tls.enabled }}
+  scheme: HTTPS
+  {{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "mig-exporter.scheme" -}}
 {{- if .Values.tls.enabled }}https{{ else }}http{{ end }}
 {{- end }}
