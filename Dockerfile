@@ -30,8 +30,9 @@ ENV PATH=/opt/mig-exporter/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=utility
-# nobody: reading GPU memory needs no privilege (MIG monitoring needs the MIG
-# capability devices: NVIDIA_MIG_MONITOR_DEVICES=all).
+# nobody: reading GPU memory needs no privilege. Seeing every MIG instance needs the MIG
+# monitor capability: NVIDIA_MIG_MONITOR_DEVICES=all, which the NVIDIA runtime hook only
+# accepts with SYS_ADMIN in the container's bounding set (docs/mig-monitor.md).
 USER 65534:65534
 EXPOSE 10064
 ENTRYPOINT ["mig-exporter"]

@@ -1632,6 +1632,35 @@ def one_lost_one_no_permission() -> FakeNvmlScenario:
     )
 
 
+def without_mig_monitor(scenario: FakeNvmlScenario) -> FakeNvmlScenario:
+    """``scenario`` as a container sees it that has the GPUs (/dev/nvidiaN) but neither the MIG
+    monitor capability (/dev/nvidia-caps/nvidia-cap2) nor the access capability of any GPU or
+    compute instance: the ``all`` of NVIDIA_VISIBLE_DEVICES gives those of the instances that
+    exist when the container starts, so this is a container started before its instances were
+    made (NVIDIA/nvidia-docker#1473), or one given none.
+
+    On each card in MIG mode:
+
+    - ``nvmlDeviceGetMemoryInfo`` (v1 and v2) answers ``NVML_ERROR_NO_PERMISSION``: the card's
+      aggregate memory needs the monitor capability (NVIDIA/nvidia-container-toolkit#842, pynvml
+      ``NVMLError_NoPermission`` on a MIG card's handle, driver 550.127.08; NVIDIA/k8s-device-plugin#399
+      and #1683, "error getting parent memory info: Insufficient Permissions");
+    - no MIG instance is found: every slot of ``nvmlDeviceGetMigDeviceHandleByIndex`` answers
+      ``NOT_FOUND``, as an empty slot does. No source says which code the driver gives for an
+      instance the caller cannot open; NOT_FOUND is what nvidia-smi's showing none implies;
+    - so no process is listed either (the process lists are read on the MIG handles), and the
+      card's own lists are not read in MIG mode.
+
+    Identity, MIG mode, temperature and power still answer (nvidia-smi still shows them).
+    """
+    cards = tuple(
+        replace(card, mig_devices=(), errors={**card.errors, "nvmlDeviceGetMemoryInfo": NVML_ERROR_NO_PERMISSION,
+                                              "nvmlDeviceGetMemoryInfo_v2": NVML_ERROR_NO_PERMISSION})
+        if card.mig_enabled else card
+        for card in scenario.cards)
+    return replace(scenario, cards=cards)
+
+
 # ---------------------------------------------------------------------------
 # Health scenarios without an nvidia-smi fixture: NVML only (tests/test_nvml_health.py)
 # ---------------------------------------------------------------------------

@@ -159,6 +159,48 @@ def variants(seeds: list[bytes], seed: int, n: int) -> list[bytes]:
     return out
 
 
+_MIG_DEVICES = re.compile(rb"([ \t]*)<mig_devices>.*?</mig_devices>", re.S)
+_FB_MEMORY = re.compile(rb"<fb_memory_usage>.*?</fb_memory_usage>", re.S)
+_MEMORY_VALUE = re.compile(rb"<(total|reserved|used|free)>[^<]*</\1>")
+_UUID = re.compile(rb"<uuid>([^<]*)</uuid>")
+_PRODUCT = re.compile(rb"<product_name>([^<]*)</product_name>")
+
+
+def without_mig_monitor(xml: bytes) -> tuple[bytes, bytes]:
+    """A real ``nvidia-smi -q -x`` of cards in MIG mode made into what a container prints that
+    has the GPUs but neither the MIG monitor capability nor the access capability of any
+    instance (see ``fake_nvml.without_mig_monitor``, the same container on the NVML path), and
+    the ``nvidia-smi -L`` it prints beside it. The transformation, each step with its source:
+
+    - the card's ``fb_memory_usage`` values become ``Insufficient Permissions``, as in the
+      ``-q -x`` of IDSIA/sacred#864 (an A100-SXM4-40GB in MIG mode, in a container);
+    - ``<mig_devices>`` holds no ``<mig_device>``, only ``None``, as nvidia-smi writes it for a
+      card with no MIG device (every non-MIG card of the real corpus): the instances the
+      container cannot open are not shown (NVIDIA/nvidia-docker#1473: an instance made after
+      the container started is not seen in it). No capture of this exact case was found;
+    - no ``<process_info>`` is left (listing the aggregate processes is what the monitor
+      capability grants: NVIDIA container toolkit, NVIDIA_MIG_MONITOR_DEVICES);
+    - ``-L`` lists each card alone, without MIG lines.
+
+    Only documents whose cards are all in MIG mode are taken: the steps apply to every card.
+    """
+    if xml.count(b"<current_mig>Enabled</current_mig>") != xml.count(b"<gpu "):
+        raise ValueError("not every card of this document is in MIG mode")
+    def no_devices(m: re.Match[bytes]) -> bytes:
+        indent = m.group(1)
+        inner = indent + (b"\t" if indent.startswith(b"\t") else b"    ")
+        return indent + b"<mig_devices>\n" + inner + b"None\n" + indent + b"</mig_devices>"
+
+    out = _MIG_DEVICES.sub(no_devices, xml)
+    out = _FB_MEMORY.sub(lambda m: _MEMORY_VALUE.sub(rb"<\1>Insufficient Permissions</\1>", m.group(0)), out)
+    out = _PROCESS.sub(b"", out)
+    names = [n.decode() for n in _PRODUCT.findall(out)]
+    uuids = [u.decode() for u in _UUID.findall(out)]
+    listing = "".join(f"GPU {i}: {name} (UUID: {uuid})\n" for i, (name, uuid) in enumerate(zip(names, uuids,
+                                                                                                 strict=True)))
+    return out, listing.encode()
+
+
 def plain(obj: Any) -> Any:
     """A snapshot as JSON-able values, the same whether its types are dataclasses or named tuples."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -412,3 +412,18 @@ def test_a_proc_read_hung_for_good_holds_one_thread_not_one_per_scrape(tmp_path)
             fd = os.open(root / "50000" / "cmdline", os.O_RDWR | os.O_NONBLOCK)
             time.sleep(0.05)
             os.close(fd)
+
+
+def test_an_engine_listed_nowhere_is_unknown_while_a_process_list_is_hidden(tmp_path):
+    """A device whose process list is not whole may hold the engine: it is then neither on a
+    GPU nor "on no GPU" (EngineHoldsNoGPUMemory reads 0 only). With every list whole, 0."""
+    root = make_proc(tmp_path / "proc", [Proc(52040, "llama-server", LLAMA), Proc(48213, "llama-server", LLAMA)])
+    demo = demo_gpu()
+    assert read(root, demo).processes == (EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),
+                                          EngineProcess("llama.cpp", 52040, "llama-server", 0, ()))
+    unlisted = replace(demo, devices=tuple(replace(d, processes_known=d.index != 1002) for d in demo.devices))
+    assert read(root, unlisted).processes == (
+        EngineProcess("llama.cpp", 48213, "llama-server", 11520 * MIB, (1000,)),
+        EngineProcess("llama.cpp", 52040, "llama-server", None, ()))
+    denied = replace(demo, cards=tuple(replace(c, aggregate_denied=c.index == 0) for c in demo.cards))
+    assert read(root, denied).processes[1] == EngineProcess("llama.cpp", 52040, "llama-server", None, ())

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import fixture_bytes
-from fake_nvml import SCENARIOS
+from fake_nvml import SCENARIOS, without_mig_monitor
 from mig_exporter.cli import cli
 from mig_exporter.doctor import (
     NO_XIDS_WITHOUT_NVML,
@@ -25,8 +25,10 @@ from mig_exporter.doctor import (
 )
 from mig_exporter.model.health import CardHealth, ClockReading, EccCount
 from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
+from smi_variants import without_mig_monitor as without_mig_monitor_xml
 
 
 def _doctor(fake_nvml_lib, fake_nvidia_smi, nvml_scenario, xml: bytes, listing: bytes, **smi_options):
@@ -103,12 +105,135 @@ def test_memory_in_use_with_no_process_listed_points_at_host_pid(fake_nvml_lib, 
 
 
 def test_no_permission_on_mig_and_a_lost_card(fake_nvml_lib, fake_nvidia_smi):
+    """A MIG card whose read NVML refused names the monitor capability; a lost card, Xids."""
     fake_nvml_lib("one-lost-one-no-permission")
     report = diagnose(timed_read("nvml", NvmlSource().read),
                       PathReading("nvidia-smi", None, "nvidia-smi: not found on PATH", 0.0))
-    assert _codes(report) == ["nvidia-smi-failed", "card-unreadable", "mig-no-permission"]
-    assert "NVIDIA_MIG_MONITOR_DEVICES=all" in report.findings[2].fix
+    assert _codes(report) == ["nvidia-smi-failed", "card-unreadable", "mig-monitor-missing"]
+    assert report.findings[2].message.endswith(
+        "the container lacks the MIG monitor capability; NVML refused it (NVML_ERROR_NO_PERMISSION in "
+        "nvmlDeviceGetMaxMigDeviceCount): none of its instances or processes is read")
     assert "Xid" in report.findings[1].fix
+
+
+# --- no MIG monitor capability (issue 35) --------------------------------------------------------
+# The container has the GPUs but not /dev/nvidia-caps/nvidia-cap2, nor the access capability of
+# any instance: what the real driver shows there is written, with its sources, in
+# fake_nvml.without_mig_monitor (NVML) and smi_variants.without_mig_monitor (nvidia-smi).
+
+NO_MONITOR_MESSAGE = (
+    "card 0 (NVIDIA H100 80GB HBM3) is in MIG mode and the driver refuses this container its aggregate "
+    "readings (memory: Insufficient Permissions): the container lacks the MIG monitor capability; no instance "
+    "is seen, so whether none is carved or all are hidden cannot be told; its memory is hidden")
+
+
+def _assert_monitor_fix(fix: str) -> None:
+    assert "migMonitor.enabled=true" in fix and "adds SYS_ADMIN" in fix
+    assert "-e NVIDIA_MIG_MONITOR_DEVICES=all --cap-add SYS_ADMIN" in fix
+    assert "docs/mig-monitor.md" in fix
+
+
+def test_nvml_without_the_monitor_capability_names_it_not_an_empty_card(fake_nvml_lib):
+    import pynvml
+
+    fake = fake_nvml_lib(without_mig_monitor(SCENARIOS["h100-mig-processes"]()))
+    report = diagnose(timed_read("nvml", NvmlSource().read),
+                      PathReading("nvidia-smi", None, "nvidia-smi: not found on PATH", 0.0))
+    assert fake.exceptions == []
+    assert _codes(report) == ["nvidia-smi-failed", "mig-monitor-missing"], "not mig-nothing-carved"
+    finding = report.findings[1]
+    assert (finding.message, finding.severity) == (NO_MONITOR_MESSAGE, "error")
+    _assert_monitor_fix(finding.fix)
+    card = report.snapshot.cards[0]
+    assert (card.error, card.aggregate_denied, card.mig_current, card.mig_instances) == (None, True, True, 0)
+    assert report.snapshot.devices == () and report.snapshot.processes == ()
+    assert report.exit_code == 1
+    # What the fake answered, as the driver does: the card's memory refused, every slot empty.
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(pynvml.NVMLError_NoPermission):
+        pynvml.nvmlDeviceGetMemoryInfo(handle)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)
+    assert pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU) == 52
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_nvidia_smi_without_the_monitor_capability_on_a_real_a100(fmt, fake_nvml_lib, fake_nvidia_smi):
+    """The real A100 capture (telegraf, driver 535.54.03, 4 instances) as the container prints it."""
+    import pynvml
+
+    from conftest import require_real_corpus
+
+    real = (require_real_corpus() / "telegraf-a100-sxm4-80gb-mig-v12-drv535.xml").read_bytes()
+    fake_nvml_lib(dataclasses.replace(SCENARIOS["demo"](), init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    smi = fake_nvidia_smi(*without_mig_monitor_xml(real))
+    result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", str(smi), "--format", fmt])
+    assert result.exit_code == 1, result.output
+    message = ("card 0 (NVIDIA A100-SXM4-80GB) is in MIG mode and the driver refuses this container its aggregate "
+               "readings (memory: Insufficient Permissions): the container lacks the MIG monitor capability; no "
+               "instance is seen, so whether none is carved or all are hidden cannot be told; its memory is hidden")
+    if fmt == "text":
+        out = result.stdout
+        assert f"ERROR [mig-monitor-missing] {message}\n      fix: give the container the MIG monitor" in out
+        assert "[mig-nothing-carved]" not in out
+        assert "MIG current enabled, pending enabled, 0 instance(s)" in out
+        assert out.rstrip().endswith("problems found: 1 error(s), 1 warning(s) (exit 1)")
+        return
+    doc = json.loads(result.stdout)
+    assert [(w["code"], w["severity"]) for w in doc["warnings"]] == [
+        ("nvml-unavailable", "warning"), ("mig-monitor-missing", "error")]
+    warning = doc["warnings"][1]
+    assert warning["message"] == message
+    _assert_monitor_fix(warning["fix"])
+    assert (doc["cards"][0]["mig_instances"], doc["cards"][0]["devices"]) == (0, [])
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_both_paths_without_the_monitor_capability_agree(fmt, fake_nvml_lib, fake_nvidia_smi):
+    fake_nvml_lib(without_mig_monitor(SCENARIOS["h100-mig-processes"]()))
+    smi = fake_nvidia_smi(*without_mig_monitor_xml(fixture_bytes("h100-mig-processes.xml")))
+    result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", str(smi), "--format", fmt])
+    assert result.exit_code == 1, result.output
+    if fmt == "text":
+        assert f"ERROR [mig-monitor-missing] {NO_MONITOR_MESSAGE}\n" in result.stdout
+        assert "[paths-disagree]" not in result.stdout and "[mig-nothing-carved]" not in result.stdout
+        assert result.stdout.rstrip().endswith("problems found: 1 error(s), 0 warning(s) (exit 1)")
+        return
+    doc = json.loads(result.stdout)
+    assert [r["ok"] for r in doc["reads"]] == [True, True]
+    assert [(w["code"], w["severity"], w["message"]) for w in doc["warnings"]] == [
+        ("mig-monitor-missing", "error", NO_MONITOR_MESSAGE)]
+    assert doc["exit_code"] == 1
+
+
+def test_instances_seen_without_the_monitor_capability_are_counted_and_the_rest_called_hidden(
+        fake_nvml_lib, fake_nvidia_smi):
+    """A container started with its instances' access capabilities (the ``all`` of
+    NVIDIA_VISIBLE_DEVICES gives those existing then) sees them, the card's memory still refused."""
+    xml, listing = _fixture("h100-mig-processes")
+    denied, _ = without_mig_monitor_xml(xml)
+    card_memory = re.compile(rb"<fb_memory_usage>\s*<total>81559 MiB.*?</fb_memory_usage>", re.S)
+    only_memory = card_memory.sub(re.search(rb"<fb_memory_usage>\s*<total>Insufficient.*?</fb_memory_usage>",
+                                            denied, re.S).group(0), xml)
+    assert only_memory != xml
+    report = diagnose(None, timed_read("nvidia-smi", NvidiaSmiSource(str(fake_nvidia_smi(only_memory, listing))).read))
+    assert _codes(report) == ["mig-monitor-missing"]
+    assert report.findings[0].message.endswith(
+        "the container lacks the MIG monitor capability; 4 instance(s) seen, those this container was given at "
+        "its start; an instance made since, and the card's memory, are hidden")
+    assert len(report.snapshot.devices) == 4
+
+
+def test_a_card_with_the_monitor_capability_gets_no_such_finding(fake_nvml_lib, fake_nvidia_smi):
+    from conftest import require_real_corpus
+
+    report = _doctor(fake_nvml_lib, fake_nvidia_smi, "h100-mig-processes", *_fixture("h100-mig-processes"))
+    assert report.findings == ()
+    assert [c.aggregate_denied for r in report.readings for c in r.snapshot.cards] == [False, False]
+    real = (require_real_corpus() / "telegraf-a100-sxm4-80gb-mig-v12-drv535.xml").read_bytes()
+    as_captured = diagnose(None, PathReading("nvidia-smi", snapshot_from_smi(real, None), None, 0.1))
+    assert "mig-monitor-missing" not in _codes(as_captured)
+    assert as_captured.snapshot.cards[0].mig_instances == 4
 
 
 def test_slow_nvidia_smi(fake_nvml_lib, fake_nvidia_smi):
@@ -395,3 +520,20 @@ def test_compare_reports_health_differences_but_not_nvml_only_or_moving_readings
     assert compare(counted, mig)[-1:] == [
         f"device 0/mig2 (1002) ecc volatile sram uncorrectable: 1 vs "
         f"{next((e.errors for e in mig.device(1002).ecc_errors), 'none')}"]
+
+
+def test_a_whole_card_the_process_may_not_open_is_a_permission_finding_not_a_lost_card():
+    """NO_PERMISSION on a card not in MIG mode is the device node's permission, not the card's
+    fault: no Xid or reset advice; the same for a card whose memory nvidia-smi says is refused."""
+    snapshot = _with_health("a100-mig-nothing-carved")
+    whole = dataclasses.replace(snapshot.cards[1], mig_current=False, mig_pending=False,
+                                error="NVML_ERROR_NO_PERMISSION in nvmlDeviceGetMemoryInfo")
+    report = _diagnose(dataclasses.replace(snapshot, cards=(snapshot.cards[0], whole)))
+    assert [f.code for f in report.findings] == ["mig-nothing-carved", "card-no-permission"]
+    assert report.findings[1].fix.startswith("the exporter may not open /dev/nvidia1")
+    assert "Xid" not in report.findings[1].fix
+    refused = dataclasses.replace(snapshot.cards[1], mig_current=False, mig_pending=False, aggregate_denied=True)
+    report = _diagnose(dataclasses.replace(snapshot, cards=(snapshot.cards[0], refused)))
+    assert [f.code for f in report.findings] == ["mig-nothing-carved", "card-no-permission"]
+    assert report.findings[1].message.endswith("the driver refuses this process the card's memory "
+                                               "(Insufficient Permissions)")

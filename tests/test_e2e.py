@@ -70,30 +70,41 @@ def _firing(prom, name: str) -> list[dict]:
             if a["labels"]["alertname"] == name and a["state"] == "firing"]
 
 
+PROBED = "gpu-node-2"  # the e2e exporter's one /probe target, reading the same fake nvidia-smi
+
+
 @contextmanager
-def e2e_node(fake_nvidia_smi, fake_kubelet, tmp_path: Path) -> Iterator[tuple[Exporter, Prometheus]]:
-    """The e2e machine: the exporter over the demo sample (2 cards, 4 devices),
-    the fabricated /proc (engines) and the fake kubelet (pods), scraped by a
-    real Prometheus on /metrics and, as instance gpu-node-2, on /probe (which
-    reads the same fake nvidia-smi), with the shipped rules loaded. Yields once
-    both targets have been scraped twice; tests/test_grafana.py uses it too."""
-    _prometheus_binary()
+def e2e_exporter(fake_nvidia_smi, fake_kubelet, tmp_path: Path) -> Iterator[Exporter]:
+    """The e2e machine's exporter, unscraped: the demo sample (2 cards, 4 devices)
+    through the fake nvidia-smi, the fabricated /proc (engines), the kubelet's log
+    directories and the fake kubelet (pods) of kube_node.py, and the /probe target
+    PROBED over the same nvidia-smi. Checks its log for a traceback when it stops."""
     smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
     proc = demo_proc(tmp_path / "proc")
     logs = make_kubelet_logs(tmp_path / "log")
     kubelet = fake_kubelet(PODS)
     config = tmp_path / "mig-exporter.yml"
-    config.write_text(f"probe_targets:\n  gpu-node-2:\n    command: ['{smi}']\n")
-    rules = _rules_with_short_for(tmp_path)
-
+    config.write_text(f"probe_targets:\n  {PROBED}:\n    command: ['{smi}']\n")
     with exporter(smi, tmp_path, "--proc.root", str(proc), "--config.file", str(config),
                   "--kubelet.pod-resources-socket", kubelet.socket_path, "--kubelet.log-dir", str(logs)) as exp:
-        config = with_probe_config([exp.address], "gpu-node-2", exp.address, rules)
+        yield exp
+        assert "Traceback" not in exp.log.text()
+
+
+@contextmanager
+def e2e_node(fake_nvidia_smi, fake_kubelet, tmp_path: Path) -> Iterator[tuple[Exporter, Prometheus]]:
+    """The e2e machine: the exporter of e2e_exporter scraped by a real Prometheus
+    on /metrics and, as instance gpu-node-2, on /probe, with the shipped rules
+    loaded. Yields once both targets have been scraped twice;
+    tests/test_grafana.py uses it too."""
+    _prometheus_binary()
+    rules = _rules_with_short_for(tmp_path)
+    with e2e_exporter(fake_nvidia_smi, fake_kubelet, tmp_path) as exp:
+        config = with_probe_config([exp.address], PROBED, exp.address, rules)
         with prometheus("", tmp_path, config) as prom:
             assert _target_after_scrapes(prom, exp.address)["health"] == "up"
-            assert _target_after_scrapes(prom, "gpu-node-2")["health"] == "up"
+            assert _target_after_scrapes(prom, PROBED)["health"] == "up"
             yield exp, prom
-        assert "Traceback" not in exp.log.text()
 
 
 def test_prometheus_scrapes_metrics_and_probe_and_every_panel_has_data(fake_nvidia_smi, fake_kubelet, tmp_path):

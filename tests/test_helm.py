@@ -9,9 +9,9 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
 import subprocess
 import tarfile
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -41,12 +41,15 @@ HELM_POD_ANNOTATIONS = ("checksum/config", "checksum/web-config")
 BCRYPT_HASH = bcrypt.hashpw(b"scrape-me", bcrypt.gensalt(4)).decode()
 PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 KEY = "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n"
+SCRAPE_CREDENTIALS = {"basicAuth": {"username": {"name": "scrape", "key": "user"},
+                                    "password": {"name": "scrape", "key": "password"}}}
 
 # Every switch and variant, each rendered, linted, validated and parsed by the CLI below.
 VARIANTS: dict[str, dict] = {
     "defaults": {},
     "non-root": {"nonRoot": True},
-    "runtime class and priority": {"runtimeClassName": "nvidia", "priorityClassName": "system-node-critical"},
+    "default runtime, no priority class": {"runtimeClassName": "", "priorityClassName": ""},
+    "MIG monitor": {"migMonitor": {"enabled": True}},
     "TLS from values": {"tls": {"enabled": True, "cert": PEM, "key": KEY}},
     "TLS from a Secret": {"tls": {"enabled": True, "existingSecret": "mig-exporter-cert"},
                           "serviceMonitor": {"tlsConfig": {"insecureSkipVerify": True}}},
@@ -72,11 +75,12 @@ VARIANTS: dict[str, dict] = {
     "nothing optional": {"service": {"enabled": False}, "serviceMonitor": {"enabled": False},
                          "prometheusRule": {"enabled": False}, "dashboards": {"enabled": False}},
     "everything extra": {
-        "image": {"repository": "registry.example/mig-exporter", "tag": "0.1.0-rc1", "pullPolicy": "Always"},
+        "image": {"registry": "registry.example", "repository": "mig-exporter", "tag": "0.1.0-rc1",
+                  "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "registry"}], "port": 9464, "logLevel": "warn",
         "extraArgs": ["--collector.processes=top=3"], "env": [{"name": "TZ", "value": "UTC"}],
         "nodeSelector": {"node-role.example/gpu": "true"}, "tolerations": [{"operator": "Exists"}],
-        "affinity": None, "podAnnotations": {"example.com/team": "ml"}, "podLabels": {"team": "ml"},
+        "gpuNodes": {"anyOf": []}, "podAnnotations": {"example.com/team": "ml"}, "podLabels": {"team": "ml"},
         "extraVolumes": [{"name": "extra", "emptyDir": {}}],
         "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra", "readOnly": True}],
         "hostPaths": {"podResources": "/var/snap/microk8s/common/var/lib/kubelet/pod-resources",
@@ -87,6 +91,31 @@ VARIANTS: dict[str, dict] = {
         "prometheusRule": {"additionalLabels": {"release": "kps"}},
         "fullnameOverride": "gpu-memory",
         "updateStrategy": {"type": "OnDelete"},
+    },
+    # The names prometheus-node-exporter's chart (and dcgm-exporter's) give them.
+    "escape hatches": {
+        "enabled": True,
+        "global": {"imageRegistry": "mirror.example", "imagePullSecrets": ["global-pull", {"name": "global-map"}],
+                   "anythingElse": {"an": "umbrella chart's"}},
+        "image": {"digest": "sha256:" + "ab" * 32},
+        "imagePullSecrets": [{"name": "local-pull"}],
+        "namespaceOverride": "gpu-monitoring",
+        "podSecurityContext": {"fsGroup": 2000, "seccompProfile": {"type": "Localhost",
+                                                                   "localhostProfile": "mig-exporter.json"}},
+        "securityContext": {"readOnlyRootFilesystem": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}},
+        "service": {"annotations": {"prometheus.io/scrape": "false"}},
+        "serviceAccount": {"annotations": {"iam.example/role": "gpu-reader"}},
+        "extraInitContainers": [{"name": "wait-for-driver", "image": "busybox:1.36",
+                                 "command": ["sh", "-c",
+                                             "until [ -e /run/nvidia/validations/driver-ready ]; do sleep 5; done"]}],
+        "terminationGracePeriodSeconds": 5,
+        "serviceMonitor": {"namespace": "monitoring", "jobLabel": "app.kubernetes.io/name",
+                           "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                            "targetLabel": "host"}],
+                           "metricRelabelings": [{"sourceLabels": ["__name__"], "regex": "mig_exporter_scrape_series",
+                                                  "action": "drop"}]},
+        "prometheusRule": {"additionalRuleLabels": {"team": "ml"}, "disabled": {"GPUAllocatedButUnused": True}},
     },
 }
 
@@ -157,11 +186,38 @@ def test_the_charts_app_version_is_the_packages_version():
     assert f'\nversion = "{__version__}"\n' in pyproject
 
 
-def test_the_chart_supports_kubernetes_1_28_to_1_37():
-    assert _chart().metadata["kubeVersion"] == ">=1.28.0-0 <1.38.0-0"
-    docs = (REPO / "docs" / "kubernetes.md").read_text()
-    assert "Kubernetes 1.28 to 1.37" in docs
-    assert "Kubernetes 1.28 to 1.37" in (CHART / "README.md").read_text()
+def _kube_version_allows(tmp_path: Path, constraint: str, versions: list[str]) -> dict[str, bool]:
+    """What `helm install` and `helm upgrade` decide for a cluster of each version: they check
+    the chart's kubeVersion with chartutil.IsCompatibleRange, Masterminds/semver's
+    NewConstraint(...).Check, which is also what the template function semverCompare runs. So
+    a chart of one template asks Helm's own code (the SDK has no install, and lint does not
+    check kubeVersion)."""
+    probe = Path(tempfile.mkdtemp(dir=tmp_path))
+    (probe / "templates").mkdir()
+    (probe / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.1.0\n")
+    (probe / "templates" / "answer.yaml").write_text(
+        "{{- range .Values.versions }}\n{{ . }}: {{ semverCompare $.Values.constraint . }}\n{{- end }}\n")
+    with helm.Chart.load(probe) as chart:
+        rendered = chart.render({"constraint": constraint, "versions": versions}, name="probe", namespace="probe")
+    return {k: v for k, v in yaml.safe_load(rendered["probe/templates/answer.yaml"]).items()}
+
+
+def test_the_chart_installs_and_upgrades_on_kubernetes_1_28_and_later(tmp_path):
+    """An upper bound would strand every release on a cluster that moves past it (1.38 was
+    refused before): the chart has a lower bound only."""
+    constraint = _chart().metadata["kubeVersion"]
+    assert constraint == ">=1.28.0-0"
+    versions = ["v1.27.9", "v1.28.0", "v1.30.4-eks-a737599", "v1.37.0", "v1.38.0", "v1.45.2"]
+    assert _kube_version_allows(tmp_path, constraint, versions) == {
+        "v1.27.9": False, "v1.28.0": True, "v1.30.4-eks-a737599": True, "v1.37.0": True, "v1.38.0": True,
+        "v1.45.2": True}
+    # The check can fail: the old range refused 1.38.
+    assert _kube_version_allows(tmp_path, ">=1.28.0-0 <1.38.0-0", ["v1.38.0"]) == {"v1.38.0": False}
+    for version in ("v1.38.0", "v1.45.2"):
+        report = helm.lint(CHART, strict=True, kube_version=version)
+        assert report["errors"] == [] and report["messages"] == [], (version, report)
+    assert "Kubernetes 1.28 and later" in (REPO / "docs" / "kubernetes.md").read_text()
+    assert "Kubernetes 1.28 and later" in (CHART / "README.md").read_text()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -170,8 +226,7 @@ def test_every_variant_lints_clean_in_strict_mode(variant, kube_version):
     report = helm.lint(CHART, copy.deepcopy(VARIANTS[variant]), strict=True, kube_version=kube_version)
     findings = [m for m in report["messages"] if m["severity"] >= 2]
     assert findings == [] and report["errors"] == []
-    # Only the missing icon is left, at info level: the project has no icon to point at.
-    assert [m["error"] for m in report["messages"]] == ["icon is recommended"]
+    assert [m["error"] for m in report["messages"]] == []
 
 
 def test_lint_finds_a_broken_template(tmp_path):
@@ -261,9 +316,14 @@ def test_non_root_is_deploy_k8s_non_root_component():
     assert chart == test_k8s.apply_patch(k8s_daemonset(), test_k8s.component("non-root")[1])
 
 
-def test_runtime_class_name_is_deploy_k8s_runtimeclass_component():
-    chart = without_helm_bookkeeping(one(render({"runtimeClassName": "nvidia"}), "DaemonSet"))
-    assert chart == test_k8s.apply_patch(k8s_daemonset(), test_k8s.component("runtimeclass-nvidia")[1])
+def test_the_default_runtime_is_deploy_k8s_default_runtime_component():
+    chart = without_helm_bookkeeping(one(render({"runtimeClassName": ""}), "DaemonSet"))
+    assert chart == test_k8s.apply_patch(k8s_daemonset(), test_k8s.component("default-runtime")[1])
+
+
+def test_mig_monitor_is_deploy_k8s_mig_monitor_component():
+    chart = without_helm_bookkeeping(one(render({"migMonitor": {"enabled": True}}), "DaemonSet"))
+    assert chart == test_k8s.apply_patch(k8s_daemonset(), test_k8s.component("mig-monitor")[1])
 
 
 def test_the_default_objects_are_deploy_k8s_objects_less_the_namespace():
@@ -301,19 +361,31 @@ def test_promtool_accepts_the_prometheus_rules_groups_as_rendered(tmp_path):
     assert "SUCCESS" in result.stdout
 
 
-def test_the_charts_rules_and_dashboards_are_links_to_the_one_source():
-    """Helm reads only the chart's folder and follows links when it loads or packages it:
-    the links are what keeps one source. A copy in their place would drift."""
-    links = {CHART / "files" / "alerts.yml": REPO / "deploy" / "prometheus" / "alerts.yml"}
+def test_the_charts_rules_and_dashboards_are_real_copies_of_the_one_source():
+    """Helm reads only the chart's folder. Links there would be their path's text on a checkout
+    without symbolic links, and the chart would render `spec.groups: null`: files/ holds real
+    files, which scripts/sync-chart-files writes and --check compares."""
+    copies = {CHART / "files" / "alerts.yml": REPO / "deploy" / "prometheus" / "alerts.yml"}
     dashboards = sorted((REPO / "dashboards" / "grafana").glob("*.json"))
     assert [p.name for p in dashboards] == ["health.json", "node.json", "overview.json"]
-    links.update({CHART / "files" / "dashboards" / p.name: p for p in dashboards})
-    assert sorted((CHART / "files" / "dashboards").iterdir()) == sorted(
-        p for p in links if p.parent.name == "dashboards")
-    for link, target in links.items():
-        assert link.is_symlink(), f"{link} must be a link to {target}, not a copy"
-        assert not os.path.isabs(os.readlink(link)), "relative, so a clone anywhere keeps it"
-        assert link.resolve() == target.resolve()
+    copies.update({CHART / "files" / "dashboards" / p.name: p for p in dashboards})
+    assert sorted((CHART / "files").rglob("*.*")) == sorted(copies)
+    for copy_, source in copies.items():
+        assert not copy_.is_symlink() and copy_.is_file(), f"{copy_} must be a file"
+        assert copy_.read_bytes() == source.read_bytes(), f"{copy_} differs from {source}: run scripts/sync-chart-files"
+    assert not [p for p in CHART.rglob("*") if p.is_symlink()]
+    result = subprocess.run([str(REPO / "scripts" / "sync-chart-files"), "--check"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_chart_without_its_rules_fails_to_render(tmp_path):
+    """What a checkout without links rendered before, with lint passing: now a failed render."""
+    broken = Path(helm.Chart.load(CHART).save_dir(tmp_path))
+    (broken / "files" / "alerts.yml").write_text("../../../prometheus/alerts.yml")
+    with helm.Chart.load(broken) as chart, pytest.raises(HelmRenderError) as error:
+        chart.render(name=RELEASE, namespace=NAMESPACE)
+    assert "files/alerts.yml holds no rule groups" in str(error.value)
 
 
 def test_each_dashboard_is_a_configmap_the_grafana_sidecar_loads():
@@ -378,7 +450,7 @@ def test_a_pod_monitor_replaces_the_service_monitor():
     assert _selects(monitor["spec"]["selector"], one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"])
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "20s",
-                        "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                        "honorLabels": True, "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
                                          "targetLabel": "node"}]}
 
 
@@ -401,7 +473,7 @@ def test_probe_targets_come_from_values_and_are_scraped_on_every_node():
 def test_tls_and_basic_auth_from_values_make_a_web_config_the_exporter_loads(tmp_path):
     pki = make_pki(tmp_path)
     values = {"tls": {"enabled": True, "cert": pki.server.cert.read_text(), "key": pki.server.key.read_text()},
-              "basicAuth": {"users": {"prometheus": BCRYPT_HASH}}}
+              "basicAuth": {"users": {"prometheus": BCRYPT_HASH}}, "serviceMonitor": SCRAPE_CREDENTIALS}
     docs = render(values)
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
     tls = secrets[f"{RELEASE}-tls"]
@@ -459,7 +531,7 @@ def test_a_changed_config_or_web_config_rolls_the_pods():
     engines = {"config": {"engines": {"presets": {"triton": False}}}}
     assert checksums(engines)["checksum/config"] != base["checksum/config"]
     assert checksums(engines)["checksum/web-config"] == base["checksum/web-config"]
-    users = checksums({"basicAuth": {"users": {"prometheus": BCRYPT_HASH}}})
+    users = checksums({"basicAuth": {"users": {"prometheus": BCRYPT_HASH}}, "serviceMonitor": SCRAPE_CREDENTIALS})
     assert users["checksum/web-config"] != base["checksum/web-config"]
     assert users["checksum/config"] == base["checksum/config"]
     assert checksums({"probe": {"targets": {"driver-root": None}}})["checksum/config"] != base["checksum/config"]
@@ -513,6 +585,187 @@ def test_nothing_optional_leaves_the_daemonset_and_its_config():
     assert kinds(render(VARIANTS["nothing optional"])) == ["ConfigMap", "DaemonSet", "ServiceAccount"]
 
 
+def _monitor_endpoints(docs: list[dict]) -> list[dict]:
+    return [e for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")
+            for e in d["spec"].get("endpoints", d["spec"].get("podMetricsEndpoints", []))]
+
+
+def _containers(pod: dict) -> list[dict]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def _env_names(container: dict) -> list[str]:
+    return [e["name"] for e in container.get("env", [])]
+
+
+def test_a_default_install_runs_under_the_nvidia_runtime_without_the_mig_monitor_variable():
+    """GPU Operator v25.10+ (CDI on, nvidia no longer the default runtime): without the class the
+    pod gets no driver. Legacy-mode runtime hooks refuse NVIDIA_MIG_MONITOR_DEVICES without
+    CAP_SYS_ADMIN (nvidia-container-toolkit, cmd/nvidia-container-runtime-hook)."""
+    docs = render()
+    pod = pod_spec(docs)
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert not any("NVIDIA_MIG_MONITOR_DEVICES" in _env_names(c) for c in _containers(pod))
+    assert container(docs)["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert "runtimeClassName" not in pod_spec(render({"runtimeClassName": ""}))
+
+
+def test_every_monitor_endpoint_honours_the_exporters_pod_labels_by_default():
+    for values in ({}, VARIANTS["probe targets scraped"], VARIANTS["PodMonitor"],
+                   VARIANTS["PodMonitor over TLS with basic auth, probes scraped"]):
+        endpoints = _monitor_endpoints(render(values))
+        assert endpoints and all(e["honorLabels"] is True for e in endpoints)
+    off = _monitor_endpoints(render({"serviceMonitor": {"honorLabels": False}}))
+    assert [e["honorLabels"] for e in off] == [False]
+
+
+def _has_sys_admin(context: dict) -> bool:
+    added = {str(c).upper().removeprefix("CAP_") for c in (context.get("capabilities") or {}).get("add") or []}
+    return bool(context.get("privileged")) or bool(added & {"SYS_ADMIN", "ALL"})
+
+
+MIG_VARIABLE = {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}
+
+
+@pytest.mark.parametrize("mig_monitor", [False, True])
+@pytest.mark.parametrize("security", [
+    {}, {"capabilities": {"add": []}}, {"capabilities": {"add": ["NET_RAW"]}}, {"capabilities": {"drop": ["ALL"]}},
+    {"privileged": True, "allowPrivilegeEscalation": True}, {"privileged": True},
+    {"capabilities": {"add": ["CAP_SYS_ADMIN"]}},
+], ids=["none", "no additions", "another capability", "drop only", "privileged", "privileged, no escalation",
+        "CAP_ spelling"])
+@pytest.mark.parametrize("env", [[], [MIG_VARIABLE]], ids=["no env", "the variable in env"])
+@pytest.mark.parametrize("init", [[], [{"name": "init", "image": "busybox", "env": [MIG_VARIABLE]}],
+                                  [{"name": "init", "image": "busybox", "env": [MIG_VARIABLE],
+                                    "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]],
+                         ids=["no init", "init with the variable", "init with the variable and SYS_ADMIN"])
+def test_no_render_sets_the_mig_monitor_variable_without_sys_admin(mig_monitor, security, env, init):
+    """Whatever the values, a container that sets NVIDIA_MIG_MONITOR_DEVICES has CAP_SYS_ADMIN
+    (or is privileged), or the render fails saying what to set: the hook would refuse the pod."""
+    values = {"migMonitor": {"enabled": mig_monitor}, "securityContext": security, "env": env,
+              "extraInitContainers": init}
+    # What each combination must give: the first refusal that applies, or a render.
+    added = (security.get("capabilities") or {}).get("add", ["SYS_ADMIN"] if mig_monitor else [])
+    if env:
+        refusal: str | None = "env sets NVIDIA_MIG_MONITOR_DEVICES: set migMonitor.enabled=true instead"
+    elif security.get("privileged") and not security.get("allowPrivilegeEscalation"):
+        refusal = "securityContext.privileged needs securityContext.allowPrivilegeEscalation=true"
+    elif mig_monitor and not _has_sys_admin({**security, "capabilities": {"add": added}}):
+        refusal = "migMonitor.enabled needs SYS_ADMIN in securityContext.capabilities.add"
+    elif init and not _has_sys_admin(init[0].get("securityContext") or {}):
+        refusal = "extraInitContainers: init sets NVIDIA_MIG_MONITOR_DEVICES without SYS_ADMIN"
+    else:
+        refusal = None
+    if refusal is not None:
+        with pytest.raises(HelmRenderError) as error:
+            render(values)
+        assert refusal in str(error.value)
+        return
+    pod = pod_spec(render(values))
+    for each in _containers(pod):
+        if "NVIDIA_MIG_MONITOR_DEVICES" in _env_names(each):
+            assert _has_sys_admin(each.get("securityContext") or {}), each["name"]
+    (only,) = pod["containers"]
+    assert ("NVIDIA_MIG_MONITOR_DEVICES" in _env_names(only)) == mig_monitor
+
+
+def test_mig_monitor_adds_the_variable_and_sys_admin_together():
+    only = container(render({"migMonitor": {"enabled": True}}))
+    assert only["env"][2] == MIG_VARIABLE
+    assert only["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert only["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_the_escape_hatches_reach_their_objects():
+    docs = render(VARIANTS["escape hatches"])
+    namespaced = [d for d in docs if "dashboard" not in d["metadata"]["name"] and d["kind"] != "ServiceMonitor"]
+    assert {d["metadata"]["namespace"] for d in namespaced} == {"gpu-monitoring"}
+    assert {d["metadata"]["namespace"] for d in docs if "dashboard" in d["metadata"]["name"]} == {"gpu-monitoring"}
+    pod = pod_spec(docs)
+    only = container(docs)
+    assert only["image"] == "mirror.example/mig-exporter/mig-exporter@sha256:" + "ab" * 32
+    assert pod["imagePullSecrets"] == [{"name": "global-pull"}, {"name": "global-map"}, {"name": "local-pull"}]
+    assert pod["securityContext"] == {"runAsNonRoot": False, "runAsUser": 0, "runAsGroup": 0, "fsGroup": 2000,
+                                      "seccompProfile": {"type": "Localhost", "localhostProfile": "mig-exporter.json"}}
+    # Merged over the chart's: a false of the user's replaces the default true.
+    assert only["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False,
+                                       "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}
+    assert [c["name"] for c in pod["initContainers"]] == ["wait-for-driver"]
+    assert pod["terminationGracePeriodSeconds"] == 5
+    assert one(docs, "Service")["metadata"]["annotations"] == {"prometheus.io/scrape": "false"}
+    assert one(docs, "ServiceAccount")["metadata"]["annotations"] == {"iam.example/role": "gpu-reader"}
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["metadata"]["namespace"] == "monitoring"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["gpu-monitoring"]}
+    assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
+        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "host"}]
+    assert endpoint["metricRelabelings"] == [{"sourceLabels": ["__name__"], "regex": "mig_exporter_scrape_series",
+                                              "action": "drop"}]
+    rule = one(docs, "PrometheusRule")
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    records = [r for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r]
+    shipped = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())
+    assert sorted(a["alert"] for a in alerts) == sorted(
+        r["alert"] for g in shipped["groups"] for r in g["rules"]
+        if "alert" in r and r["alert"] != "GPUAllocatedButUnused")
+    assert all(a["labels"]["team"] == "ml" and a["labels"]["severity"] for a in alerts)
+    assert all("team" not in r.get("labels", {}) for r in records)
+    # The image's tag alone when no digest is given; the registry alone names it without one.
+    assert container(render({"image": {"registry": ""}}))["image"] == "mig-exporter/mig-exporter:" + __version__
+    assert container(render({"image": {"registry": "", "repository": "localhost:5000/mig-exporter"}}))["image"] == (
+        "localhost:5000/mig-exporter:" + __version__)
+    assert container(render())["image"] == "ghcr.io/mig-exporter/mig-exporter:" + __version__
+
+
+def test_an_umbrella_charts_global_values_and_enabled_are_accepted():
+    _chart().validate_schema({"enabled": False, "global": {"storageClass": "fast", "imageRegistry": ""}})
+    assert kinds(render({"enabled": True})) == kinds(render())
+
+
+def test_the_default_probe_targets_nvidia_smi_is_mounted():
+    """The driver-root target runs /run/nvidia/driver/usr/bin/nvidia-smi: the GPU Operator's
+    driver root, mounted read-only with the host's later mounts let in."""
+    pod = pod_spec(render())
+    mounts = {m["name"]: m for m in container(render())["volumeMounts"]}
+    assert mounts["run-nvidia"] == {"name": "run-nvidia", "mountPath": "/run/nvidia", "readOnly": True,
+                                    "mountPropagation": "HostToContainer"}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["run-nvidia"]["hostPath"] == {"path": "/run/nvidia", "type": "DirectoryOrCreate"}
+    for values in ({"probe": {"targets": {"driver-root": None, "host": {"command": ["/host/usr/bin/nvidia-smi"]}}}},
+                   {"config": {"existingConfigMap": "mine"}}):
+        assert "run-nvidia" not in {v["name"] for v in pod_spec(render(values))["volumes"]}
+
+
+def test_an_empty_interval_inherits_the_prometheus_interval_and_empty_resources_set_none():
+    (endpoint,) = one(render({"serviceMonitor": {"interval": ""}}), "ServiceMonitor")["spec"]["endpoints"]
+    assert "interval" not in endpoint and endpoint["scrapeTimeout"] == "10s"
+    # Helm merges a map of the user's into the default's: {} keeps them, null drops them.
+    assert "resources" not in container(render({"resources": None}))
+    assert container(render({"resources": {}}))["resources"] == container(render())["resources"]
+    folder = [d for d in render({"dashboards": {"folder": "GPU", "folderAnnotation": "k8s-sidecar-target-directory"}})
+              if "dashboard" in d["metadata"]["name"]]
+    assert {tuple(d["metadata"]["annotations"].items()) for d in folder} == {(("k8s-sidecar-target-directory", "GPU"),)}
+    text = render_files({"dashboards": {"folder": "GPU"}})["mig-exporter/templates/dashboards.yaml"]
+    assert '"grafana_folder": "GPU"' in text
+
+
+def test_the_notes_say_how_to_tell_that_no_node_matched():
+    notes = render_files()["mig-exporter/templates/NOTES.txt"]
+    assert "kubectl -n mig-exporter get daemonset mig-exporter" in notes
+    assert "none carries one of the GPU labels of gpuNodes.anyOf, or\neach that does is a VM host or paused" in notes
+    listed = next(line for line in notes.splitlines() if line.strip().startswith("kubectl get nodes -L "))
+    anyof = [r["key"] for r in _chart().values["gpuNodes"]["anyOf"]]
+    assert listed.split("-L ")[1].split(",")[:len(anyof)] == anyof
+    assert "kubectl get runtimeclass nvidia" in notes
+    assert "set runtimeClassName=\"\" then" in notes
+    plain = render_files({"runtimeClassName": "", "gpuNodes": {"anyOf": []}})["mig-exporter/templates/NOTES.txt"]
+    assert "runtimeclass" not in plain and "your nodeSelector matches none" in plain
+
+
 # -- values refused ---------------------------------------------------------------------------
 
 
@@ -530,10 +783,19 @@ def test_nothing_optional_leaves_the_daemonset_and_its_config():
     ({"probe": {"targets": {"host": {"command": ["nvidia-smi"], "timeout": "5 s"}}}}, "/probe/targets/host/timeout"),
     ({"config": {"engines": {"presets": {"tritonn": False}}}}, "/config/engines"),
     ({"networkPolicy": {"from": [{}]}}, "/networkPolicy/from/0"),
+    ({"migMonitor": {"enable": True}}, "/migMonitor"),
+    ({"gpuNodes": {"anyOf": [{"key": "nvidia.com/gpu.present", "operator": "Has"}]}}, "/gpuNodes/anyOf/0/operator"),
+    ({"image": {"digest": "latest"}}, "/image/digest"),
+    ({"prometheusRule": {"disabled": {"GPUAllocatedButUnused": "yes"}}}, "/prometheusRule/disabled"),
+    ({"serviceMonitor": {"honourLabels": True}}, "/serviceMonitor"),
+    ({"namespaceOverride": "GPU Monitoring"}, "/namespaceOverride"),
+    ({"global": {"imagePullSecrets": [{"nmae": "x"}]}}, "/global/imagePullSecrets/0"),
 ], ids=["negative port", "port too high", "unknown log level", "TLS with no Secret or key",
         "TLS with a certificate and no key", "unknown top-level key", "bad interval", "numeric tag",
         "a selector label in podLabels", "misspelt probe target key", "bad probe timeout", "unknown preset",
-        "an empty NetworkPolicy peer"])
+        "an empty NetworkPolicy peer", "misspelt migMonitor key", "unknown selector operator", "a tag as digest",
+        "a string to disable an alert", "misspelt honorLabels", "a namespace with spaces",
+        "a pull secret without name"])
 def test_bad_values_are_refused_by_the_schema_naming_the_value(values, named):
     with pytest.raises(HelmValuesError) as schema:
         _chart().validate_schema(values)
@@ -554,8 +816,29 @@ def test_bad_values_are_refused_by_the_schema_naming_the_value(values, named):
      "serviceMonitor.scrapeTimeout (10s) is longer than serviceMonitor.interval"),
     ({"probe": {"scrape": True, "interval": "5s"}}, "serviceMonitor.scrapeTimeout (10s) is longer than probe.interval"),
     ({"updateStrategy": {"rollingUpdate": {"maxSurge": 1}}}, "set updateStrategy.rollingUpdate.maxUnavailable=0"),
+    ({"basicAuth": {"users": {"prometheus": BCRYPT_HASH}}},
+     "basicAuth.users is set but serviceMonitor.basicAuth is empty"),
+    ({"basicAuth": {"users": {"prometheus": BCRYPT_HASH}}, "serviceMonitor": {"enabled": False},
+      "podMonitor": {"enabled": True}}, "basicAuth.users is set but podMonitor.basicAuth is empty"),
+    ({"env": [MIG_VARIABLE]}, "set migMonitor.enabled=true instead"),
+    ({"migMonitor": {"enabled": True}, "securityContext": {"capabilities": {"add": []}}},
+     "migMonitor.enabled needs SYS_ADMIN"),
+    ({"extraInitContainers": [{"name": "probe-mig", "image": "busybox", "env": [MIG_VARIABLE]}]},
+     "extraInitContainers: probe-mig sets NVIDIA_MIG_MONITOR_DEVICES without SYS_ADMIN"),
+    ({"securityContext": {"privileged": True}},
+     "securityContext.privileged needs securityContext.allowPrivilegeEscalation"),
+    ({"prometheusRule": {"disabled": {"GPUAlocatedButUnused": True}}},
+     "prometheusRule.disabled names GPUAlocatedButUnused, which is no alert"),
+    ({"image": {"repository": "registry.example:5000/gpu/mig-exporter"}},
+     "image.repository registry.example:5000/gpu/mig-exporter starts with a registry (registry.example:5000), "
+     "and image.registry (or global.imageRegistry) ghcr.io would come before it: set "
+     "image.registry=registry.example:5000 and image.repository=gpu/mig-exporter"),
 ], ids=["two monitors", "monitor without service", "probe scrape without monitor", "probe scrape of a foreign config",
-        "timeout over interval", "timeout over probe interval", "maxSurge beside maxUnavailable"])
+        "timeout over interval", "timeout over probe interval", "maxSurge beside maxUnavailable",
+        "basic auth, service monitor without credentials", "basic auth, pod monitor without credentials",
+        "the MIG variable in env", "MIG monitor with its capability taken away",
+        "an init container with the MIG variable",
+        "privileged without escalation", "a misspelt alert to disable", "a whole image name as the repository"])
 def test_contradicting_switches_fail_the_render_with_what_to_do(values, message):
     with pytest.raises(HelmRenderError) as error:
         render(values)
@@ -595,7 +878,7 @@ def test_the_defaults_pass_the_schema_and_every_value_is_in_it():
     def walk(values: dict, node: dict, path: str) -> None:
         """Each object the schema closes names exactly the keys values.yaml has."""
         properties = node["properties"]
-        assert sorted(values) == sorted(set(properties) - {"global"}), path   # global: Helm's own
+        assert sorted(values) == sorted(properties), path
         for key, value in values.items():
             if properties[key].get("additionalProperties") is False:
                 walk(value, properties[key], f"{path}.{key}")
@@ -606,7 +889,7 @@ def test_the_defaults_pass_the_schema_and_every_value_is_in_it():
 # -- packaging and the README -----------------------------------------------------------------
 
 
-def test_the_chart_packages_the_same_twice_with_the_linked_files_inside(tmp_path):
+def test_the_chart_packages_the_same_twice_with_its_files_inside(tmp_path):
     first = helm.package(CHART, destination=tmp_path / "first")
     second = helm.package(CHART, destination=tmp_path / "second")
     assert Path(first).name == f"mig-exporter-{__version__}.tgz"
@@ -614,7 +897,7 @@ def test_the_chart_packages_the_same_twice_with_the_linked_files_inside(tmp_path
     assert Path(first).read_bytes() == Path(second).read_bytes()
     with tarfile.open(first) as archive:
         member = archive.getmember("mig-exporter/files/alerts.yml")
-        assert member.isfile(), "the link's content, not a link"
+        assert member.isfile()
         assert archive.extractfile(member).read() == (REPO / "deploy" / "prometheus" / "alerts.yml").read_bytes()
         assert "mig-exporter/values.schema.json" in archive.getnames()
     with helm.Chart.load(first) as packaged:

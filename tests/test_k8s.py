@@ -80,14 +80,18 @@ def test_the_daemonset_has_what_a_gpu_node_needs():
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert terms[0]["matchExpressions"][0] == {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    assert "runtimeClassName" not in pod, "optional: the runtimeclass-nvidia component adds it"
+    # GPU Operator v25.10 and later (CDI on by default) no longer make nvidia the default runtime:
+    # without the class the pod gets no driver. components/default-runtime drops it.
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["priorityClassName"] == "system-node-critical"
     (container,) = pod["containers"]
     assert container["args"][0] == "serve"
     assert "--proc.root=/host/proc" in container["args"]
     assert "--config.file=/etc/mig-exporter/config.yaml" in container["args"]
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility",
-                   "NVIDIA_MIG_MONITOR_DEVICES": "all"}
+    # No NVIDIA_MIG_MONITOR_DEVICES: the runtime hook refuses it without CAP_SYS_ADMIN
+    # (components/mig-monitor adds both).
+    assert env == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]}
@@ -112,6 +116,10 @@ def test_the_daemonset_has_what_a_gpu_node_needs():
         assert mounts[name] == {"name": name, "mountPath": "/host" + host, "readOnly": True}
         assert volumes[name]["hostPath"] == {"path": host}
     assert volumes["config"]["configMap"]["name"] == kinds["ConfigMap"]["metadata"]["name"]
+    # The driver-root probe target's nvidia-smi, under the GPU Operator's driver root.
+    assert mounts["run-nvidia"] == {"name": "run-nvidia", "mountPath": "/run/nvidia", "readOnly": True,
+                                    "mountPropagation": "HostToContainer"}
+    assert volumes["run-nvidia"]["hostPath"] == {"path": "/run/nvidia", "type": "DirectoryOrCreate"}
     assert pod["serviceAccountName"] == kinds["ServiceAccount"]["metadata"]["name"]
 
 
@@ -140,7 +148,10 @@ def test_service_and_servicemonitor_point_at_the_pods_metrics_port():
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
-    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "relabelings"}
+    assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "honorLabels", "relabelings"}
+    # The exporter's namespace/pod/container name the workload; the Operator's target labels
+    # of those names (the exporter's own pod) must not rename them to exported_*.
+    assert endpoint["honorLabels"] is True
     assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
 
 
@@ -161,27 +172,39 @@ def component(name: str) -> tuple[dict, list[dict]]:
     return kustomization, yaml.safe_load(patch["patch"])
 
 
-def test_the_runtimeclass_component_patches_the_daemonset():
-    kustomization, ops = component("runtimeclass-nvidia")
+def test_the_default_runtime_component_drops_the_runtime_class():
+    kustomization, ops = component("default-runtime")
     assert kustomization["kind"] == "Component"
     assert kustomization["patches"][0]["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
-    (op,) = ops
-    assert op == {"op": "add", "path": "/spec/template/spec/runtimeClassName", "value": "nvidia"}
-    daemonset = by_kind(render())["DaemonSet"]
-    assert daemonset["metadata"]["name"] == "mig-exporter"
-    assert "spec" in daemonset and "template" in daemonset["spec"]
+    daemonset = apply_patch(by_kind(render())["DaemonSet"], ops)
+    assert "runtimeClassName" not in daemonset["spec"]["template"]["spec"]
+
+
+def test_the_mig_monitor_component_adds_the_variable_with_the_capability_the_hook_asks():
+    kustomization, ops = component("mig-monitor")
+    assert kustomization["patches"][0]["target"] == {"kind": "DaemonSet", "name": "mig-exporter"}
+    (container,) = apply_patch(by_kind(render())["DaemonSet"], ops)["spec"]["template"]["spec"]["containers"]
+    assert container["env"][-1] == {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
 
 
 def apply_patch(doc: dict, ops: list[dict]) -> dict:
-    """The JSON patch ops the components use (add, replace), applied as kustomize does."""
+    """The JSON patch ops the components use (add, replace, remove; RFC 6902: "-" appends
+    to a list, and remove and replace need the member), applied as kustomize does."""
     doc = copy.deepcopy(doc)
     for op in ops:
-        assert op["op"] in ("add", "replace")
+        assert op["op"] in ("add", "replace", "remove")
         *parents, last = op["path"].lstrip("/").split("/")
         node = doc
         for key in parents:
             node = node[int(key)] if isinstance(node, list) else node[key]
-        if isinstance(node, list):
+        if op["op"] == "remove":
+            assert last in node, op
+            del node[last]
+        elif isinstance(node, list) and last == "-":
+            assert op["op"] == "add"
+            node.append(op["value"])
+        elif isinstance(node, list):
             assert op["op"] == "replace" and int(last) < len(node)
             node[int(last)] = op["value"]
         else:

@@ -35,6 +35,22 @@ def test_processes_on_a_card_with_nothing_carved_are_reported_not_lost_silently(
     assert len(s.problems) == 1 and "process 9" in s.problems[0]
 
 
+def test_a_mig_card_read_without_the_monitor_capability_has_no_whole_process_list():
+    """The driver refused the card's own memory: instances and processes the container cannot
+    open are hidden, so the instances it sees are neither free nor unused, and a line says why."""
+    instances = [MigInstance(0, 1, 0, Memory(total_bytes=40 * 2**30, used_bytes=2**20)),
+                 MigInstance(1, 2, 0, Memory(total_bytes=20 * 2**30, used_bytes=2**20))]
+    seen = _mig_card(0, instances, [])
+    whole = place([seen], driver_version=None, cuda_version=None)
+    assert [d.processes_known for d in whole.devices] == [True, True] and whole.problems == ()
+    denied = place([replace(seen, memory=Memory(), aggregate_denied=True)], driver_version=None, cuda_version=None)
+    assert [d.processes_known for d in denied.devices] == [False, False]
+    assert denied.cards[0].aggregate_denied is True
+    assert denied.problems == ("card 0: the driver refused the card's own memory (no MIG monitor capability): MIG "
+                               "instances and processes this container cannot open are hidden, so its process lists "
+                               "count as unknown (mig-exporter doctor: mig-monitor-missing)",)
+
+
 def test_a_pid_listed_twice_on_one_device_is_one_process_with_its_types_joined():
     card = CardReading(index=0, name="Tesla T4", processes=(
         ProcessReading(7, "C", "/bin/app", 100), ProcessReading(7, "G", "/bin/app", 100),

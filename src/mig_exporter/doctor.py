@@ -287,15 +287,58 @@ def _remap_notes(snapshot: Snapshot) -> Iterable[Finding]:
                 f"what still covers it: {MIG_REMAP_COVER}", NOTE)
 
 
+# The fix for a container without the MIG monitor capability. The NVIDIA runtime hook refuses
+# NVIDIA_MIG_MONITOR_DEVICES in a container without CAP_SYS_ADMIN in its bounding set
+# ("cannot set MIG_MONITOR_DEVICES in non privileged container"), so the two go together.
+MIG_MONITOR_FIX = (
+    "give the container the MIG monitor capability (/dev/nvidia-caps/nvidia-cap2): on Kubernetes set the chart's "
+    "migMonitor.enabled=true (it sets NVIDIA_MIG_MONITOR_DEVICES=all and adds SYS_ADMIN, without which the "
+    "NVIDIA runtime hook refuses the variable); with docker: -e NVIDIA_MIG_MONITOR_DEVICES=all --cap-add "
+    "SYS_ADMIN. In CDI mode the variable is ignored before toolkit 1.20.1 (JIT-CDI), which honours it under "
+    "the same rule. See docs/mig-monitor.md"
+)
+
+
+def mig_monitor_missing(card: Card) -> bool:
+    """A card in MIG mode whose aggregate readings the driver refused to us: its memory (NVML
+    NO_PERMISSION, nvidia-smi "Insufficient Permissions"), or a card whose read NVML refused."""
+    if not card.mig_current:
+        return False
+    return card.aggregate_denied or (card.error is not None and "NO_PERMISSION" in card.error)
+
+
+def _mig_monitor_finding(card: Card, label: str) -> Finding:
+    if card.error is not None:
+        seen = f"NVML refused it ({card.error}): none of its instances or processes is read"
+    elif card.mig_instances:
+        seen = (f"{card.mig_instances} instance(s) seen, those this container was given at its start; an "
+                "instance made since, and the card's memory, are hidden")
+    else:
+        seen = ("no instance is seen, so whether none is carved or all are hidden cannot be told; its "
+                "memory is hidden")
+    return Finding(
+        "mig-monitor-missing",
+        f"{label} is in MIG mode and the driver refuses this container its aggregate readings (memory: "
+        f"Insufficient Permissions): the container lacks the MIG monitor capability; {seen}",
+        MIG_MONITOR_FIX,
+    )
+
+
 def _card_findings(snapshot: Snapshot) -> Iterable[Finding]:
     for card in snapshot.cards:
         label = f"card {card.index} ({card.name or 'unknown'})"
+        if mig_monitor_missing(card):
+            yield _mig_monitor_finding(card, label)
         if card.error is not None:
-            if "NO_PERMISSION" in card.error:
+            if mig_monitor_missing(card):
+                pass
+            elif "NO_PERMISSION" in card.error:
+                # Not the card's fault: this process may not open its device node.
                 yield Finding(
-                    "mig-no-permission", f"{label}: {card.error}",
-                    "MIG monitoring needs the MIG capability devices: run with NVIDIA_MIG_MONITOR_DEVICES=all "
-                    "(NVIDIA container toolkit) or give access to /dev/nvidia-caps",
+                    "card-no-permission", f"{label} could not be read: {card.error}",
+                    f"the exporter may not open /dev/nvidia{card.index}: on Kubernetes keep the nvidia runtime "
+                    "class and NVIDIA_VISIBLE_DEVICES=all (docs/kubernetes.md, GPU access); elsewhere run it as "
+                    "a user in the device node's group, or through the NVIDIA container runtime",
                 )
             else:
                 yield Finding(
@@ -303,7 +346,15 @@ def _card_findings(snapshot: Snapshot) -> Iterable[Finding]:
                     "check the kernel log for Xid errors (dmesg); a lost GPU needs a reset or a reboot",
                 )
             continue
-        if card.mig_current and card.mig_instances == 0:
+        if card.aggregate_denied and not card.mig_current:
+            yield Finding(
+                "card-no-permission", f"{label}: the driver refuses this process the card's memory "
+                "(Insufficient Permissions)",
+                f"the exporter may not read /dev/nvidia{card.index} in full: on Kubernetes keep the nvidia runtime "
+                "class and NVIDIA_VISIBLE_DEVICES=all (docs/kubernetes.md, GPU access); elsewhere run it as a user "
+                "in the device node's group, or through the NVIDIA container runtime",
+            )
+        if card.mig_current and card.mig_instances == 0 and not card.aggregate_denied:
             yield Finding(
                 "mig-nothing-carved", f"{label} is in MIG mode with no instance carved: nothing can run on it",
                 "create instances (nvidia-smi mig -cgi <profiles> -C), or set the node's MIG config for the "

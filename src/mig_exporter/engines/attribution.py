@@ -186,10 +186,14 @@ def engines_on_gpus(trees: EngineTrees, snapshot: Snapshot | None) -> EngineRead
     on_gpu: dict[int, list[Process]] = defaultdict(list)
     for gp in snapshot.processes if snapshot else ():
         on_gpu[gp.pid].append(gp)
+    # A device whose process list is not whole (N/A, or a MIG card read without the monitor
+    # capability) may hold an engine listed nowhere: "on no GPU" is then unknown, not 0.
+    hidden = snapshot is not None and (any(not d.processes_known for d in snapshot.devices)
+                                       or any(c.aggregate_denied for c in snapshot.cards))
     found: list[EngineProcess] = []
     for tree in trees.trees:
         held = [gp for i in tree.ids for gp in on_gpu.get(i, ())]
-        unknown = not placed or any(gp.used_bytes is None for gp in held)
+        unknown = not placed or any(gp.used_bytes is None for gp in held) or (hidden and not held)
         used = None if unknown else sum(gp.used_bytes or 0 for gp in held)
         devices = tuple(sorted({gp.device_index for gp in held}))
         found.append(EngineProcess(tree.engine, tree.pid, tree.comm, used, devices))

@@ -134,6 +134,7 @@ def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool) -> Card:
         utilization_ratio=None if r.mig_current else r.utilization_ratio,
         error=r.error,
         health=r.health,
+        aggregate_denied=r.aggregate_denied,
     )
 
 
@@ -162,6 +163,14 @@ def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device
     processes: list[Process] = []
     claimed: set[_InstanceIds] = set()
     instances, problems = _placeable_instances(r)
+    # Without the MIG monitor capability the driver refuses the card's own readings and lists
+    # no more than the instances this container may open: what runs elsewhere on the card is
+    # hidden, so no device's process list can be taken as whole (never free, never unused).
+    lists_whole = r.processes_known and not r.aggregate_denied
+    if r.aggregate_denied:
+        problems.append(f"card {r.index}: the driver refused the card's own memory (no MIG monitor capability): "
+                        "MIG instances and processes this container cannot open are hidden, so its process "
+                        "lists count as unknown (mig-exporter doctor: mig-monitor-missing)")
     by_ids = _processes_by_instance_ids(r.processes)
     for inst in instances:
         device = Device(
@@ -176,7 +185,7 @@ def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device
             device_class=mig_device_class(klass, inst.profile),
             memory=inst.memory,
             ecc_errors=inst.ecc_errors,
-            processes_known=r.processes_known and inst.gpu_instance_id is not None,
+            processes_known=lists_whole and inst.gpu_instance_id is not None,
         )
         devices.append(device)
         if inst.gpu_instance_id is not None:

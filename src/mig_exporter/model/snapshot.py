@@ -95,6 +95,10 @@ class CardReading:
     # False when the driver did not list the card's processes (N/A, no list it can give):
     # its devices are then neither free nor in use, but unknown.
     processes_known: bool = True
+    # True when the driver refused the card's own (aggregate) readings: nvidia-smi writes
+    # "Insufficient Permissions" in its fb_memory_usage, NVML answers NO_PERMISSION to its
+    # memory. On a card in MIG mode that is a container without the MIG monitor capability.
+    aggregate_denied: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +123,9 @@ class Card:
     utilization_ratio: float | None
     error: str | None = None
     health: CardHealth = NO_HEALTH
+    # The driver refused the card's aggregate readings (``CardReading.aggregate_denied``):
+    # in MIG mode, the MIG instances this container cannot open, and the processes, are hidden.
+    aggregate_denied: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -636,6 +636,7 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
         processes=tuple(processes or ()),
         processes_known=processes is not None,
         health=read_health(card, values),
+        aggregate_denied=_denied(card, "fb_memory_usage"),
     )
 
 
@@ -946,6 +947,17 @@ def _child_texts(el: etree._Element) -> dict[str, str | None]:
         if tag not in texts:
             texts[tag] = child.text
     return texts
+
+
+# What nvidia-smi writes for a value the driver refused to this caller (NVML_ERROR_NO_PERMISSION).
+_DENIED_TEXTS = frozenset({"insufficient permissions", "[insufficient permissions]"})
+
+
+def _denied(el: _Lookup, path: str) -> bool:
+    """Whether the driver refused a block's values: nvidia-smi writes "Insufficient Permissions"
+    in them (a card's ``fb_memory_usage`` in a container without the MIG monitor capability)."""
+    block = el.find(path)
+    return block is not None and any(_raw(text).lower() in _DENIED_TEXTS for text in _child_texts(block).values())
 
 
 def _raw(text: str | None) -> str:

@@ -187,7 +187,16 @@ class NvmlSource:
         temperature = self._health.temperature(card, handle)
         power_mw = nv.optional(pynvml.nvmlDeviceGetPowerUsage, handle)
         utilization = None if mig_current else nv.optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
-        identity["memory"] = self._memory(handle)
+        try:
+            identity["memory"] = self._memory(handle)
+        except NvmlCallError as e:
+            # A card in MIG mode refuses its own memory to a container without the MIG monitor
+            # capability (nvidia-smi writes "Insufficient Permissions" there); the instances it
+            # can open still answer: read them, and mark the card (doctor's mig-monitor-missing).
+            if not (mig_current and e.code == pynvml.NVML_ERROR_NO_PERMISSION):
+                raise
+            identity["memory"] = Memory()
+            identity["aggregate_denied"] = True
         health = self._health.card(card, handle, mig_current)
         instances: list[MigInstance] = []
         processes: list[_Row] = []

@@ -29,7 +29,9 @@ target when probe.scrape is on. The argument is (dict "root" $ "monitor" <its va
 {{- define "mig-exporter.endpointCommon" -}}
 {{- $root := .root -}}
 {{- $monitor := .monitor -}}
-interval: {{ .interval }}
+{{- with .interval }}
+interval: {{ . }}
+{{- end }}
 # The exporter answers within the scrape timeout less its offset.
 scrapeTimeout: {{ $monitor.scrapeTimeout }}
 {{- if $root.Values.tls.enabled }}
@@ -43,7 +45,18 @@ tlsConfig:
 basicAuth:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+# The exporter's own namespace, pod and container labels name the workload that holds
+# the memory; the Operator's target labels of the same names would rename them to
+# exported_* unless the exporter's labels are honoured.
+honorLabels: {{ $monitor.honorLabels }}
+{{- with $monitor.metricRelabelings }}
+metricRelabelings:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 relabelings:
   - sourceLabels: [__meta_kubernetes_pod_node_name]
     targetLabel: node
+  {{- with $monitor.relabelings }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end }}

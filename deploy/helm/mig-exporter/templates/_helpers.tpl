@@ -126,7 +126,10 @@ Refusals the schema cannot word well: checked once, by the DaemonSet's template.
 {{- range $name := list "serviceMonitor" "podMonitor" }}
 {{- $monitor := index $.Values $name }}
 {{- if $monitor.enabled }}
+{{- /* An empty interval is the Prometheus' own, which the chart cannot see. */}}
+{{- if $monitor.interval }}
 {{- include "mig-exporter.validateTimeout" (list $name (printf "%s.interval" $name) $monitor.interval $monitor.scrapeTimeout) }}
+{{- end }}
 {{- if and $.Values.probe.scrape $.Values.probe.interval }}
 {{- include "mig-exporter.validateTimeout" (list $name "probe.interval" $.Values.probe.interval $monitor.scrapeTimeout) }}
 {{- end }}
@@ -141,7 +144,152 @@ Refusals the schema cannot word well: checked once, by the DaemonSet's template.
 {{- if and .Values.probe.scrape (not (or .Values.serviceMonitor.enabled .Values.podMonitor.enabled)) }}
 {{- fail "probe.scrape needs serviceMonitor.enabled or podMonitor.enabled: the probe targets are scraped through one of them" }}
 {{- end }}
+{{- $parts := splitList "/" .Values.image.repository }}
+{{- $registry := default .Values.image.registry ((.Values.global).imageRegistry) }}
+{{- if and $registry (gt (len $parts) 1) (or (contains "." (first $parts)) (contains ":" (first $parts)) (eq (first $parts) "localhost")) }}
+{{- fail (printf "image.repository %s starts with a registry (%s), and image.registry (or global.imageRegistry) %s would come before it: set image.registry=%s and image.repository=%s, or image.registry=\"\"" .Values.image.repository (first $parts) $registry (first $parts) (rest $parts | join "/")) }}
+{{- end }}
+{{- if .Values.basicAuth.users }}
+{{- range $name := list "serviceMonitor" "podMonitor" }}
+{{- $monitor := index $.Values $name }}
+{{- if and $monitor.enabled (not $monitor.basicAuth) }}
+{{- fail (printf "basicAuth.users is set but %s.basicAuth is empty: Prometheus would get 401 on every scrape; set %s.basicAuth.username and .password (Secret key references) to one of the users" $name $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range .Values.env }}
+{{- if eq (toString .name) "NVIDIA_MIG_MONITOR_DEVICES" }}
+{{- fail "env sets NVIDIA_MIG_MONITOR_DEVICES: set migMonitor.enabled=true instead, which also adds the SYS_ADMIN capability NVIDIA's runtime hook asks of a container that sets it" }}
+{{- end }}
+{{- end }}
+{{- $context := include "mig-exporter.securityContext" . | fromYaml }}
+{{- if and $context.privileged (not $context.allowPrivilegeEscalation) }}
+{{- fail "securityContext.privileged needs securityContext.allowPrivilegeEscalation=true: Kubernetes refuses a privileged container that may not escalate" }}
+{{- end }}
+{{- if and .Values.migMonitor.enabled (not (include "mig-exporter.mayMonitorMig" $context)) }}
+{{- fail "migMonitor.enabled needs SYS_ADMIN in securityContext.capabilities.add (or a privileged container), which securityContext replaced: NVIDIA's runtime hook refuses NVIDIA_MIG_MONITOR_DEVICES without it" }}
+{{- end }}
+{{- range .Values.extraInitContainers }}
+{{- $init := . }}
+{{- range .env }}
+{{- if and (eq (toString .name) "NVIDIA_MIG_MONITOR_DEVICES") (not (include "mig-exporter.mayMonitorMig" ($init.securityContext | default dict))) }}
+{{- fail (printf "extraInitContainers: %s sets NVIDIA_MIG_MONITOR_DEVICES without SYS_ADMIN in its securityContext.capabilities.add: NVIDIA's runtime hook would refuse the pod" $init.name) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.probe.scrape .Values.config.existingConfigMap }}
 {{- fail "probe.scrape scrapes probe.targets, which config.existingConfigMap replaces: name the targets in probe.targets, or scrape them with a job of your own (docs/probe.md)" }}
 {{- end }}
+{{- end }}
+
+{{/* Where the objects go: namespaceOverride (an umbrella chart's), else the release's. */}}
+{{- define "mig-exporter.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The image: [registry/]repository, then @digest when one is given (it pins the image, so the
+tag is left out), else :tag (the chart's appVersion by default). global.imageRegistry wins
+over image.registry, as in prometheus-node-exporter's chart.
+*/}}
+{{- define "mig-exporter.image" -}}
+{{- $registry := default .Values.image.registry ((.Values.global).imageRegistry) -}}
+{{- $name := ternary (printf "%s/%s" (trimSuffix "/" $registry) .Values.image.repository) .Values.image.repository (ne $registry "") -}}
+{{- if .Values.image.digest -}}
+{{ $name }}@{{ .Values.image.digest }}
+{{- else -}}
+{{ $name }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+{{- end }}
+
+{{/* Pull secrets: global.imagePullSecrets (names or {name: ...}), then imagePullSecrets. */}}
+{{- define "mig-exporter.imagePullSecrets" -}}
+{{- $secrets := list -}}
+{{- range concat (((.Values.global).imagePullSecrets) | default list) .Values.imagePullSecrets -}}
+{{- if kindIs "string" . -}}
+{{- $secrets = append $secrets (dict "name" .) -}}
+{{- else -}}
+{{- $secrets = append $secrets . -}}
+{{- end -}}
+{{- end -}}
+{{- with $secrets | uniq -}}
+{{ toYaml . }}
+{{- end -}}
+{{- end }}
+
+{{/*
+The pod's securityContext: uid 0 by default, since the kubelet's pod-resources socket is root's
+(mode 0755) and connect(2) needs write permission on it; nobody with nonRoot, which does
+without device allocations (docs/kubernetes.md). podSecurityContext is merged over it.
+*/}}
+{{- define "mig-exporter.podSecurityContext" -}}
+{{- $uid := ternary 65534 0 .Values.nonRoot -}}
+{{- $context := dict "runAsNonRoot" .Values.nonRoot "runAsUser" $uid "runAsGroup" $uid "seccompProfile" (dict "type" "RuntimeDefault") -}}
+{{- include "mig-exporter.merged" (list $context .Values.podSecurityContext) -}}
+{{- end }}
+
+{{/*
+The container's securityContext: no privilege escalation, a read-only root, every capability
+dropped; with migMonitor, SYS_ADMIN added, without which NVIDIA's runtime hook refuses
+NVIDIA_MIG_MONITOR_DEVICES. securityContext is merged over it.
+*/}}
+{{- define "mig-exporter.securityContext" -}}
+{{- $capabilities := dict "drop" (list "ALL") -}}
+{{- if .Values.migMonitor.enabled }}{{ $_ := set $capabilities "add" (list "SYS_ADMIN") }}{{ end -}}
+{{- $context := dict "allowPrivilegeEscalation" false "readOnlyRootFilesystem" true "capabilities" $capabilities -}}
+{{- include "mig-exporter.merged" (list $context .Values.securityContext) -}}
+{{- end }}
+
+{{/* Whether a probe target runs a command under /run/nvidia (the GPU Operator's driver root). */}}
+{{- define "mig-exporter.mountsRunNvidia" -}}
+{{- if not .Values.config.existingConfigMap }}
+{{- range $_, $target := .Values.probe.targets }}
+{{- if and $target (hasPrefix "/run/nvidia/" (first $target.command)) }}true{{ end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+(list defaults override) as YAML: the override's keys over the defaults', maps merged one level
+down (capabilities, seccompProfile). Not sprig's merge: it lets no false or 0 of the user's
+replace a default (readOnlyRootFilesystem: false would be lost).
+*/}}
+{{- define "mig-exporter.merged" -}}
+{{- $out := deepCopy (index . 0) -}}
+{{- range $key, $value := index . 1 -}}
+{{- if and (kindIs "map" $value) (kindIs "map" (get $out $key)) -}}
+{{- $inner := get $out $key -}}
+{{- range $innerKey, $innerValue := $value }}{{ $_ := set $inner $innerKey $innerValue }}{{ end -}}
+{{- else -}}
+{{- $_ := set $out $key $value -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end }}
+
+{{/*
+Whether a container securityContext lets NVIDIA's runtime hook accept NVIDIA_MIG_MONITOR_DEVICES:
+privileged, or CAP_SYS_ADMIN in its capabilities (the hook reads the bounding set).
+*/}}
+{{- define "mig-exporter.mayMonitorMig" -}}
+{{- if .privileged }}true{{ end }}
+{{- range ((.capabilities).add) }}
+{{- if has (upper (toString .) | trimPrefix "CAP_") (list "SYS_ADMIN" "ALL") }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pods' affinity: the user's, or a node affinity from gpuNodes: one term per anyOf
+requirement, each with every allOf requirement (terms are ORed, a term's expressions ANDed).
+*/}}
+{{- define "mig-exporter.affinity" -}}
+{{- if .Values.affinity -}}
+{{ toYaml .Values.affinity }}
+{{- else if .Values.gpuNodes.anyOf -}}
+{{- $terms := list -}}
+{{- range .Values.gpuNodes.anyOf -}}
+{{- $terms = append $terms (dict "matchExpressions" (prepend ($.Values.gpuNodes.allOf | default list) .)) -}}
+{{- end -}}
+{{ toYaml (dict "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" $terms))) }}
+{{- end -}}
 {{- end }}
