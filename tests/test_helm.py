@@ -450,8 +450,7 @@ def test_a_pod_monitor_replaces_the_service_monitor():
     assert _selects(monitor["spec"]["selector"], one(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"])
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "20s",
-                        "honorLabels": True, "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
-                                         "targetLabel": "node"}]}
+                        "honorLabels": True, "relabelings": test_k8s.NODE_RELABELINGS}
 
 
 def test_probe_targets_come_from_values_and_are_scraped_on_every_node():
@@ -701,8 +700,7 @@ def test_the_escape_hatches_reach_their_objects():
     assert monitor["spec"]["jobLabel"] == "app.kubernetes.io/name"
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["relabelings"] == [
-        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
-        {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "host"}]
+        *test_k8s.NODE_RELABELINGS, {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "host"}]
     assert endpoint["metricRelabelings"] == [{"sourceLabels": ["__name__"], "regex": "mig_exporter_scrape_series",
                                               "action": "drop"}]
     rule = one(docs, "PrometheusRule")

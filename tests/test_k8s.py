@@ -15,6 +15,10 @@ from mig_exporter.config.file import parse_config
 K8S = REPO / "deploy" / "k8s"
 CORE_KINDS = {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet", "Service"}
 CLUSTER_SCOPED = {"Namespace"}
+# Every monitor endpoint's: node, and instance too, the node's name (the dashboards' Node variable
+# lists instance; a pod's address changes with each pod).
+NODE_RELABELINGS = [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
+                    {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance"}]
 
 
 def render(path=K8S) -> list[dict]:
@@ -152,7 +156,7 @@ def test_service_and_servicemonitor_point_at_the_pods_metrics_port():
     # The exporter's namespace/pod/container name the workload; the Operator's target labels
     # of those names (the exporter's own pod) must not rename them to exported_*.
     assert endpoint["honorLabels"] is True
-    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
+    assert endpoint["relabelings"] == NODE_RELABELINGS
 
 
 def test_the_prometheus_rule_is_an_operator_object():

@@ -293,7 +293,7 @@ def test_the_operators_scrape_of_the_chart_keeps_the_workloads_pods(fake_nvidia_
                      if t["labels"]["job"] == metrics_job]
         assert target["labels"] == {
             "namespace": NAMESPACE, "pod": EXPORTER_POD, "container": "mig-exporter", "endpoint": "metrics",
-            "job": metrics_job, "instance": target["labels"]["instance"], "node": NODE,
+            "job": metrics_job, "instance": NODE, "node": NODE,
             **({"service": "mig-exporter"} if kind == "ServiceMonitor" else {})}
 
         # Memory by pod: the workloads', never the exporter's.

@@ -53,9 +53,13 @@ honorLabels: {{ $monitor.honorLabels }}
 metricRelabelings:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+# node, and instance too: the node's name, which outlives the pod's address and is what the
+# dashboards' Node variable lists (instance), as kube-prometheus-stack does for node-exporter.
 relabelings:
   - sourceLabels: [__meta_kubernetes_pod_node_name]
     targetLabel: node
+  - sourceLabels: [__meta_kubernetes_pod_node_name]
+    targetLabel: instance
   {{- with $monitor.relabelings }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
