@@ -165,7 +165,17 @@ def test_the_release_installs_the_helm_sdk_the_tests_use():
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     (pin,) = [req for req in extra if req.startswith("helm-python-sdk")]
     install = _step(_release()["jobs"]["chart"], "pip install")
-    assert f'"{pin}"' in install["run"].split()
+    assert install["run"].split()[-3:] == ["--require-hashes", "-r", ".github/release-requirements.txt"]
+    # Each requirement pinned to one version, with the hash of its wheel: a job that may push
+    # packages installs nothing it has not named byte for byte.
+    text = (REPO / ".github" / "release-requirements.txt").read_text()
+    lines = [line.strip() for line in text.replace("\\\n", " ").splitlines()
+             if line.strip() and not line.startswith("#")]
+    requirements = {line.split()[0]: line.split()[1:] for line in lines}
+    assert set(requirements) == {pin, "PyYAML==6.0.4"}
+    for name, options in requirements.items():
+        hashes = [o for o in options if o.startswith("--hash=sha256:")]
+        assert hashes and all(len(h.removeprefix("--hash=sha256:")) == 64 for h in hashes), name
 
 
 def test_the_release_script_is_ruff_clean():
