@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from helm_python import registry as helm_registry
 from buildah_store import Buildah, build_base_image, build_image
 from conftest import REPO, require_tool
 from mig_exporter import __version__
+from test_prometheus import _free_port, _stop
 
 # The first run debootstraps the base and the build pip-installs: well past the default 120 s.
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
@@ -81,7 +81,7 @@ class LocalRegistry:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = top / "registry.log"
         for _attempt in range(3):  # a free port can be taken between our look and the registry's bind
-            self.port = self._free_port()
+            self.port = _free_port()
             config = top / "config.yml"
             config.write_text(yaml.safe_dump({
                 "version": 0.1,
@@ -96,12 +96,6 @@ class LocalRegistry:
                 return
             self.stop()
         raise AssertionError(f"docker-registry did not start: {self.log.read_text()[-2000:]}")
-
-    @staticmethod
-    def _free_port() -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
 
     @property
     def host(self) -> str:
@@ -131,15 +125,8 @@ class LocalRegistry:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            _stop(self.proc)
 
 
 @pytest.fixture(scope="module")

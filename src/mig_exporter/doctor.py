@@ -324,36 +324,36 @@ def _mig_monitor_finding(card: Card, label: str) -> Finding:
     )
 
 
+def _no_permission_finding(card: Card, message: str, what: str) -> Finding:
+    """A card not in MIG mode that this process may not ``what`` ("open", "read in full"): its device node."""
+    return Finding(
+        "card-no-permission", message,
+        f"the exporter may not {what} /dev/nvidia{card.index}: on Kubernetes "
+        "keep the nvidia runtime class and NVIDIA_VISIBLE_DEVICES=all (docs/kubernetes.md, GPU access); elsewhere "
+        "run it as a user in the device node's group, or through the NVIDIA container runtime",
+    )
+
+
 def _card_findings(snapshot: Snapshot) -> Iterable[Finding]:
     for card in snapshot.cards:
         label = f"card {card.index} ({card.name or 'unknown'})"
-        if mig_monitor_missing(card):
+        monitor_missing = mig_monitor_missing(card)
+        if monitor_missing:
             yield _mig_monitor_finding(card, label)
         if card.error is not None:
-            if mig_monitor_missing(card):
-                pass
-            elif "NO_PERMISSION" in card.error:
+            if "NO_PERMISSION" in card.error and not monitor_missing:
                 # Not the card's fault: this process may not open its device node.
-                yield Finding(
-                    "card-no-permission", f"{label} could not be read: {card.error}",
-                    f"the exporter may not open /dev/nvidia{card.index}: on Kubernetes keep the nvidia runtime "
-                    "class and NVIDIA_VISIBLE_DEVICES=all (docs/kubernetes.md, GPU access); elsewhere run it as "
-                    "a user in the device node's group, or through the NVIDIA container runtime",
-                )
-            else:
+                yield _no_permission_finding(card, f"{label} could not be read: {card.error}", "open")
+            elif not monitor_missing:
                 yield Finding(
                     "card-unreadable", f"{label} could not be read: {card.error}",
                     "check the kernel log for Xid errors (dmesg); a lost GPU needs a reset or a reboot",
                 )
             continue
         if card.aggregate_denied and not card.mig_current:
-            yield Finding(
-                "card-no-permission", f"{label}: the driver refuses this process the card's memory "
-                "(Insufficient Permissions)",
-                f"the exporter may not read /dev/nvidia{card.index} in full: on Kubernetes keep the nvidia runtime "
-                "class and NVIDIA_VISIBLE_DEVICES=all (docs/kubernetes.md, GPU access); elsewhere run it as a user "
-                "in the device node's group, or through the NVIDIA container runtime",
-            )
+            yield _no_permission_finding(
+                card, f"{label}: the driver refuses this process the card's memory (Insufficient Permissions)",
+                "read in full")
         if card.mig_current and card.mig_instances == 0 and not card.aggregate_denied:
             yield Finding(
                 "mig-nothing-carved", f"{label} is in MIG mode with no instance carved: nothing can run on it",

@@ -133,6 +133,9 @@ Refusals the schema cannot word well: checked once, by the DaemonSet's template.
 {{- if and $.Values.probe.scrape $.Values.probe.interval }}
 {{- include "mig-exporter.validateTimeout" (list $name "probe.interval" $.Values.probe.interval $monitor.scrapeTimeout) }}
 {{- end }}
+{{- if and $.Values.basicAuth.users (not $monitor.basicAuth) }}
+{{- fail (printf "basicAuth.users is set but %s.basicAuth is empty: Prometheus would get 401 on every scrape; set %s.basicAuth.username and .password (Secret key references) to one of the users" $name $name) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- if and .Values.serviceMonitor.enabled .Values.podMonitor.enabled }}
@@ -145,22 +148,12 @@ Refusals the schema cannot word well: checked once, by the DaemonSet's template.
 {{- fail "probe.scrape needs serviceMonitor.enabled or podMonitor.enabled: the probe targets are scraped through one of them" }}
 {{- end }}
 {{- $parts := splitList "/" .Values.image.repository }}
-{{- $registry := default .Values.image.registry ((.Values.global).imageRegistry) }}
+{{- $registry := include "mig-exporter.registry" . }}
 {{- if and $registry (gt (len $parts) 1) (or (contains "." (first $parts)) (contains ":" (first $parts)) (eq (first $parts) "localhost")) }}
 {{- fail (printf "image.repository %s starts with a registry (%s), and image.registry (or global.imageRegistry) %s would come before it: set image.registry=%s and image.repository=%s, or image.registry=\"\"" .Values.image.repository (first $parts) $registry (first $parts) (rest $parts | join "/")) }}
 {{- end }}
-{{- if .Values.basicAuth.users }}
-{{- range $name := list "serviceMonitor" "podMonitor" }}
-{{- $monitor := index $.Values $name }}
-{{- if and $monitor.enabled (not $monitor.basicAuth) }}
-{{- fail (printf "basicAuth.users is set but %s.basicAuth is empty: Prometheus would get 401 on every scrape; set %s.basicAuth.username and .password (Secret key references) to one of the users" $name $name) }}
-{{- end }}
-{{- end }}
-{{- end }}
-{{- range .Values.env }}
-{{- if eq (toString .name) "NVIDIA_MIG_MONITOR_DEVICES" }}
+{{- if include "mig-exporter.setsMigMonitor" .Values.env }}
 {{- fail "env sets NVIDIA_MIG_MONITOR_DEVICES: set migMonitor.enabled=true instead, which also adds the SYS_ADMIN capability NVIDIA's runtime hook asks of a container that sets it" }}
-{{- end }}
 {{- end }}
 {{- $context := include "mig-exporter.securityContext" . | fromYaml }}
 {{- if and $context.privileged (not $context.allowPrivilegeEscalation) }}
@@ -170,11 +163,8 @@ Refusals the schema cannot word well: checked once, by the DaemonSet's template.
 {{- fail "migMonitor.enabled needs SYS_ADMIN in securityContext.capabilities.add (or a privileged container), which securityContext replaced: NVIDIA's runtime hook refuses NVIDIA_MIG_MONITOR_DEVICES without it" }}
 {{- end }}
 {{- range .Values.extraInitContainers }}
-{{- $init := . }}
-{{- range .env }}
-{{- if and (eq (toString .name) "NVIDIA_MIG_MONITOR_DEVICES") (not (include "mig-exporter.mayMonitorMig" ($init.securityContext | default dict))) }}
-{{- fail (printf "extraInitContainers: %s sets NVIDIA_MIG_MONITOR_DEVICES without SYS_ADMIN in its securityContext.capabilities.add: NVIDIA's runtime hook would refuse the pod" $init.name) }}
-{{- end }}
+{{- if and (include "mig-exporter.setsMigMonitor" .env) (not (include "mig-exporter.mayMonitorMig" (.securityContext | default dict))) }}
+{{- fail (printf "extraInitContainers: %s sets NVIDIA_MIG_MONITOR_DEVICES without SYS_ADMIN in its securityContext.capabilities.add: NVIDIA's runtime hook would refuse the pod" .name) }}
 {{- end }}
 {{- end }}
 {{- if and .Values.probe.scrape .Values.config.existingConfigMap }}
@@ -193,13 +183,18 @@ tag is left out), else :tag (the chart's appVersion by default). global.imageReg
 over image.registry, as in prometheus-node-exporter's chart.
 */}}
 {{- define "mig-exporter.image" -}}
-{{- $registry := default .Values.image.registry ((.Values.global).imageRegistry) -}}
+{{- $registry := include "mig-exporter.registry" . -}}
 {{- $name := ternary (printf "%s/%s" (trimSuffix "/" $registry) .Values.image.repository) .Values.image.repository (ne $registry "") -}}
 {{- if .Values.image.digest -}}
 {{ $name }}@{{ .Values.image.digest }}
 {{- else -}}
 {{ $name }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
+{{- end }}
+
+{{/* The image's registry: global.imageRegistry, else image.registry; empty for none. */}}
+{{- define "mig-exporter.registry" -}}
+{{- default .Values.image.registry ((.Values.global).imageRegistry) -}}
 {{- end }}
 
 {{/* Pull secrets: global.imagePullSecrets (names or {name: ...}), then imagePullSecrets. */}}
@@ -265,6 +260,11 @@ replace a default (readOnlyRootFilesystem: false would be lost).
 {{- end -}}
 {{- end -}}
 {{- toYaml $out -}}
+{{- end }}
+
+{{/* Whether a container's env list sets NVIDIA_MIG_MONITOR_DEVICES. */}}
+{{- define "mig-exporter.setsMigMonitor" -}}
+{{- range . }}{{ if eq (toString .name) "NVIDIA_MIG_MONITOR_DEVICES" }}true{{ end }}{{ end -}}
 {{- end }}
 
 {{/*
