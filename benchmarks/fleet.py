@@ -19,8 +19,8 @@ For each mode (``all``, ``top=3``, ``none``) it starts, afresh:
 
 Once every target has been scraped, it runs ``--fleet-minutes`` and reads Prometheus' own /metrics
 every interval (head series, series created, resident memory), then its query API
-(``scrape_duration_seconds`` and ``scrape_samples_scraped`` of every scrape in the run, against each
-node's ``mig_exporter_scrape_series``) and ``/api/v1/status/tsdb``. Everything it started is stopped
+(``scrape_duration_seconds`` and ``scrape_samples_scraped`` of every scrape in the run, each against the
+``mig_exporter_scrape_series`` of the same scrape) and ``/api/v1/status/tsdb``. Everything it started is stopped
 and its files removed, on an error or Ctrl-C too.
 """
 
@@ -294,6 +294,7 @@ class ModeResult:
     scrape_p90_s: float
     samples_per_scrape: float
     scrapes: int
+    scrapes_compared: int  # scrapes whose scrape_samples_scraped was compared with mig_exporter_scrape_series
     targets_up: int
     scrape_series_mismatches: list[str]
     top_metrics: list[tuple[str, int]]
@@ -378,12 +379,10 @@ def measure_mode(mode: str, fakes: list[Path], directory: Path, s: Settings) -> 
 def _read_back(mode: str, prometheus: Prometheus, samples: list[Sample], window: int, cpu_s: float,
                nodes: list[Node], s: Settings) -> ModeResult:
     """The run's figures from Prometheus' API, read before anything is stopped."""
-    durations = [float(v) for series in prometheus.query(f"scrape_duration_seconds[{window}s]")
-                 for _, v in series["values"]]
-    scraped = {r["metric"]["instance"]: float(r["value"][1]) for r in prometheus.query("scrape_samples_scraped")}
-    said = {r["metric"]["instance"]: float(r["value"][1]) for r in prometheus.query("mig_exporter_scrape_series")}
-    mismatches = [f"{instance}: scrape_samples_scraped {value:g}, mig_exporter_scrape_series {said.get(instance)}"
-                  for instance, value in sorted(scraped.items()) if said.get(instance) != value]
+    at = f"{time.time():.3f}"  # every range query over the same window: a scrape at its edge is in all or none
+    durations, scraped, said = (_per_scrape(prometheus, f"{name}[{window}s]", at) for name in (
+        "scrape_duration_seconds", "scrape_samples_scraped", "mig_exporter_scrape_series"))
+    mismatches = every_scrape_mismatches(scraped, said)
     tsdb = prometheus.api("/api/v1/status/tsdb")
     top = [(m["name"], int(m["value"])) for m in tsdb["seriesCountByMetricName"]]
     up, _ = prometheus.targets_up()
@@ -394,11 +393,30 @@ def _read_back(mode: str, prometheus: Prometheus, samples: list[Sample], window:
         mode=mode, nodes=s.nodes, minutes=window / 60, head_series=last.head_series,
         created_per_hour=(last.created_total - first.created_total) / elapsed_h if elapsed_h else float("nan"),
         peak_rss_bytes=max(x.rss_bytes for x in samples), vm_hwm_bytes=_vm_hwm_bytes(prometheus.process.pid),
-        scrape_p50_s=_percentile(durations, 0.5), scrape_p90_s=_percentile(durations, 0.9),
+        scrape_p50_s=_percentile([*durations.values()], 0.5), scrape_p90_s=_percentile([*durations.values()], 0.9),
         samples_per_scrape=statistics.mean(scraped.values()) if scraped else float("nan"),
-        scrapes=len(durations), targets_up=up, scrape_series_mismatches=mismatches, top_metrics=top,
+        scrapes=len(durations), scrapes_compared=len(scraped), targets_up=up, scrape_series_mismatches=mismatches,
+        top_metrics=top,
         exporter_cpu_per_scrape_ms=cpu_s * 1000 / len(durations) if durations else float("nan"),
         exporter_warnings=warnings, samples=samples)
+
+
+def _per_scrape(prometheus: Prometheus, range_query: str, at: str) -> dict[tuple[str, float], float]:
+    """A range query's samples, evaluated at ``at``, by target and scrape: Prometheus stamps every
+    sample of a scrape, ``scrape_samples_scraped`` included, with the scrape's time."""
+    result = prometheus.api("/api/v1/query", query=range_query, time=at)["result"]
+    return {(series["metric"]["instance"], float(t)): float(v) for series in result for t, v in series["values"]}
+
+
+def every_scrape_mismatches(scraped: dict[tuple[str, float], float],
+                            said: dict[tuple[str, float], float]) -> list[str]:
+    """The scrapes (target and time) where ``scrape_samples_scraped`` is not what the answer's own
+    ``mig_exporter_scrape_series`` said, or where one of the two has no sample: every scrape of the
+    run is compared, not one instant."""
+    return [f"{instance} at {t:.3f}: scrape_samples_scraped {scraped.get((instance, t))}, "
+            f"mig_exporter_scrape_series {said.get((instance, t))}"
+            for instance, t in sorted(scraped.keys() | said.keys())
+            if scraped.get((instance, t)) != said.get((instance, t))]
 
 
 # -- the whole run --------------------------------------------------------------------
@@ -462,11 +480,13 @@ def report(results: list[ModeResult], s: Settings, load: dict[str, float], start
     for r in results:
         problems = [f"{r.targets_up} of {r.nodes} targets up at the end"] if r.targets_up != r.nodes else []
         if r.scrape_series_mismatches:
-            problems.append(f"{len(r.scrape_series_mismatches)} targets where scrape_samples_scraped != "
+            problems.append(f"{len(r.scrape_series_mismatches)} scrapes where scrape_samples_scraped != "
                             f"mig_exporter_scrape_series, e.g. {r.scrape_series_mismatches[0]}")
-        out.append(f"{r.mode}: {r.scrapes} scrapes; scrape_samples_scraped == mig_exporter_scrape_series on every "
-                   f"target: {'yes' if not r.scrape_series_mismatches else 'NO'}; exporters' CPU per scrape "
-                   f"{f(r.exporter_cpu_per_scrape_ms)} ms; exporters' warning lines {r.exporter_warnings}; "
+        out.append(f"{r.mode}: {r.scrapes} scrapes; scrape_samples_scraped == mig_exporter_scrape_series at every "
+                   f"scrape of every target ({r.scrapes_compared} compared): "
+                   f"{'yes' if not r.scrape_series_mismatches and r.scrapes_compared else 'NO'}; "
+                   f"exporters' CPU per scrape {f(r.exporter_cpu_per_scrape_ms)} ms; "
+                   f"exporters' warning lines {r.exporter_warnings}; "
                    f"Prometheus VmHWM {f((r.vm_hwm_bytes or float('nan')) / 2**20, 1)} MiB"
                    + (f"; PROBLEMS: {'; '.join(problems)}" if problems else ""))
         out.append("  top metric names by series (/api/v1/status/tsdb): "

@@ -346,6 +346,19 @@ def test_each_fleet_node_writes_its_own_pids_and_uuids_and_new_pids_at_each_turn
     assert [p.used_bytes for p in later.processes] == [p.used_bytes for p in first.processes]
 
 
+def test_the_fleet_compares_every_scrape_not_one_instant():
+    """A target whose count was right at the last scrape but wrong at an earlier one is a
+    mismatch; so is a scrape that has one of the two samples and not the other."""
+    said = {("a:1", 15.0): 2607.0, ("a:1", 30.0): 2607.0, ("b:2", 15.0): 2607.0, ("b:2", 30.0): 2607.0}
+    assert fleet.every_scrape_mismatches(dict(said), said) == []
+    scraped = {**said, ("a:1", 15.0): 2600.0}
+    assert fleet.every_scrape_mismatches(scraped, said) == [
+        "a:1 at 15.000: scrape_samples_scraped 2600.0, mig_exporter_scrape_series 2607.0"]
+    scraped = {**said, ("b:2", 45.0): 0.0}  # a failed scrape: no mig_exporter_scrape_series at all
+    assert fleet.every_scrape_mismatches(scraped, said) == [
+        "b:2 at 45.000: scrape_samples_scraped 0.0, mig_exporter_scrape_series None"]
+
+
 # About 90 s alone: three modes of 5 exporters and a fresh Prometheus, 18 s each after the first scrapes.
 @pytest.mark.prometheus
 @pytest.mark.timeout(400)
@@ -366,7 +379,10 @@ def test_the_fleet_runs_in_quick_mode_and_none_keeps_fewer_series_than_all(tmp_p
     assert head["none"] < head["top=3"] < head["all"]
     samples = {r[0]: float(r[11]) for r in rows}
     assert samples["none"] < samples["top=3"] < samples["all"]
-    assert out.count("scrape_samples_scraped == mig_exporter_scrape_series on every target: yes") == 3
+    # Every scrape of every target compared, not one instant: about 18 s / 5 s scrapes of 5 targets a mode.
+    checked = re.findall(r"scrape_samples_scraped == mig_exporter_scrape_series at every scrape of every target "
+                         r"\((\d+) compared\): yes", out)
+    assert len(checked) == 3 and all(int(n) >= 5 * 3 for n in checked), checked
     assert "PROBLEMS" not in out
     figures = json.loads(figures_path.read_text())
     assert figures["quick"] is True

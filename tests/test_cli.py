@@ -284,7 +284,7 @@ def test_read_output_writes_the_file_atomically(tmp_path: Path) -> None:
     written = target.read_text()
     # Whole: the answer's last family, the count of its samples, is there.
     assert 'mig_exporter_build_info{version="0.1.0"} 1.0\n' in written
-    assert written.endswith("mig_exporter_scrape_series 168.0\n")
+    assert written.endswith("mig_exporter_scrape_series 180.0\n")
     assert without_duration(written) == without_duration(printed.stdout)
     assert stat.S_IMODE(target.stat().st_mode) == 0o644
     assert target.stat().st_ino != old_inode, "the file was rewritten in place, not renamed over"

@@ -42,8 +42,8 @@ def all_panels(dashboard: dict) -> list[dict]:
 # Panels folded in a collapsed row: empty on most fleets (docs/hpc.md), so the e2e
 # fleet, which runs no Slurm job and no systemd unit, leaves them without data.
 FOLDED = {("overview.json", "GPU memory by Slurm job / systemd unit")}
-# Queries of the health dashboard that the e2e machine (the demo: two A100s on 550, read through
-# nvidia-smi) leaves empty, each for what it shows: (dashboard, panel, family queried) → why.
+# Queries that the e2e machine (the demo: two A100s on 550, read through nvidia-smi, a kubelet
+# allocating every device) leaves empty, each for what it shows: (dashboard, panel, family queried) → why.
 QUIET_ON_THE_DEMO = {
     ("health.json", "Card health", "mig_exporter_card_temperature_margin_celsius"): "an A100 has no T.Limit margin",
     ("health.json", "Margin to the thermal limit", "mig_exporter_card_temperature_margin_celsius"):
@@ -58,6 +58,8 @@ QUIET_ON_THE_DEMO = {
         "page retirement is pre-Ampere's: an A100 writes N/A",
     ("health.json", "Retired pages and recovery action", "mig_exporter_card_retired_pages_pending"):
         "page retirement is pre-Ampere's: an A100 writes N/A",
+    ("overview.json", "Nodes with a free device of the chosen class", "mig_exporter_device_state"):
+        "no device is free: the 1g.10gb has no process, but the kubelet allocated it to batch/train-7",
 }
 
 
@@ -174,7 +176,8 @@ def test_no_query_adds_up_memory_shared_by_compute_instances():
         if "device_memory" in expr and re.search(r"\bsum\b", expr):
             # One value per GPU instance: by name, or (the capacity rules) every label but the device's.
             assert ("max by (job, instance, card, gpu_instance)" in expr
-                    or "max without (index, mig_profile) ( mig_exporter_device_memory_free_bytes" in expr), \
+                    or "max without (index, mig_profile) ( last_over_time(mig_exporter_device_memory_free_bytes"
+                    in expr), \
                 f"{dash} / {title} double counts: {expr}"
 
 
@@ -243,8 +246,10 @@ def _is_per_device(expr: str, per_device: set[str]) -> bool:
     aggregate it by something other than the device (``topk`` keeps the labels)."""
     if not set(re.findall(r"\bmig_exporter_[a-z_]+", expr)) & per_device:
         return False
-    outer = re.match(r"\s*(sum|max|min|avg|count)\b\s*(?:by\s*\(([^)]*)\))?", expr)
-    return outer is None or "index" in (outer.group(2) or "")
+    outer = re.match(r"[\s(]*(sum|max|min|avg|count)\b\s*(?:(by|without)\s*\(([^)]*)\))?", expr)
+    if outer is not None and outer.group(2) == "without":  # the capacity rules: the device's labels go
+        return "index" not in outer.group(3)
+    return outer is None or "index" in (outer.group(3) or "")
 
 
 def test_every_per_device_view_names_the_device():

@@ -208,8 +208,8 @@ def test_the_readme_names_every_debian_package_scripts_test_installs():
     packages = set()
     for tools in re.findall(r"^\s*tools\+?=\(([^)]*)\)", script, re.M):
         packages |= {tool.split(":", 1)[1] for tool in tools.split()}
-    assert packages == {"prometheus", "systemd", "wrk", "iproute2", "chromium", "buildah", "debootstrap",
-                        "docker-registry", "nodejs", "npm"}
+    assert packages == {"prometheus", "victoria-metrics", "systemd", "wrk", "iproute2", "chromium", "buildah",
+                        "debootstrap", "docker-registry", "nodejs", "npm"}
     first_screen = "\n".join((REPO / "README.md").read_text().splitlines()[:40])
     assert all(f"`{package}`" in first_screen for package in packages)
     assert "sudo" in first_screen and "sudo" in script

@@ -23,6 +23,7 @@ from mig_exporter.doctor import (
     timed_read,
     xid_watch,
 )
+from mig_exporter.model.capacity import GPU_ONLY, HostView
 from mig_exporter.model.health import CardHealth, ClockReading, EccCount
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
@@ -31,10 +32,12 @@ from mig_exporter.sources.nvml import NvmlSource
 from smi_variants import without_mig_monitor as without_mig_monitor_xml
 
 
-def _doctor(fake_nvml_lib, fake_nvidia_smi, nvml_scenario, xml: bytes, listing: bytes, **smi_options):
+def _doctor(fake_nvml_lib, fake_nvidia_smi, nvml_scenario, xml: bytes, listing: bytes, host: HostView = GPU_ONLY,
+            **smi_options):
     fake_nvml_lib(nvml_scenario)
     smi = fake_nvidia_smi(xml, listing, **smi_options)
-    return diagnose(timed_read("nvml", NvmlSource().read), timed_read("nvidia-smi", NvidiaSmiSource(str(smi)).read))
+    return diagnose(timed_read("nvml", NvmlSource().read), timed_read("nvidia-smi", NvidiaSmiSource(str(smi)).read),
+                    host=host)
 
 
 def _fixture(name: str) -> tuple[bytes, bytes]:
@@ -97,11 +100,17 @@ def test_memory_in_use_with_no_process_listed_points_at_host_pid(fake_nvml_lib, 
             dataclasses.replace(m, compute_processes=(), graphics_processes=(), mps_processes=())
             for m in card.mig_devices))
         for card in base.cards))
-    report = _doctor(fake_nvml_lib, fake_nvidia_smi, hidden, hidden_xml, listing)
-    # 3594 MiB on 1000 and 7493 MiB on 1002; 17 and 9 MiB on the idle ones are below the threshold.
+    # Outside the host's PID namespace: the hint is hostPID.
+    report = _doctor(fake_nvml_lib, fake_nvidia_smi, hidden, hidden_xml, listing, HostView(host_pids=False))
+    # 3594 MiB on 1000 and 7493 MiB on 1002; 17 and 9 MiB on the idle ones are an empty device's.
     assert _codes(report) == ["memory-without-processes", "memory-without-processes"]
-    assert report.findings[0].message == "device 0/mig0 (1000) holds 3594 MiB but no process is listed"
+    assert report.findings[0].message == ("device 0/mig0 (1000) holds 3594 MiB but no process is listed, so it is "
+                                          "never counted free")
     assert "hostPID: true" in report.findings[0].fix
+    # In it (every host process seen): a process the driver does not name, such as a vGPU VM.
+    report = _doctor(fake_nvml_lib, fake_nvidia_smi, hidden, hidden_xml, listing)
+    assert _codes(report) == ["memory-without-processes", "memory-without-processes"]
+    assert "does not name" in report.findings[0].fix and "hostPID" not in report.findings[0].fix
 
 
 def test_no_permission_on_mig_and_a_lost_card(fake_nvml_lib, fake_nvidia_smi):

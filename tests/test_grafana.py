@@ -79,15 +79,15 @@ TABLES = {
     ],
     ("overview.json", "Top processes by GPU memory"): PROCESSES,
     # One row per class, the node counted once though a /probe job reads it too; free memory from
-    # demo.xml's fb_memory_usage/free (MiB). Only the 1g.10gb has no process: free.
+    # demo.xml's fb_memory_usage/free (MiB). Every device is in use: the 1g.10gb has no process,
+    # but the kubelet allocated it to batch/train-7 (model/capacity.py).
     ("overview.json", "Capacity by class"): [
-        {"Class": cls, "Devices": 1, "Free": free, "In use": 1 - free, "Memory free": mib * MIB}
-        for cls, free, mib in [("a100-80g-mig-3g.40gb", 0, 28529), ("a100-80g-mig-2g.20gb", 0, 10717),
-                               ("a100-80g-mig-1g.10gb", 1, 9715), ("a100-80g", 0, 59248)]
+        {"Class": cls, "Devices": 1, "Free": 0, "In use": 1, "Unknown": 0, "Memory free": mib * MIB}
+        for cls, mib in [("a100-80g-mig-3g.40gb", 28529), ("a100-80g-mig-2g.20gb", 10717),
+                         ("a100-80g-mig-1g.10gb", 9715), ("a100-80g", 59248)]
     ],
-    ("overview.json", "Nodes with a free device of the chosen class"): [
-        {"Node": NODE, "Class": "a100-80g-mig-1g.10gb", "Free": 1},
-    ],
+    # No device free, so no node (tests/test_dashboard_capacity.py draws it with some).
+    ("overview.json", "Nodes with a free device of the chosen class"): [],
     ("overview.json", "Engines holding no GPU memory"): [
         {"Node": NODE, "Engine": "llama.cpp", "PID": "52040", "Process": "llama-server"},
     ],
@@ -202,22 +202,40 @@ def run_driver(jobs: list[dict]) -> list[dict]:
     return json.loads(result.stdout)
 
 
-def panels_through_grafana(prom, names: dict[str, str]) -> dict[tuple[str, str, str], dict]:
-    """(dashboard, panel type, title) to the driver's result, for every panel of both dashboards;
-    each exporter address (127.0.0.1:port) in the answers replaced by its name in ``names``."""
+# The data source a dashboard opened from dashboards/grafana/provisioning uses (its uid).
+DATASOURCE_UID = "prometheus"
+
+
+def url_state(dashboard: dict) -> dict:
+    """The dashboard as opened, for its data links (tests/grafana/links.js): its default time
+    range, the provisioned data source, every other variable at "All" (``$__all`` in a URL)."""
+    return {"time": {"from": dashboard["time"]["from"], "to": dashboard["time"]["to"]},
+            "variables": {v["name"]: [DATASOURCE_UID] if v["type"] == "datasource" else ["$__all"]
+                          for v in dashboard["templating"]["list"]}}
+
+
+def panels_through_grafana(prom, names: dict[str, str], chosen: dict[str, str] | None = None,
+                           only: set[tuple[str, str]] | None = None) -> dict[tuple[str, str, str], dict]:
+    """(dashboard, panel type, title) to the driver's result, for every panel of both dashboards
+    (or the (dashboard, title) pairs in ``only``); each exporter address (127.0.0.1:port) in the
+    answers replaced by its name in ``names``. ``chosen``: variables set to one value (as a
+    link's ``var-NAME=VALUE`` sets them), not "All"."""
     at = str(time.time())
     jobs, keys = [], []
     for name, dashboard in _dashboards().items():
         # $__rate_interval as Grafana makes it for a 1 s scrape interval: its floor, 4 x 15 s.
-        values = {**fill_variables(prom, dashboard), "__rate_interval": "1m"}
+        values = {**fill_variables(prom, dashboard), "__rate_interval": "1m",
+                  **{k: special_regex_escape(v) for k, v in (chosen or {}).items()}}
         for panel in dashboard["panels"]:
             if panel["type"] == "row":  # no queries; its folded panel is a time series, no table or stat
+                continue
+            if only is not None and (name, panel["title"]) not in only:
                 continue
             answers = []
             for target in panel["targets"]:
                 query = {**target, "expr": interpolate(target["expr"], values)}
                 answers.append({"query": query, "data": prom.get("/api/v1/query", query=query["expr"], time=at)})
-            jobs.append({"panel": panel, "answers": answers})
+            jobs.append({"panel": panel, "answers": answers, "context": url_state(dashboard)})
             keys.append((name, panel["type"], panel["title"]))
     text = json.dumps(jobs)
     for address in sorted(names, key=len, reverse=True):  # 127.0.0.1:4012 before 127.0.0.1:401
@@ -230,12 +248,23 @@ def rows(result: dict, shown: bool = False) -> list[dict] | str:
     """The table's rows, by column header; a description when it is not one table. ``shown``:
     each number cell as the table shows it (its display text), not its value."""
     frames = result["frames"]
+    if not frames:  # Grafana's "No data"
+        return []
     if len(frames) != 1:
         return f"{len(frames)} frames: {[[f['displayName'] for f in fr['fields']] for fr in frames]}"
     fields = frames[0]["fields"]
     out = [{f["displayName"]: (f["display"] if shown and f["display"] is not None else f["values"])[i] for f in fields}
            for i in range(frames[0]["length"])]
     return sorted(out, key=lambda r: json.dumps(r, sort_keys=True))
+
+
+def links(result: dict, column: str) -> dict[str, list[str]]:
+    """Each row's data links on ``column`` (its header), by the cell's value: the URLs as Grafana
+    renders them for that row (tests/grafana/links.js)."""
+    (frame,) = result["frames"]
+    (field,) = [f for f in frame["fields"] if f["displayName"] == column]
+    by_row = field["links"] or [[] for _ in field["values"]]
+    return {value: [link["href"] for link in row] for value, row in zip(field["values"], by_row, strict=True)}
 
 
 def test_tables_and_stats_as_grafana_draws_them(fake_nvidia_smi, fake_kubelet, tmp_path):

@@ -785,6 +785,7 @@ def test_the_notes_say_how_to_tell_that_no_node_matched():
     ({"gpuNodes": {"anyOf": [{"key": "nvidia.com/gpu.present", "operator": "Has"}]}}, "/gpuNodes/anyOf/0/operator"),
     ({"image": {"digest": "latest"}}, "/image/digest"),
     ({"prometheusRule": {"disabled": {"GPUAllocatedButUnused": "yes"}}}, "/prometheusRule/disabled"),
+    ({"prometheusRule": {"capacityFreshWithin": "1 minute"}}, "/prometheusRule/capacityFreshWithin"),
     ({"serviceMonitor": {"honourLabels": True}}, "/serviceMonitor"),
     ({"namespaceOverride": "GPU Monitoring"}, "/namespaceOverride"),
     ({"global": {"imagePullSecrets": [{"nmae": "x"}]}}, "/global/imagePullSecrets/0"),
@@ -792,8 +793,8 @@ def test_the_notes_say_how_to_tell_that_no_node_matched():
         "TLS with a certificate and no key", "unknown top-level key", "bad interval", "numeric tag",
         "a selector label in podLabels", "misspelt probe target key", "bad probe timeout", "unknown preset",
         "an empty NetworkPolicy peer", "misspelt migMonitor key", "unknown selector operator", "a tag as digest",
-        "a string to disable an alert", "misspelt honorLabels", "a namespace with spaces",
-        "a pull secret without name"])
+        "a string to disable an alert", "a freshness window that is no duration", "misspelt honorLabels",
+        "a namespace with spaces", "a pull secret without name"])
 def test_bad_values_are_refused_by_the_schema_naming_the_value(values, named):
     with pytest.raises(HelmValuesError) as schema:
         _chart().validate_schema(values)
@@ -924,3 +925,20 @@ def test_a_stale_readme_is_caught(tmp_path):
     assert result.returncode == 1
     assert "+| `logFormat`" in result.stdout
     assert "README.md is out of date: run scripts/helm-readme" in result.stderr
+
+
+def test_the_capacity_rules_freshness_window_is_a_value_and_only_they_change():
+    """prometheusRule.capacityFreshWithin replaces the capacity group's [1m] (docs/capacity.md):
+    two scrape intervals, plus the federation interval. The other groups keep their windows."""
+    def groups(values: dict | None = None) -> dict[str, list[dict]]:
+        (rule,) = [d for d in render(values) if d["kind"] == "PrometheusRule"]
+        return {g["name"]: g["rules"] for g in rule["spec"]["groups"]}
+
+    shipped, wider = groups(), groups({"prometheusRule": {"capacityFreshWithin": "90s"}})
+    for name in shipped:
+        for before, after in zip(shipped[name], wider[name], strict=True):
+            if name == "mig-exporter.capacity" and before["record"].startswith("instance_class:"):
+                assert "[1m]" in before["expr"] and "[1m]" not in after["expr"], before["record"]
+                assert after["expr"] == before["expr"].replace("[1m]", "[90s]")
+            else:
+                assert after == before

@@ -24,6 +24,7 @@ FLOORS: dict[str, int] = {
     "": 0,
     "core": 0,
     "model": 1,
+    "capacity_rules": 1,
     "host": 2,
     "nvidia_smi": 2,
     "engines": 3,

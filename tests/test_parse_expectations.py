@@ -17,6 +17,7 @@ import pytest
 
 import smi_variants
 from conftest import FIXTURES, REPO, SAMPLES, require_real_corpus
+from mig_exporter.model.snapshot import NO_PID, not_a_process_id
 from mig_exporter.nvidia_smi.build import ReadMemo
 
 sys.path.insert(0, str(REPO))
@@ -39,8 +40,25 @@ def _split(outcome: Any) -> tuple[Any, Any]:
     return outcome, health
 
 
+# Issue 36: a process skipped for its pid says why (": <why>" before "; skipped"); the digests
+# were written with the line before that. (A pid past Linux's range, now kept, is in no case.)
+PID_WHYS = ("empty", "not a whole number", "longer than the 10 digits of a 32-bit process id",
+            *(not_a_process_id(pid) for pid in (-1, 0, NO_PID, NO_PID + 1)))
+
+
+def _as_written(outcome: Any) -> Any:
+    """``outcome`` with its skipped pids' problem lines as the digests' parser wrote them."""
+    if outcome[0] == "Snapshot":
+        problems = outcome[1]["problems"]
+        for i, line in enumerate(problems):
+            for why in PID_WHYS:
+                if line.endswith(f": {why}; skipped") and "a process with pid " in line:
+                    problems[i] = line[:-len(f": {why}; skipped")] + "; skipped"
+    return outcome
+
+
 def _digest(xml: bytes, listing: bytes | None, memo: ReadMemo | None = None) -> str:
-    return smi_variants.digest(_split(smi_variants.outcome(xml, listing, memo))[0])
+    return smi_variants.digest(_as_written(_split(smi_variants.outcome(xml, listing, memo))[0]))
 
 
 def _mismatches(group: str, cases: dict[str, tuple[bytes, bytes | None]], memo: ReadMemo | None = None) -> list[str]:

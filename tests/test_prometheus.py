@@ -21,6 +21,7 @@ import json
 import queue
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,20 +183,27 @@ def prometheus(target: str, tmp_path: Path, config_text: str | None = None,
         )
     try:
         server = Prometheus(process, f"http://{HOST}:{port}", log_path)
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert process.poll() is None, f"prometheus exited {process.returncode}:\n{server.log()}"
-            try:
-                with urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready after {STARTUP_S}s:\n{server.log()}"
-            time.sleep(0.2)
+        wait_ready("prometheus", process, f"{server.url}/-/ready", server.log)
         yield server
     finally:
         _stop(process)
+
+
+def wait_ready(name: str, process: subprocess.Popen, ready: str | urllib.request.Request, log: Callable[[], str],
+               context: ssl.SSLContext | None = None, interval_s: float = 0.2) -> None:
+    """Until ``ready`` answers 200 (bounded by STARTUP_S), failing with the server's log when
+    ``process`` exits first or the time runs out."""
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        assert process.poll() is None, f"{name} exited {process.returncode}:\n{log()}"
+        try:
+            with urllib.request.urlopen(ready, timeout=2, context=context) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        assert time.monotonic() < deadline, f"{name} not ready after {STARTUP_S}s:\n{log()}"
+        time.sleep(interval_s)
 
 
 def _target_after_scrapes(server: Prometheus, address: str, scrapes: int = 2) -> dict:
@@ -459,7 +467,7 @@ def test_prometheus_evaluates_the_rules_on_the_demo(tmp_path, process_series):
         assert cards == {"0": (11663 + 9251 + 13) * MIB, "1": 22110 * MIB}
         rule_health = [r["health"] for g in prom.get("/api/v1/rules")["groups"] for r in g["rules"]]
         shipped = sum(len(g["rules"]) for g in yaml.safe_load(alerts_file.read_text())["groups"])
-        assert shipped == 34 and rule_health == ["ok"] * shipped
+        assert shipped == 38 and rule_health == ["ok"] * shipped
         # The demo's classes: only the 1g.10gb instance has no process on it.
         free = {r["metric"]["class"]: float(r["value"][1]) for r in prom.query("class:mig_exporter_devices_free:count")}
         assert free == {"a100-80g-mig-3g.40gb": 0, "a100-80g-mig-2g.20gb": 0, "a100-80g-mig-1g.10gb": 1, "a100-80g": 0}

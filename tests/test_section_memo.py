@@ -70,7 +70,7 @@ def test_a_kept_section_gives_its_problem_lines_again():
     memo = ReadMemo()
     for _ in range(2):
         snapshot = snapshot_from_smi(bad_pid, LISTING, None, memo)
-        assert "card 0: a process with pid '0'; skipped" in snapshot.problems
+        assert "card 0: a process with pid '0': no process has id 0; skipped" in snapshot.problems
         assert [p.pid for p in snapshot.processes] == [21180, 21181]
         assert snapshot == snapshot_from_smi(bad_pid, LISTING)
 

@@ -193,13 +193,27 @@ def test_the_parser_itself_expands_no_entity_even_past_the_pre_check():
     assert root.findtext("v") in (None, "")
 
 
-@pytest.mark.parametrize("pid", ["\u00b2", "\u0663", "99999999999", "4194304"])
-def test_pids_that_linux_cannot_have_are_skipped(pid):
+@pytest.mark.parametrize(("pid", "why"), [
+    ("\u00b2", "not a whole number"), ("\u0663", "not a whole number"), ("-7", "negative"),
+    ("0", "no process has id 0"),
+    ("4294967295", "2^32-1, NVML's 'none' and the garbage of a process struct mismatch"),
+    ("99999999999", "longer than the 10 digits of a 32-bit process id"),
+])
+def test_pids_no_process_can_have_are_skipped_with_why(pid, why):
     gpu = (f"<processes><process_info><pid>{pid}</pid><type>C</type><used_memory>1 MiB</used_memory>"
            "</process_info></processes>")
     report = parse_query_xml(_log(gpu))
     assert report.cards[0].processes == () and report.cards[0].error is None
-    assert len(report.problems) == 1
+    assert report.problems == (f"card 0: a process with pid {pid!r}: {why}; skipped",)
+
+
+@pytest.mark.parametrize("pid", [4_194_304, 42_818_686, 4_294_967_294])
+def test_pids_past_linuxs_range_are_kept_as_a_vgpu_host_lists_its_vms(pid):
+    gpu = (f"<processes><process_info><pid>{pid}</pid><type>C+G</type><used_memory>4064 MiB</used_memory>"
+           "</process_info></processes>")
+    report = parse_query_xml(_log(gpu))
+    assert [(p.pid, p.type, p.used_bytes) for p in report.cards[0].processes] == [(pid, "C+G", 4064 * MIB)]
+    assert report.problems == ()
 
 
 _VALUE_TEXTS = st.one_of(

@@ -68,34 +68,53 @@ def record_expr(name: str) -> str:
     return " ".join(str(rules[0]["expr"]).split())
 
 
-def selected(expr: str, sel: str) -> str:
-    """``expr`` with ``sel`` on each of its selectors (none of which has matchers of its own)."""
-    return re.sub(r"\b(mig_exporter_[a-z_]+)\b(?![{\w:])", rf"\1{{{sel}}}", expr)
+def selected(expr: str, sel: str, extra: dict[str, str] | None = None) -> str:
+    """``expr`` with ``sel`` on each of its selectors, before any matchers of their own, and
+    ``extra[metric]`` after ``sel`` on that metric's."""
+    def one(m: re.Match[str]) -> str:
+        matchers = ", ".join(x for x in (sel, (extra or {}).get(m.group(1))) if x)
+        return f"{m.group(1)}{{{matchers}" + (", " if m.group(2) else "}")
+    return re.sub(r"\b(mig_exporter_[a-z_]+)\b(?![\w:])(\{)?", one, expr)
+
+
+# The capacity group's node rules (docs/capacity.md), each a column: devices of each class on
+# each node, how many free, in use and unknown, and their memory free.
+CAPACITY = {
+    "instance_class:mig_exporter_devices:count": "Devices",
+    "instance_class:mig_exporter_devices_free:count": "Free",
+    "instance_class:mig_exporter_devices_in_use:count": "In use",
+    "instance_class:mig_exporter_devices_unknown:count": "Unknown",
+    "instance_class:mig_exporter_device_memory_free_bytes:sum": "Memory free",
+}
+CHOSEN_CLASS = {"mig_exporter_device_info": 'class=~"$class"'}  # the class is device_info's label
 
 
 def per_class(record: str, sel: str) -> str:
-    """A node rule of the capacity group (devices, free devices, memory free by class) summed over
-    the chosen nodes: the rule's own expression, so the table counts what the rules count."""
-    return f"sum by (class) ({selected(record_expr(record), sel)})"
+    """A node rule of the capacity group summed over the chosen nodes, by class (and by cluster
+    where the series carry that external label: two clusters' capacities stay two): the rule's
+    own expression, so the table counts what the rules count."""
+    return f"sum by (cluster, class) ({selected(record_expr(record), sel)})"
 
 
-def in_use_per_class(sel: str) -> str:
-    """Devices with a process on them, by class, with an explicit 0 (devices less free less
-    unknown: a device whose process list the driver did not give is neither)."""
-    devices = record_expr("instance_class:mig_exporter_devices:count")
-    busy = devices.replace("mig_exporter_device_info )", "mig_exporter_device_info and ignoring (uuid, gpu_instance, "
-                           "compute_instance, class, name, device) (mig_exporter_device_processes > 0) )", 1)
-    assert busy != devices
-    every = per_class("instance_class:mig_exporter_devices:count", sel)
-    return f"sum by (class) ({selected(busy, sel)}) or 0 * {every}"
+def per_node_with_free(record: str, sel: str) -> str:
+    """A node rule of the capacity group on the chosen nodes and classes, for each node with one or
+    more free devices of the class. Not aggregated: the rule keeps every label but the device's
+    (job, instance, what relabelling adds, the external cluster), so nodes of one address in two
+    clusters, or scraped by two jobs, stay apart."""
+    free = f"({selected(record_expr('instance_class:mig_exporter_devices_free:count'), sel, CHOSEN_CLASS)}) > 0"
+    if record == "instance_class:mig_exporter_devices_free:count":
+        return free
+    return f"({selected(record_expr(record), sel, CHOSEN_CLASS)}) and ({free})"
 
 
-def nodes_with_free(sel: str) -> str:
-    """Each node's free devices of the chosen classes, where it has one or more."""
-    free = record_expr("instance_class:mig_exporter_devices_free:count")
-    cut = free.index("mig_exporter_device_info") + len("mig_exporter_device_info")  # the devices counted free
-    chosen = selected(free[:cut], f'{sel}, class=~"$class"') + selected(free[cut:], sel)
-    return f"sum by (job, instance, class) ({chosen}) > 0"
+# "Capacity by class" links each class to the nodes with one free: this dashboard again, with that
+# class in $class, the time range, data source and nodes kept (Grafana's data link variables:
+# ${__url_time_range}, ${name:queryparam}; ${__data.fields.class} is the row's class, URI-encoded).
+CLASS_LINK = {
+    "title": "Nodes with a free ${__data.fields.class}",
+    "url": "/d/mig-exporter-overview?${__url_time_range}&${datasource:queryparam}&${node:queryparam}"
+           "&var-class=${__data.fields.class}",
+}
 
 
 def with_device(expr: str, sel: str, labels: str = "device") -> str:
@@ -261,30 +280,31 @@ def overview() -> dict:
     lay.add(stat("MIG cards with nothing carved", f"count(mig_exporter_card_mig_instances{{{SEL}}} == 0) or vector(0)",
                  thresholds=[{"color": "green", "value": None}, {"color": "orange", "value": 1}]), 4, 4)
     capacity = table("Capacity by class", [
-        target(per_class("instance_class:mig_exporter_devices:count", SEL), ref="A", instant=True, fmt="table"),
-        target(per_class("instance_class:mig_exporter_devices_free:count", SEL), ref="B", instant=True, fmt="table"),
-        target(in_use_per_class(SEL), ref="C", instant=True, fmt="table"),
-        target(per_class("instance_class:mig_exporter_device_memory_free_bytes:sum", SEL), ref="D", instant=True,
-               fmt="table"),
-    ], {"class": "Class", "Value #A": "Devices", "Value #B": "Free", "Value #C": "In use", "Value #D": "Memory free"},
-        {"Value #D": "bytes"}, sort_by="Value #B",
-        description="One row per device class on the chosen nodes. Free: no process on the device; in use: one or "
-                    "more; a device whose process list the driver does not give is neither. Memory free counts each "
-                    "GPU instance once. The recording rules' own expressions (docs/capacity.md); a probe target "
-                    "is never counted. Click a class for the nodes with one free.")
+        target(per_class(record, SEL), ref=ref, instant=True, fmt="table")
+        for ref, record in zip("ABCDE", CAPACITY, strict=True)
+    ], {"cluster": "Cluster", "class": "Class",
+        **{f"Value #{ref}": header for ref, header in zip("ABCDE", CAPACITY.values(), strict=True)}},
+        {"Value #E": "bytes"}, sort_by="Value #B",
+        description="One row per device class on the chosen nodes (per cluster where the series carry one). Free: "
+                    "no process, no allocation, memory as an empty device's; in use: work on it; unknown: what it "
+                    "holds cannot be told, or its node stopped reporting (never free). Memory free counts each GPU "
+                    "instance once. The recording rules' own expressions (docs/capacity.md); a probe target is "
+                    "never counted. Click a class for the nodes with one free.")
     capacity["fieldConfig"]["overrides"].append({
         "matcher": {"id": "byName", "options": "class"},
-        "properties": [{"id": "links", "value": [{
-            "title": "Nodes with a free ${__value.raw}",
-            "url": "/d/mig-exporter-overview/?${node:queryparam}&var-class=${__value.raw}",
-        }]}],
+        "properties": [{"id": "links", "value": [CLASS_LINK]}],
     })
-    lay.add(capacity, 14, 8)
+    lay.add(capacity, 12, 8)
+    per_node = {k: v for k, v in CAPACITY.items() if v in ("Free", "In use", "Unknown")}
     lay.add(table("Nodes with a free device of the chosen class", [
-        target(nodes_with_free(SEL), instant=True, fmt="table"),
-    ], {"instance": "Node", "class": "Class", "Value": "Free"}, {}, sort_by="Value",
+        target(per_node_with_free(record, SEL), ref=ref, instant=True, fmt="table")
+        for ref, record in zip("ABC", per_node, strict=True)
+    ], {"cluster": "Cluster", "instance": "Node", "class": "Class",
+        **{f"Value #{ref}": header for ref, header in zip("ABC", per_node.values(), strict=True)}}, {},
+        sort_by="Value #A",
         description="Each node with at least one free device of the classes chosen above (Device class): "
-                    "where a job asking for one can start now."), 10, 8)
+                    "where a job asking for one can start now; and how many of the class there are in use, or unknown. "
+                    "Nodes of one name in two clusters, or scraped by two jobs, are two rows."), 12, 8)
     lay.add(timeseries("Memory used by card and GPU instance", [target(
         per_gpu_instance("mig_exporter_device_memory_used_bytes", SEL),
         "{{instance}} card {{card}} GI {{gpu_instance}}")], "bytes",

@@ -37,13 +37,14 @@ from mig_exporter.engines.rules import EngineSettings
 from mig_exporter.host.jobmap import SlurmJobMap
 from mig_exporter.host.owners import OwnerReader
 from mig_exporter.host.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
-from mig_exporter.host.procfs import ProcfsSource
+from mig_exporter.host.procfs import ProcError, ProcfsSource
 from mig_exporter.kubernetes.podlogs import DEFAULT_LOG_DIR
 from mig_exporter.kubernetes.podresources import DEFAULT_SOCKET, PodResourcesClient
 from mig_exporter.kubernetes.pods import PodReader
 from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.process_series import ALL_PROCESSES, ProcessSeries
 from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.model.capacity import HostView
 from mig_exporter.sources.auto import AutoSource
 from mig_exporter.sources.base import Source
 from mig_exporter.sources.command import kill_running, reaping
@@ -167,10 +168,11 @@ def _process_series_option() -> Callable[..., Any]:
     return click.option(
         "--collector.processes", "process_series", type=_ProcessSeriesType(), default="all", show_default=True,
         envvar=_env("COLLECTOR_PROCESSES"), show_envvar=True,
-        help="Which processes get series of their own (process_memory_used_bytes, process_info): all; top=N, the N "
-             "holding the most memory on each device and one pid=\"other\" series for the rest; or none. Device, "
-             "pod, Slurm job, systemd unit and engine families count every process whatever this says "
-             "(docs/scale.md).")
+        help="Which processes get series of their own (process_memory_used_bytes, process_info, and the engine "
+             "families): all; top=N, the N holding the most memory on each device and one pid=\"other\" series for "
+             "the rest; or none (the engines' as pid=\"other\" sums). An engine on no GPU keeps its own series "
+             "(EngineHoldsNoGPUMemory). Device, pod, Slurm job, systemd unit and engine memory sums count every "
+             "process whatever this says (docs/scale.md).")
 
 
 def _make_pod_reader(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
@@ -555,28 +557,106 @@ def status(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: 
         sys.exit(1)
 
 
+class _HeaderType(click.ParamType):  # type: ignore[type-arg]
+    """``NAME:VALUE`` for --prometheus.header; from the environment, one per line. The value is
+    never echoed in an error."""
+
+    name = "NAME:VALUE"
+
+    def split_envvar_value(self, rv: str) -> list[str]:
+        return [line for line in rv.splitlines() if line.strip()]
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, str]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return fleet_view.parse_header(value)
+        except fleet_view.FleetUsageError as e:
+            self.fail(str(e), param, ctx)
+
+
+class _CannotAsk(click.ClickException):
+    exit_code = 3
+
+
+class _UnknownClass(click.ClickException):
+    exit_code = 2
+
+
 @cli.command()
 @click.option("--prometheus", "prometheus_url", metavar="URL", required=True, envvar=_env("PROMETHEUS_URL"),
               show_envvar=True,
               help="The Prometheus (or Thanos Query, Mimir, VictoriaMetrics) that scrapes the exporters, e.g. "
-                   "http://prometheus:9090; asked through its HTTP query API.")
+                   "http://prometheus:9090 (with its path prefix where it has one: http://mimir/prometheus); asked "
+                   "through its HTTP query API. Credentials in the URL are refused.")
 @click.option("--class", "device_class", metavar="CLASS", default=None,
               help="Also list the nodes that have a free device of this class now (e.g. a100-80g-mig-3g.40gb).")
+@click.option("--devices", is_flag=True, default=False,
+              help="With --class: list each free device (node, card/migN, MIG or GPU UUID for CUDA_VISIBLE_DEVICES, "
+                   "GPU instance id, memory free), as status --output json gives them.")
 @click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="A table for a person, or JSON for scripts.")
 @click.option("--timeout", type=click.FloatRange(min=0.1, max=600), default=10.0, show_default=True,
               help="Seconds each query may take.")
-def fleet(prometheus_url: str, device_class: str | None, output_format: str, timeout: float) -> None:
-    """The fleet by device class, from a Prometheus: devices and free devices per class, and with
-    --class the nodes that have one free now. Free: no process on the device (docs/capacity.md)."""
+@click.option("--prometheus.basic-auth-user", "basic_auth_user", metavar="USER", default=None,
+              envvar=_env("PROMETHEUS_BASIC_AUTH_USER"), show_envvar=True,
+              help="Basic auth user; the password comes from --prometheus.password-file, else from the environment "
+                   f"variable {fleet_view.PASSWORD_ENV}.")
+@click.option("--prometheus.password-file", "password_file", metavar="FILE", type=click.Path(dir_okay=False),
+              default=None, envvar=_env("PROMETHEUS_PASSWORD_FILE"), show_envvar=True,
+              help="File holding the basic auth password (surrounding whitespace removed).")
+@click.option("--prometheus.bearer-token-file", "bearer_token_file", metavar="FILE", type=click.Path(dir_okay=False),
+              default=None, envvar=_env("PROMETHEUS_BEARER_TOKEN_FILE"), show_envvar=True,
+              help="File holding a bearer token, sent as 'Authorization: Bearer ...' (not with basic auth).")
+@click.option("--prometheus.header", "headers", type=_HeaderType(), multiple=True,
+              envvar=_env("PROMETHEUS_HEADER"), show_envvar=True,
+              help="A header sent with each query, e.g. X-Scope-OrgID:tenant-1 for Mimir or Cortex; repeatable "
+                   "(from the environment: one per line). A value with a line break is refused.")
+@click.option("--prometheus.ca-file", "ca_file", metavar="FILE", type=click.Path(dir_okay=False), default=None,
+              envvar=_env("PROMETHEUS_CA_FILE"), show_envvar=True,
+              help="PEM CA certificate(s) that verify an https:// server, in place of the system's.")
+@click.option("--capacity.fresh-within", "fresh_within", metavar="DURATION", default=fleet_view.DEFAULT_FRESH_WITHIN,
+              show_default=True, envvar=_env("CAPACITY_FRESH_WITHIN"), show_envvar=True,
+              help="A node counts while its newest read is younger than this: the capacity rules' window "
+                   "(the chart's prometheusRule.capacityFreshWithin). Give the same as your rules.")
+def fleet(prometheus_url: str, device_class: str | None, devices: bool, output_format: str, timeout: float,
+          basic_auth_user: str | None, password_file: str | None, bearer_token_file: str | None,
+          headers: tuple[tuple[str, str], ...], ca_file: str | None, fresh_within: str) -> None:
+    """The fleet by device class, from a Prometheus: devices, free, in use and unknown per class,
+    the nodes that stopped reporting, and with --class the nodes that have one free now (with
+    --devices, each free device). Free: docs/capacity.md. No password, token or header value is
+    ever printed.
+
+    \b
+    Exit status:
+      0  it answered; with --class, a device of the class is free
+      1  with --class: none of the class is free
+      2  a usage error, or a --class the Prometheus has no device of (the message names its classes)
+      3  it could not ask: unreachable, an HTTP error (401, 404, ...), not a Prometheus, TLS
+    """
+    if devices and device_class is None:
+        raise click.UsageError("--devices lists the free devices of one class: give --class")
     try:
-        found = fleet_view.read_fleet(fleet_view.PrometheusClient(prometheus_url, timeout), device_class)
+        queries = fleet_view.QUERIES.fresh_within(fresh_within)
+        client = fleet_view.PrometheusClient(prometheus_url, timeout, fleet_view.access(
+            user=basic_auth_user, password_file=password_file,
+            password_env=os.environ.get(fleet_view.PASSWORD_ENV) or None, bearer_token_file=bearer_token_file,
+            headers=headers, ca_file=ca_file))
+    except fleet_view.FleetUsageError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        found = fleet_view.read_fleet(client, device_class, devices=devices, queries=queries)
     except fleet_view.FleetError as e:
-        raise click.ClickException(f"cannot ask the Prometheus: {e}") from None
+        raise _CannotAsk(f"cannot ask the Prometheus: {e}") from None
+    if device_class is not None and not found.knows(device_class):
+        raise _UnknownClass(f"the Prometheus has no device of class {device_class!a}; its classes: "
+                            f"{fleet_view.known_classes(found)}")
     if output_format == "json":
         click.echo(json.dumps(fleet_view.as_json(found), indent=2))
     else:
         click.echo(fleet_view.render_text(found, device_class), nl=False)
+    if device_class is not None and not found.any_free:
+        sys.exit(1)
 
 
 @cli.command()
@@ -590,9 +670,12 @@ def fleet(prometheus_url: str, device_class: str | None, output_format: str, tim
 @click.option("--demo", is_flag=True, default=False, envvar=_env("DEMO"), show_envvar=True,
               help="Diagnose the bundled sample (an A100 in MIG mode and a whole A100) instead of this host: "
                    "what a report looks like; its whole A100 has a pending row remap, so it exits 3.")
+@click.option("--proc.root", "proc_root", metavar="DIR", default=DEFAULT_PROC_ROOT, show_default=True,
+              envvar=_env("PROC_ROOT"), show_envvar=True,
+              help="The /proc that tells whether the host's PIDs are seen (without them no device counts free).")
 @_with_options(_log_options("warning"))
-def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, demo: bool, log_level: str,
-           log_format: str) -> None:
+def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, demo: bool, proc_root: str,
+           log_level: str, log_format: str) -> None:
     """Read through NVML and nvidia-smi, show each card, and say what is wrong.
 
     Exit codes: 0 when at least one path reads and nothing is wrong with the GPUs (warnings such as one
@@ -603,7 +686,8 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     setup_logging(log_level, log_format)
     if demo:
         # The sample is nvidia-smi's output: there is no NVML to read.
-        report = diagnose(None, timed_read("demo", DemoSource().read), slow_threshold_s=slow_threshold)
+        report = diagnose(None, timed_read("demo", DemoSource().read), slow_threshold_s=slow_threshold,
+                          host=HostView(DemoProcs().read_namespace().is_host))
     else:
         nvml = NvmlSource(timeout_s=timeout)
         smi = NvidiaSmiSource(nvidia_smi, timeout)
@@ -613,12 +697,21 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
                 timed_read("nvml", nvml.read),
                 timed_read("nvidia-smi", smi.read),
                 slow_threshold_s=slow_threshold,
+                host=HostView(_sees_host_pids(proc_root)),
             )
     if output_format == "json":
         click.echo(json.dumps(as_json(report), indent=2))
     else:
         click.echo(render_text(report), nl=False)
     sys.exit(report.exit_code)
+
+
+def _sees_host_pids(proc_root: str) -> bool | None:
+    """Whether this process sees the host's PIDs through ``proc_root`` (None: cannot tell)."""
+    try:
+        return ProcfsSource(proc_root).read_namespace().is_host
+    except ProcError:
+        return None
 
 
 @contextlib.contextmanager

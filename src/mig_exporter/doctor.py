@@ -32,7 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mig_exporter.core.errors import ReadError
-from mig_exporter.model.capacity import count_by_class, summary
+from mig_exporter.model.capacity import (
+    EMPTY_DEVICE_MARGIN_BYTES,
+    GPU_ONLY,
+    UNKNOWN,
+    HostView,
+    count_by_class,
+    device_states,
+    summary,
+)
 from mig_exporter.model.health import CardHealth, EccCount, Verdict, grade, instance_uncorrectable
 from mig_exporter.model.snapshot import MIB, Card, Device, Snapshot
 
@@ -41,7 +49,6 @@ log = logging.getLogger(__name__)
 # Memory in use on a device with no process listed, beyond this, means the
 # process list is hidden from us (not in the host PID namespace). An idle
 # device holds a few MiB of context; a real workload holds gigabytes.
-UNLISTED_MEMORY_THRESHOLD_BYTES = 256 * MIB
 DEFAULT_SLOW_THRESHOLD_S = 2.0
 # NVML answers in bytes, nvidia-smi in whole MiB, and memory in use moves
 # between the two reads: compare totals to a MiB, usage more loosely.
@@ -118,6 +125,9 @@ class Report:
     # What cannot be seen (severity NOTE): remapped rows of a card in MIG mode, XIDs.
     notes: tuple[Finding, ...] = field(default=())
     xids: XidWatch | None = None
+    # What decides a device's state beyond the read: doctor reads the PID namespace, not the
+    # kubelet's or Slurm's allocations (status does).
+    host: HostView = GPU_ONLY
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -157,6 +167,7 @@ def diagnose(
     *,
     slow_threshold_s: float = DEFAULT_SLOW_THRESHOLD_S,
     xids: XidWatch | None = None,
+    host: HostView = GPU_ONLY,
 ) -> Report:
     """The findings of one read of each path. ``nvml`` is None where it was not
     read (``doctor --demo``, whose sample is nvidia-smi's output). ``xids``: the
@@ -200,7 +211,7 @@ def diagnose(
     if snapshot is not None:
         findings.extend(_card_findings(snapshot))
         findings.extend(_health_findings(snapshot))
-        findings.extend(_unlisted_memory_findings(snapshot))
+        findings.extend(_unlisted_memory_findings(snapshot, host))
         notes.extend(_remap_notes(snapshot))
     xids = (xids if xids is not None else xid_watch()) if nvml is not None and nvml.ok else None
     notes.extend(_xid_notes(xids))
@@ -214,7 +225,7 @@ def diagnose(
                 "run doctor again (a change between the two reads shows once); if it persists, the "
                 "libnvidia-ml the exporter loads and the nvidia-smi it runs come from different drivers",
             ))
-    return Report(readings, tuple(findings), tuple(notes), xids)
+    return Report(readings, tuple(findings), tuple(notes), xids, host)
 
 
 def _xid_notes(xids: XidWatch | None) -> Iterable[Finding]:
@@ -371,18 +382,23 @@ def _card_findings(snapshot: Snapshot) -> Iterable[Finding]:
             )
 
 
-def _unlisted_memory_findings(snapshot: Snapshot) -> Iterable[Finding]:
-    listed: dict[int, int] = {}
-    for p in snapshot.processes:
-        listed[p.device_index] = listed.get(p.device_index, 0) + 1
+def _unlisted_memory_findings(snapshot: Snapshot, host: HostView) -> Iterable[Finding]:
+    """Memory held beyond an empty device's with no process listed on the device or on the
+    compute instances sharing its GPU instance: the state model/capacity.py calls unknown."""
+    # Asked as if the host's PIDs were seen, so that the memory is looked at on every device.
+    states = device_states(snapshot, HostView(True, host.allocated, True))
     for device in snapshot.devices:
         used = device.memory.used_bytes
-        if used is not None and used > UNLISTED_MEMORY_THRESHOLD_BYTES and not listed.get(device.index):
+        if (device.processes_known and used is not None and used > EMPTY_DEVICE_MARGIN_BYTES
+                and states[device.index].state == UNKNOWN):
             yield Finding(
                 "memory-without-processes",
-                f"device {_device_name(device)} holds {used // MIB} MiB but no process is listed",
+                f"device {_device_name(device)} holds {used // MIB} MiB but no process is listed, so it is "
+                "never counted free",
                 "the exporter probably does not see the host's PID namespace: run it with hostPID: true "
-                "(Kubernetes) or --pid=host (docker)",
+                "(Kubernetes) or --pid=host (docker)" if host.host_pids is not True else
+                "a process the driver does not name holds it (a vGPU VM, a process in another PID namespace "
+                "of the host): nvidia-smi on the host shows it",
             )
 
 
@@ -502,7 +518,8 @@ def render_text(report: Report) -> str:
             lines.extend(_card_lines(snapshot, card.index))
         if snapshot.devices:
             lines.append("")
-            lines.append("devices by class: " + summary(count_by_class(snapshot)))
+            lines.append("devices by class: " + summary(count_by_class(snapshot, report.host))
+                         + " (allocations to pods and Slurm jobs are not read here: status reads them)")
     if report.xids is not None and report.xids.watching:
         partly = f" ({report.xids.reason})" if report.xids.reason else ""
         lines.append(f"XIDs: watched through NVML events on {report.xids.cards} card(s){partly}")
@@ -566,6 +583,7 @@ def _health_json(snapshot: Snapshot, card: Card) -> dict[str, Any] | None:
 def as_json(report: Report) -> dict[str, Any]:
     snapshot = report.snapshot
     xids = report.xids
+    states = device_states(snapshot, report.host) if snapshot else {}
     return {
         "reads": [
             {"source": r.source, "ok": r.ok, "error": r.error, "duration_seconds": round(r.duration_s, 6)}
@@ -584,6 +602,7 @@ def as_json(report: Report) -> dict[str, Any]:
                         "gpu_instance": d.gpu_instance_id, "compute_instance": d.compute_instance_id,
                         "class": d.device_class, "memory_total_bytes": d.memory.total_bytes,
                         "memory_used_bytes": d.memory.used_bytes,
+                        "state": states[d.index].state, "state_reason": states[d.index].reason,
                         "processes": [
                             {"pid": p.pid, "type": p.type, "name": p.name, "used_bytes": p.used_bytes}
                             for p in snapshot.processes_on(d.index)
@@ -594,7 +613,7 @@ def as_json(report: Report) -> dict[str, Any]:
             }
             for c in snapshot.cards
         ] if snapshot else [],
-        "classes": [c.as_json() for c in count_by_class(snapshot)] if snapshot else [],
+        "classes": [c.as_json() for c in count_by_class(snapshot, states=states)] if snapshot else [],
         "warnings": [
             {"code": f.code, "severity": f.severity, "message": f.message, "fix": f.fix} for f in report.findings
         ],

@@ -1,9 +1,9 @@
 """``mig-exporter status``: this node at a glance, for a person at a terminal (or, as JSON,
 for a script). One read's outcome in, text or a JSON-ready dict out; nothing here reads.
 
-    DEVICE  CLASS                 MEMORY USED / TOTAL  PROCESSES
-    0/mig0  a100-80g-mig-3g.40gb     11.2 / 39.5 GiB          1
-    1       a100-80g                 21.6 / 80.0 GiB          2
+    DEVICE  CLASS                 STATE   MEMORY USED / TOTAL  PROCESSES
+    0/mig0  a100-80g-mig-3g.40gb  in use     11.2 / 39.5 GiB          1
+    1       a100-80g              in use     21.6 / 80.0 GiB          2
 
     Top process: 50102 python3, 20.0 GiB on 1 (pod ml/trainer-0)
     By class: 1 x a100-80g-mig-3g.40gb (in use), 1 x a100-80g (in use)   (x: a multiplication sign)
@@ -14,31 +14,38 @@ from __future__ import annotations
 from typing import Any
 
 from mig_exporter.metrics.scrape import ReadOutcome
-from mig_exporter.model.capacity import count_by_class, device_state, processes_per_device
+from mig_exporter.model.capacity import FREE, count_by_class, device_states, processes_per_device
 from mig_exporter.model.snapshot import Process, Snapshot
 
 _GIB = 1024**3
 
 
 def as_json(outcome: ReadOutcome) -> dict[str, Any]:
-    """``devices`` (each with its name, placement index, class, memory used and total in bytes,
+    """``devices`` (each with its name, placement index, class, UUID (what CUDA_VISIBLE_DEVICES
+    takes), GPU and compute instance ids, state and why, memory used, free and total in bytes,
     and its process count, ``None`` where unknown), ``classes`` (class, devices, free, in use,
     unknown, memory free) and the ``top_process``; ``error`` when the read failed."""
     snapshot = outcome.snapshot
     if snapshot is None:
         return {"error": outcome.error, "devices": [], "classes": [], "top_process": None}
     on = processes_per_device(snapshot)
+    states = device_states(snapshot, outcome.host)
     return {
         "devices": [{
             "device": d.display_name,
             "index": d.index,
             "class": d.device_class,
-            "state": device_state(d, on[d.index]),
+            "uuid": d.uuid,
+            "gpu_instance": d.gpu_instance_id,
+            "compute_instance": d.compute_instance_id,
+            "state": states[d.index].state,
+            "reason": states[d.index].reason,
             "memory_used_bytes": d.memory.used_bytes,
+            "memory_free_bytes": d.memory.free_bytes,
             "memory_total_bytes": d.memory.total_bytes,
             "processes": on[d.index] if d.processes_known else None,
         } for d in snapshot.devices],
-        "classes": [c.as_json() for c in count_by_class(snapshot)],
+        "classes": [c.as_json() for c in count_by_class(snapshot, states=states)],
         "top_process": _top_json(outcome),
     }
 
@@ -50,18 +57,25 @@ def render_text(outcome: ReadOutcome) -> str:
     if not snapshot.devices:
         return "No GPU devices: the driver lists no cards, or none could be read.\n" + _problems(snapshot)
     on = processes_per_device(snapshot)
-    table = [("DEVICE", "CLASS", "MEMORY USED / TOTAL", "PROCESSES")]
+    states = device_states(snapshot, outcome.host)
+    table = [("DEVICE", "CLASS", "STATE", "MEMORY USED / TOTAL", "PROCESSES")]
     for d in snapshot.devices:
         count = str(on[d.index]) if d.processes_known else "unknown"
-        table.append((d.display_name, d.device_class or "-", _used_total(d.memory.used_bytes, d.memory.total_bytes),
-                      count))
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
-    lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}  {row[3]:>{widths[3]}}".rstrip()
-             for row in table]
+        table.append((d.display_name, d.device_class or "-", states[d.index].state.replace("_", " "),
+                      _used_total(d.memory.used_bytes, d.memory.total_bytes), count))
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:>{widths[3]}}  "
+             f"{row[4]:>{widths[4]}}".rstrip() for row in table]
     top = _top(snapshot)
     lines.append("")
     lines.append(f"Top process: {_describe_top(outcome, top)}" if top is not None else "Top process: none")
-    lines.append("By class: " + ", ".join(c.describe() for c in count_by_class(snapshot)))
+    lines.append("By class: " + ", ".join(c.describe() for c in count_by_class(snapshot, states=states)))
+    # Why a device with no process listed is not free: what a person acts on.
+    not_free = [f"  {d.display_name}: {states[d.index].state.replace('_', ' ')}: {states[d.index].reason}"
+                for d in snapshot.devices if states[d.index].state != FREE and not on[d.index]]
+    if not_free:
+        lines.append("Not free, with no process listed:")
+        lines.extend(not_free)
     return "\n".join(lines) + "\n" + _problems(snapshot)
 
 

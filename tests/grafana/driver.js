@@ -1,13 +1,16 @@
 'use strict';
 // Runs dashboard panels through Grafana's own code (@grafana/data).
 //
-// stdin: JSON [{panel, answers: [{query, data}]}]: a panel of a dashboard, and
+// stdin: JSON [{panel, answers: [{query, data}], context}]: a panel of a dashboard, and
 // for each of its targets the target (expr with variables filled in) with the
-// Prometheus API's "data" for it. stdout: JSON [{title, frames, values}]: the
+// Prometheus API's "data" for it; context (optional): the dashboard's time range
+// and variables, {time: {from, to}, variables: {name: [values]}}, for its data
+// links (tests/grafana/links.js). stdout: JSON [{title, frames, values}]: the
 // frames after the panel's own transformations (each field's name, display
 // name, type and values; for a table, each number cell as the table shows it:
 // its display text after the panel's field config, units and value mappings,
-// overrides matched by Grafana's own matchers) and, for a stat panel, the
+// overrides matched by Grafana's own matchers; for a field with data links,
+// each row's links as {title, href}) and, for a stat panel, the
 // numbers it shows (each number field reduced with the panel's calcs). NaN and
 // +-Inf are written as the strings "NaN", "+Inf", "-Inf".
 //
@@ -29,6 +32,7 @@ data.standardTransformersRegistry.setInit(() =>
   })));
 
 const { panelFrames } = require('./frames');
+const { rowLinks } = require('./links');
 
 const theme = data.createTheme();
 
@@ -64,7 +68,7 @@ function shown(panel, field, frame, frames) {
   return Array.from(field.values, (v) => data.formattedValueToString(display(v)));
 }
 
-function dump(panel, frame, frames) {
+function dump(panel, frame, frames, context) {
   return {
     refId: frame.refId ?? null,
     name: frame.name ?? null,
@@ -76,6 +80,8 @@ function dump(panel, frame, frames) {
       labels: f.labels ?? null,
       values: Array.from(f.values, plain),
       display: shown(panel, f, frame, frames),
+      links: panel.type === 'table' ? rowLinks(frame, { ...f, config: fieldConfig(panel, f, frame, frames) }, context)
+        : null,
     })),
   };
 }
@@ -106,11 +112,11 @@ async function main() {
   for await (const chunk of process.stdin) chunks.push(chunk);
   const jobs = JSON.parse(Buffer.concat(chunks).toString('utf8'));
   const results = [];
-  for (const { panel, answers } of jobs) {
+  for (const { panel, answers, context } of jobs) {
     const frames = await transform(panel, panelFrames(answers));
     results.push({
       title: panel.title,
-      frames: frames.map((frame) => dump(panel, frame, frames)),
+      frames: frames.map((frame) => dump(panel, frame, frames, context)),
       values: panel.type === 'stat' ? statValues(panel, frames) : null,
     });
   }

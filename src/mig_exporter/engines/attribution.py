@@ -36,7 +36,7 @@ from typing import NamedTuple
 from mig_exporter.engines.rules import EngineSettings
 from mig_exporter.host.procfs import ProcEntry, ProcError, ProcfsSource, ProcReader, ProcTable
 from mig_exporter.model.readings import EngineProcess, EngineReading
-from mig_exporter.model.snapshot import Process, Snapshot
+from mig_exporter.model.snapshot import Process, Snapshot, is_linux_pid
 
 
 class EngineReader:
@@ -228,11 +228,14 @@ def _pids_not_ours(trees: EngineTrees, snapshot: Snapshot | None) -> str | None:
     """The driver lists processes and /proc has none of them: its pids are not
     the ones we see, whatever the namespace link says, so "on no GPU's list"
     would mean nothing. (They may also all have exited since; the next read
-    tells.)"""
+    tells.) Ids past Linux's range (a vGPU host's VMs) are in no /proc: they
+    tell nothing either way."""
     if snapshot is None or not snapshot.processes:
         return None
     known = trees.known
-    listed = sorted({p.pid for p in snapshot.processes})
+    listed = sorted({p.pid for p in snapshot.processes if is_linux_pid(p.pid)})
+    if not listed:
+        return None
     if any(pid in known for pid in listed):
         return None
     shown = ", ".join(map(str, listed[:5])) + (", ..." if len(listed) > 5 else "")

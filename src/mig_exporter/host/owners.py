@@ -37,7 +37,7 @@ from mig_exporter.host.cgroup import NO_IDENTITY, CgroupIdentity, parse_cgroup
 from mig_exporter.host.passwd import PasswdFile
 from mig_exporter.host.procfs import REVISIT_READS, ProcError, ProcfsSource, parse_status_uid
 from mig_exporter.model.readings import OwnerReading, ProcessOwner
-from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.model.snapshot import Snapshot, is_linux_pid
 
 T = TypeVar("T")
 
@@ -117,8 +117,9 @@ def read_identities(procs: ProcfsSource, pids: Iterable[int], deadline: Deadline
     """The cgroup identity of each pid that can still be read, until
     ``deadline``; ``None`` when the /proc root is not the
     host's PID namespace (its pids are not the driver's: engines report that).
-    ``kept``: what was read before; ``listing``: the processes (pid: inode) if listed already."""
-    wanted = sorted(set(pids))
+    ``kept``: what was read before; ``listing``: the processes (pid: inode) if listed already.
+    An id past Linux's range (a vGPU host's VM) is in no /proc, and is not looked for."""
+    wanted = sorted({pid for pid in pids if is_linux_pid(pid)})
     if not wanted:
         return {}
     try:
@@ -174,7 +175,7 @@ class OwnerReader:
         uids = {pid: uid for pid, uid in read.items() if uid is not None}
         if deadline is not None and deadline.expired:
             # Some may have exited instead: once out of time, which is not worth finding out.
-            missing = len({p.pid for p in snapshot.processes} - set(uids))
+            missing = len({p.pid for p in snapshot.processes if is_linux_pid(p.pid)} - set(uids))
             if missing:
                 problems.append(f"no time left in the scrape's budget: {missing} process(es) may lack their user, "
                                 "Slurm job or systemd unit")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mig_exporter.core.errors import ReadError
+from mig_exporter.model.snapshot import is_linux_pid
 
 DEFAULT_ROOT = "/proc"
 # The inode of the initial PID namespace is a kernel constant
@@ -292,6 +293,8 @@ class ProcfsSource:
         root = self.root
         access, exists = os.access, os.F_OK
         for pid in pids:
+            if not is_linux_pid(pid):  # a vGPU VM's id on the driver's list: in no /proc
+                continue
             path = f"{root}/{pid}"
             # Nearly every such pid is gone rather than a thread: access says so without the
             # exception a failing stat raises (0.8 against 1.3 µs).

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from mig_exporter.metrics.exposition import Column, GaugeColumns
 from mig_exporter.metrics.health_families import health_families
 from mig_exporter.metrics.process_series import ALL_PROCESSES, OTHER_PID, ProcessSeries
-from mig_exporter.model.capacity import processes_per_device
+from mig_exporter.model.capacity import STATES, HostView, device_states, processes_per_device
 from mig_exporter.model.readings import (
     EngineReading,
     OwnerReading,
@@ -215,13 +215,19 @@ def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
     yield from (info, ok, mig_mode, instances, temperature, power, utilization)
 
 
-def engine_families(reading: EngineReading) -> Iterator[Metric]:
-    """Engine families for one /proc read (docs/engines.md). Sample output (demo)::
+def engine_families(reading: EngineReading, process_series: ProcessSeries = ALL_PROCESSES) -> Iterator[Metric]:
+    """Engine families for one /proc read (docs/engines.md). ``process_series``: which engine
+    processes get series of their own (``ProcessSeries.select_engines``); the others are summed
+    per engine into ``pid="other"``: one memory series, and one info series per device they are
+    on (``comm=""``, never ``index=""``). Sample output (demo, ``--collector.processes none``)::
 
         mig_exporter_host_pid_namespace 1.0
         mig_exporter_engine_processes{engine="llama.cpp"} 3.0
         mig_exporter_engine_memory_used_bytes{engine="llama.cpp",pid="52040"} 0.0
+        mig_exporter_engine_memory_used_bytes{engine="llama.cpp",pid="other"} 3.3554432e+10
         mig_exporter_engine_info{comm="llama-server",engine="llama.cpp",index="",pid="52040"} 1.0
+        mig_exporter_engine_info{comm="",engine="llama.cpp",index="1",pid="other"} 1.0
+        mig_exporter_engine_info{comm="",engine="llama.cpp",index="1000",pid="other"} 1.0
     """
     if reading.host_pid_namespace is not None:
         yield GaugeMetricFamily(
@@ -248,20 +254,37 @@ def engine_families(reading: EngineReading) -> Iterator[Metric]:
     used = GaugeMetricFamily(
         "mig_exporter_engine_memory_used_bytes",
         "Device memory the engine process, its threads and its descendants hold on all devices, in bytes; "
-        "0 means it is on no GPU's process list (it runs on the CPU).",
+        "0 means it is on no GPU's process list (it runs on the CPU). With --collector.processes=top=N or "
+        "none, pid=\"other\" holds the memory of the engine's other processes on GPUs.",
         labels=["engine", "pid"],
     )
     info = GaugeMetricFamily(
         "mig_exporter_engine_info",
-        "An engine process and a device it holds memory on; index is empty when it is on none.",
+        "An engine process and a device it holds memory on; index is empty when it is on none. With "
+        "--collector.processes=top=N or none, pid=\"other\" (comm empty) stands for the engine's other "
+        "processes on that device.",
         labels=["engine", "pid", "comm", "index"],
     )
-    for e in reading.processes:
+    own, folded = process_series.select_engines(reading.processes)
+    for e in own:
         pid = str(e.pid)
         if e.used_bytes is not None:
             used.add_metric([e.engine, pid], e.used_bytes)
         for index in e.device_indexes or (None,):
             info.add_metric([e.engine, pid, e.comm, _int_label(index)], 1)
+    # The folded ones, each on some device: per engine, the memory of those whose memory is known
+    # (as under all, where one of unknown memory has no memory series), and the devices of all.
+    other_used: dict[str, int] = {}
+    other_on: dict[str, set[int]] = {}
+    for e in folded:
+        if e.used_bytes is not None:
+            other_used[e.engine] = other_used.get(e.engine, 0) + e.used_bytes
+        other_on.setdefault(e.engine, set()).update(e.device_indexes)
+    for engine, value in sorted(other_used.items()):
+        used.add_metric([engine, OTHER_PID], value)
+    for engine, devices in sorted(other_on.items()):
+        for index in sorted(devices):
+            info.add_metric([engine, OTHER_PID, "", str(index)], 1)
     yield used
     yield info
 
@@ -341,6 +364,30 @@ def allocation_families(pods: PodReading | None, job_map: SlurmJobMapReading | N
     for s in job_map.allocations if job_map is not None else ():
         allocated.add_metric([str(s.device_index), "", "", "", SLURM_RESOURCE, s.job], 1)
     yield allocated
+
+
+def device_state_families(snapshot: Snapshot, host: HostView) -> Iterator[Metric]:
+    """Each device's state as a scheduler may take it (model/capacity.py): one series per state,
+    1 for the device's and 0 for the others, so that a change of state is a change of value and
+    never two series at once (as kube-state-metrics' kube_pod_status_phase). Sample output::
+
+        mig_exporter_device_state{card="0",index="1000",mig_profile="3g.40gb",state="free"} 1.0
+        mig_exporter_device_state{card="0",index="1000",mig_profile="3g.40gb",state="in_use"} 0.0
+        mig_exporter_device_state{card="0",index="1000",mig_profile="3g.40gb",state="unknown"} 0.0
+    """
+    states = device_states(snapshot, host)
+    n = len(snapshot.devices)
+    labels = [_device_labels(d) for d in snapshot.devices]
+    yield GaugeColumns(
+        "mig_exporter_device_state",
+        "1 for the device's state, 0 for the others: free (a scheduler may place work on it: no process listed, "
+        "nothing allocated, the host's PIDs seen, memory as an empty device's), in_use, or unknown (docs/capacity.md).",
+        labels=[*DEVICE_LABELS, "state"],
+        columns=[[d[0] for d in labels for _ in STATES], [d[1] for d in labels for _ in STATES],
+                 [d[2] for d in labels for _ in STATES], [s for _ in labels for s in STATES]],
+        values=[int(states[d.index].state == s) for d in snapshot.devices for s in STATES],
+        count=n * len(STATES),
+    )
 
 
 def owner_families(reading: OwnerReading, snapshot: Snapshot) -> Iterator[Metric]:

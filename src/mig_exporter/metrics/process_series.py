@@ -9,9 +9,16 @@ for each of them (docs/scale.md).
   (its memory is unknown, not small): it keeps its own ``process_info``;
 - ``none``: no per-process series.
 
-Only ``mig_exporter_process_memory_used_bytes`` and ``mig_exporter_process_info`` change. The
-device families (``device_processes`` counts every process) and the families summed over
-processes (pods, Slurm jobs, systemd units, engines) are computed from every process, always.
+The engine families follow the same setting (``select_engines``): under ``top=N`` the N engine
+processes holding the most memory on each device, and under ``none`` none of them, keep their
+own ``engine_memory_used_bytes`` and ``engine_info``; the rest are summed per engine into one
+``pid="other"`` memory series and one ``pid="other"`` info series per device they are on. An
+engine process on no GPU's list (``engine_info{index=""}``, what ``EngineHoldsNoGPUMemory``
+reads by its pid) always keeps its own series.
+
+The device families (``device_processes`` counts every process) and the families summed over
+processes (pods, Slurm jobs, systemd units; the memory of an engine summed over its series) are
+computed from every process, always.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mig_exporter.model.readings import EngineProcess
 from mig_exporter.model.snapshot import Process
 
 OTHER_PID = "other"  # the pid label of the series that holds a device's folded processes
@@ -74,5 +82,34 @@ class ProcessSeries:
         if not folded:
             return list(processes), {}
         return [p for position, p in enumerate(processes) if position not in folded], other
+
+    def select_engines(self, engines: Sequence[EngineProcess]) -> tuple[list[EngineProcess], list[EngineProcess]]:
+        """The engine processes written one by one, in their order, and those summed into their
+        engine's ``pid="other"`` series (in their order).
+
+        - An engine on no GPU's list (no device) is always written by itself: it is what
+          EngineHoldsNoGPUMemory names by its pid.
+        - Under ``top=N`` one whose memory is unknown is written by itself too, as a process of
+          unknown memory is (its memory is unknown, not small), and does not count towards N.
+        - The others are taken by memory (the most first; among equals the lower pid), each while
+          every device it is on has fewer than N taken: at most N a device. Under ``none`` none.
+        """
+        if self.enabled and self.top is None:
+            return list(engines), []
+        top = self.top if self.enabled else 0
+        taken = [not e.device_indexes or (self.enabled and e.used_bytes is None) for e in engines]
+        if top:
+            on_device: dict[int, int] = {}
+            ranked = sorted((i for i, e in enumerate(engines) if not taken[i]),
+                            key=lambda i: (-(engines[i].used_bytes or 0), engines[i].pid))
+            for i in ranked:
+                devices = engines[i].device_indexes
+                if all(on_device.get(d, 0) < top for d in devices):
+                    taken[i] = True
+                    for d in devices:
+                        on_device[d] = on_device.get(d, 0) + 1
+        return ([e for e, t in zip(engines, taken, strict=True) if t],
+                [e for e, t in zip(engines, taken, strict=True) if not t])
+
 
 ALL_PROCESSES = ProcessSeries()

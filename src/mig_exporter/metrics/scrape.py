@@ -46,6 +46,7 @@ from mig_exporter.host.procfs import ProcTable
 from mig_exporter.kubernetes.pods import KubeletReading, PodReader
 from mig_exporter.metrics.families import (
     allocation_families,
+    device_state_families,
     engine_families,
     owner_families,
     pod_families,
@@ -54,6 +55,7 @@ from mig_exporter.metrics.families import (
 )
 from mig_exporter.metrics.health_families import xid_families
 from mig_exporter.metrics.process_series import ALL_PROCESSES, ProcessSeries
+from mig_exporter.model.capacity import HostView, host_view
 from mig_exporter.model.readings import EngineReading, OwnerReading, PodReading, SlurmJobMapReading
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.base import Source, read_telling_start
@@ -94,6 +96,11 @@ class ReadOutcome:
     @property
     def success(self) -> bool:
         return self.snapshot is not None
+
+    @property
+    def host(self) -> HostView:
+        """What decides each device's state beyond the GPU read (model/capacity.py)."""
+        return host_view(self.engines, self.pods, self.job_map)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -417,10 +424,11 @@ class Scraper:
             if outcome.owners is not None:
                 yield from owner_families(outcome.owners, outcome.snapshot)
             yield from allocation_families(outcome.pods, outcome.job_map)
+            yield from device_state_families(outcome.snapshot, outcome.host)
             if self.xids is not None and self.source.name == "nvml":  # none on the nvidia-smi path
                 yield from xid_families(self.xids.seen(outcome.snapshot))
         if outcome.engines is not None:
-            yield from engine_families(outcome.engines)
+            yield from engine_families(outcome.engines, self.process_series)
         yield from read_families(
             self.source.name,
             success=outcome.success,

@@ -45,15 +45,41 @@ class MigInstance(NamedTuple):
     ecc_errors: tuple[EccCount, ...] = ()
 
 
+# A process the driver lists is kept under the id it gives, whatever its size: a vGPU host
+# lists its VMs by ids past Linux's range (tests/fixtures/nvidia-smi-real/: a Tesla M10 host,
+# driver 390.94, VMs 42818686 to 44717029), and they hold memory as any process does. Only
+# what no process id can be is dropped, on either read path: 0, and NO_PID (2^32-1) and
+# past it. The driver's process id is an unsigned int whose all-ones value is NVML's "none"
+# (as for a GPU instance id), and the R535-era NVML process struct mismatch read through
+# pynvml gave exactly 0 and 2^32-1 between the real entries (XuehaiPan/nvitop#75).
+NO_PID = 0xFFFFFFFF
+
 # Linux never hands out a pid of 0 or at or above PID_MAX_LIMIT (2^22, the most
-# kernel.pid_max may be): a pid outside is a driver's garbage (the R535-era NVML
-# process struct mismatch gave 0 and 2^32-1), on either read path.
+# kernel.pid_max may be): an id outside is no process of this host's /proc (a vGPU VM's),
+# and is never looked up there.
 PID_MAX_LIMIT = 4_194_304
 
 
-def is_plausible_pid(pid: object) -> bool:
-    """Whether ``pid`` could be a Linux process id."""
-    return isinstance(pid, int) and 0 < pid < PID_MAX_LIMIT
+def is_process_id(pid: object) -> bool:
+    """Whether ``pid`` can be the id the driver gives a process: a Linux pid, or a VM's id
+    on a vGPU host."""
+    return type(pid) is int and 0 < pid < NO_PID
+
+
+def not_a_process_id(pid: int) -> str:
+    """Why ``pid``, which ``is_process_id`` refuses, is no process's id (for a problem line)."""
+    if pid < 0:
+        return "negative"
+    if pid == 0:
+        return "no process has id 0"
+    if pid == NO_PID:
+        return "2^32-1, NVML's 'none' and the garbage of a process struct mismatch"
+    return "larger than a driver's 32-bit process id"
+
+
+def is_linux_pid(pid: int) -> bool:
+    """Whether ``pid`` can be a process of a Linux /proc (0 < pid < PID_MAX_LIMIT)."""
+    return 0 < pid < PID_MAX_LIMIT
 
 
 class ProcessReading(NamedTuple):

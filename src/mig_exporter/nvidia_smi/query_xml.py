@@ -42,12 +42,13 @@ from lxml import etree
 from mig_exporter.core.errors import ParseError
 from mig_exporter.model.snapshot import (
     MIB,
-    PID_MAX_LIMIT,
+    NO_PID,
     CardReading,
     Memory,
     MigInstance,
     ProcessReading,
-    is_plausible_pid,
+    is_process_id,
+    not_a_process_id,
 )
 from mig_exporter.nvidia_smi.health_xml import instance_ecc, instance_ecc_blocks, read_health
 
@@ -73,7 +74,6 @@ UNKNOWN_TEXTS = frozenset({
 _MARKERS = frozenset({"N/A", "Not Supported", "Requested functionality has been deprecated", "Unknown Error"})
 _UNITS_TO_BYTES = {"b": 1, "kib": 1024, "mib": MIB, "gib": 1024 * MIB}
 _NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z%/()]*)\s*$")
-_DIGITS = re.compile(r"^[0-9]{1,10}$")
 _PROCESS_NAME = re.compile(rb"(<process_name>)(.*?)(</process_name>)", re.S)
 # Characters XML 1.0 forbids, which a process name may still carry.
 _XML_ILLEGAL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
@@ -714,9 +714,23 @@ def _add_process(processes: list[ProcessReading], values: _Values, pid_raw: str 
                  name: str | None, used: str | None, gi: str | None, ci: str | None) -> None:
     """A ``<process_info>``'s untrimmed texts read into a row, or a problem line."""
     pid_text = _raw(pid_raw)
-    pid = int(pid_text) if _DIGITS.match(pid_text) else 0
-    if not is_plausible_pid(pid):
-        values.problems.append(f"a process with pid {pid_text[:60]!r}; skipped")
+    # A pid past Linux's range is kept (a vGPU VM's: model/snapshot.py); only what no id can be
+    # is skipped, saying why: empty, not an ASCII whole number (N/A, other scripts' digits),
+    # negative, 0, 2^32-1 and past it.
+    if not pid_text:
+        why = "empty"
+    elif not (pid_text.isascii() and pid_text.lstrip("-").isdigit()) or pid_text.count("-") > 1:
+        why = "not a whole number"
+    elif pid_text[0] == "-":
+        why = "negative"
+    elif len(pid_text) > 10:
+        why = "longer than the 10 digits of a 32-bit process id"
+    elif not is_process_id(pid := int(pid_text)):
+        why = not_a_process_id(pid)
+    else:
+        why = ""
+    if why:
+        values.problems.append(f"a process with pid {pid_text[:60]!r}: {why}; skipped")
         return
     processes.append(ProcessReading(
         pid,
@@ -735,7 +749,7 @@ def _add_rows(processes: list[ProcessReading], values: _Values, rows: list[_Row]
     new = tuple.__new__  # a named tuple's own constructor is a Python function around it
     for gi, ci, pid_raw, kind, name, used, _ in rows:
         if not (pid_raw.isascii() and pid_raw.isdigit() and len(pid_raw) <= 10
-                and 0 < (pid := int(pid_raw)) < PID_MAX_LIMIT):
+                and 0 < (pid := int(pid_raw)) < NO_PID):
             _add_process(processes, values, pid_raw, kind, name, used, gi, ci)
             continue
         known = kinds.get(kind)

@@ -48,7 +48,7 @@ from mig_exporter.model.snapshot import (
     MigInstance,
     ProcessReading,
     Snapshot,
-    is_plausible_pid,
+    is_process_id,
 )
 from mig_exporter.sources.nvml_gateway import Nvml, NvmlCallError, NvmlUnavailable, error_name
 from mig_exporter.sources.nvml_health import CardKey, HealthReader
@@ -292,10 +292,11 @@ class NvmlSource:
     def _process_list(self, handle: Any, functions: tuple[str, ...], where: str,
                       problems: list[str]) -> list[tuple[int, int | None]] | None:
         """(pid, used bytes) from the newest variant the driver has, or ``None``
-        when it has none. A list holding an impossible pid (the R535 v2/v3 struct
-        mismatch) is read again with the older variant; if every variant is
-        garbled, the impossible pids are dropped and the memory of the rest is
-        unknown: the same garbling made it garbage too."""
+        when it has none. A pid past Linux's range is kept (a vGPU VM's: model/snapshot.py);
+        a list holding a pid no process has, 0 or 2^32-1 (the R535 v2/v3 struct mismatch
+        puts both between the real entries), is read again with the older variant; if every
+        variant is garbled, those pids are dropped and the memory of the rest is unknown:
+        the same garbling made it garbage too."""
         garbled: list[tuple[int, int | None]] | None = None
         for name in functions:
             try:
@@ -305,15 +306,15 @@ class NvmlSource:
                     continue
                 raise
             # min and max of (pid, used) pairs hold the least and greatest pid.
-            if not entries or (is_plausible_pid(min(entries)[0]) and is_plausible_pid(max(entries)[0])):
+            if not entries or (is_process_id(min(entries)[0]) and is_process_id(max(entries)[0])):
                 return entries
             garbled = entries
         if garbled is None:
             return None
-        kept: list[tuple[int, int | None]] = [(pid, None) for pid, _ in garbled if is_plausible_pid(pid)]
+        kept: list[tuple[int, int | None]] = [(pid, None) for pid, _ in garbled if is_process_id(pid)]
         problems.append(
-            f"{where}: {len(garbled) - len(kept)} process entries with impossible pids dropped and the memory of "
-            f"{len(kept)} unknown (NVML process struct version mismatch)"
+            f"{where}: {len(garbled) - len(kept)} process entries with impossible pids (0, or 4294967295: NVML's "
+            f"'none') dropped and the memory of {len(kept)} unknown (NVML process struct version mismatch)"
         )
         return kept
 
@@ -362,7 +363,8 @@ class _NameAsker:
     def name(self, pid: int) -> str:
         if self._function is None:
             return ""
-        # Plain ints go as C ints: pids (at most PID_MAX_LIMIT) and the size fit an unsigned int's bits.
+        # Plain ints go as C ints, whose 32 bits are those of NVML's unsigned ints: the size, and
+        # every pid kept (below 2^32-1: one past 2^31, a vGPU VM's id, passes its own bits).
         code = self._function(pid, self._buffer, _NAME_BUFFER_BYTES)
         if code != pynvml.NVML_SUCCESS:
             try:

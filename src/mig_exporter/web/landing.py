@@ -31,7 +31,7 @@ from mig_exporter.metrics.scrape import ReadOutcome
 from mig_exporter.model.capacity import count_by_class
 from mig_exporter.model.health import Verdict, grade, instance_uncorrectable
 from mig_exporter.model.readings import EngineReading, ProcessPod
-from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process, Snapshot
+from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process
 
 BAR_WIDTH = 360  # px: the widest row on the page (the largest card) spans this
 BAR_HEIGHT = 22
@@ -89,7 +89,7 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
              f"<p class=\"source\">Source: {_e(source)}</p>\n{_links()}</header>\n<main>\n"]
     parts.append(_read_summary(outcome))
     if outcome.snapshot is not None and outcome.snapshot.devices:
-        parts.append(_classes(outcome.snapshot))
+        parts.append(_classes(outcome))
     parts.append(_engines_on_the_cpu(outcome.engines))
     snapshot = outcome.snapshot
     if snapshot is not None:
@@ -145,11 +145,13 @@ def _read_summary(outcome: ReadOutcome) -> str:
             f"device{'s' if len(snapshot.devices) != 1 else ''}. Reload the page to read again.</p>\n")
 
 
-def _classes(snapshot: Snapshot) -> str:
+def _classes(outcome: ReadOutcome) -> str:
     """A line per device class on this node: 7 x h100-80g-mig-1g.10gb (2 free), free counted as
     every view counts it (model/capacity.py)."""
-    items = "".join(f"<li data-class=\"{_e(c.device_class)}\" data-devices=\"{c.devices}\" data-free=\"{c.free}\">"
-                    f"{_e(c.describe())}</li>\n" for c in count_by_class(snapshot))
+    assert outcome.snapshot is not None
+    items = "".join(f"<li data-class=\"{_e(c.device_class)}\" data-devices=\"{c.devices}\" data-free=\"{c.free}\" "
+                    f"data-unknown=\"{c.unknown}\">{_e(c.describe())}</li>\n"
+                    for c in count_by_class(outcome.snapshot, outcome.host))
     return f"<section class=\"classes\"><h2>Devices by class</h2>\n<ul>\n{items}</ul>\n</section>\n"
 
 
