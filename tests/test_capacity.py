@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MIB, SAMPLES
+from conftest import MIB, REPO, SAMPLES
 from mig_exporter.capacity_rules import FRESH_WITHIN, NODE_RULES
 from mig_exporter.model.capacity import TIMES, ClassCount, count_by_class, summary
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
@@ -238,12 +238,16 @@ def test_the_rules_the_dashboard_and_fleet_count_it_once_though_a_probe_reads_it
 
 
 def test_the_rules_file_holds_the_capacity_expressions_fleet_asks():
-    """One definition of free: fleet's queries are the node rules' (whitespace aside), so a
-    Prometheus without the rules loaded answers what one with them records."""
+    """One definition of free: the rules file's capacity group is written from capacity_rules.py
+    (scripts/sync-capacity-rules), whose expressions fleet and the dashboard ask, so a Prometheus
+    without the rules loaded answers what one with them records."""
+    check = subprocess.run([sys.executable, str(REPO / "scripts" / "sync-capacity-rules"), "--check"],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
     group = next(g for g in yaml.safe_load(ALERTS.read_text())["groups"] if g["name"] == "mig-exporter.capacity")
-    node_rules = {r["record"]: "".join(r["expr"].split()) for r in group["rules"]
+    node_rules = {r["record"]: r["expr"].rstrip("\n") for r in group["rules"]
                   if r["record"].startswith("instance_class:")}
-    assert node_rules == {name: "".join(expr.split()) for name, expr in NODE_RULES.items()}
+    assert node_rules == NODE_RULES
     assert [r["record"] for r in group["rules"]][len(NODE_RULES):] == [
         name.replace("instance_class:", "class:") for name in NODE_RULES]
     # Every ruler in use accepts the file: vmalert 1.79 refuses keep_firing_for outright.
@@ -256,7 +260,8 @@ def test_each_case_the_issue_names_counts_0_free_in_the_rules_status_and_the_lan
     place work there, and one that is truly free, scraped by a real Prometheus with the shipped
     rules: a Slurm job holds it (no process yet); 11.4 GiB held with no process listed; the
     exporter outside the host's PID namespace; a failing nvidia-smi. Each counts 0 free, in the
-    rules (and the expressions fleet asks), status and the landing page."""
+    rules (and the expressions fleet asks), status, doctor (with status's options, its counts and
+    states are status's) and the landing page."""
     _prometheus_binary()
     host_proc = str(make_proc(tmp_path / "proc", []))
     container_proc = str(make_proc(tmp_path / "container-proc", [], namespace=CONTAINER_NS))
@@ -276,12 +281,19 @@ def test_each_case_the_issue_names_counts_0_free_in_the_rules_status_and_the_lan
         done = _cli("status", "--source", "nvidia-smi", "--nvidia-smi", str(smi), "--no-kubernetes", *options,
                     "--output", "json")
         answer = json.loads(done.stdout)
+        # doctor, given status's options, reads the same allocations and counts as status does.
+        checked = _cli("doctor", "--nvidia-smi", str(smi), "--no-kubernetes", *options, "--format", "json")
+        report = json.loads(checked.stdout)
         if state is None:
             assert done.returncode == 1 and answer["classes"] == [], name
+            assert checked.returncode == 2 and report["classes"] == [], name
             continue
         (mig0,) = [d for d in answer["devices"] if d["device"] == "0/mig0"]
         assert mig0["state"] == state, (name, mig0)
         assert next(c for c in answer["classes"] if c["class"] == THREE_G)["free"] == (state == "free"), name
+        assert report["classes"] == answer["classes"], name
+        assert {d["device"]: d["state"] for c in report["cards"] for d in c["devices"]} == {
+            d["device"]: d["state"] for d in answer["devices"]}, name
     with contextlib.ExitStack() as stack:
         exporters = {name: stack.enter_context(exporter(smi, tmp_path, "--no-kubernetes", *options))
                      for name, (smi, options, _) in nodes.items()}

@@ -29,6 +29,7 @@ from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
+from proc_tree import make_proc
 from smi_variants import without_mig_monitor as without_mig_monitor_xml
 
 
@@ -546,3 +547,74 @@ def test_a_whole_card_the_process_may_not_open_is_a_permission_finding_not_a_los
     assert [f.code for f in report.findings] == ["mig-nothing-carved", "card-no-permission"]
     assert report.findings[1].message.endswith("the driver refuses this process the card's memory "
                                                "(Insufficient Permissions)")
+
+
+# --- allocations: doctor reads them as status does -----------------------------------------------
+
+H200_MIG3 = "MIG-9a4496e0-ed7a-5fce-aa86-dc3f3464849a"  # 0/mig3, a 1g.18gb with no process: free
+
+
+def _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path, *args: str):
+    """doctor on the H200 node (two empty 1g.18gb) through both paths, seeing the host's PIDs."""
+    fake_nvml_lib("h200-shared-gpu-instance")
+    smi = fake_nvidia_smi(*_fixture("h200-shared-gpu-instance"))
+    proc = make_proc(tmp_path / "proc", [])
+    result = CliRunner().invoke(cli, ["doctor", "--nvidia-smi", str(smi), "--proc.root", str(proc),
+                                      "--kubelet.pod-resources-socket", str(tmp_path / "no.sock"), *args])
+    return result
+
+
+def _states(doc) -> dict[str, tuple[str, str]]:
+    return {d["device"]: (d["state"], d["reason"]) for c in doc["cards"] for d in c["devices"]}
+
+
+def test_doctor_counts_a_slurm_job_s_empty_device_in_use_as_status_does(fake_nvml_lib, fake_nvidia_smi, tmp_path):
+    job_map = tmp_path / "job-map"
+    job_map.mkdir()
+    (job_map / H200_MIG3).write_text("4242\n")
+    result = _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path, "--slurm.job-map-dir", str(job_map),
+                         "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert all(r["ok"] for r in doc["reads"])  # NVML's snapshot is the one shown, its allocations read
+    states = _states(doc)
+    assert states["0/mig3"] == ("in_use", "allocated to Slurm job 4242 (no process yet)")
+    assert states["0/mig4"][0] == "free"
+    one_g = next(c for c in doc["classes"] if c["class"] == "h200-141g-mig-1g.18gb")
+    assert (one_g["devices"], one_g["free"], one_g["in_use"], one_g["unknown"]) == (2, 1, 1, 0)
+    assert doc["warnings"] == []
+    text = _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path / "text", "--slurm.job-map-dir", str(job_map)).stdout
+    assert "2 \u00d7 h200-141g-mig-1g.18gb (1 free)\n" in text
+    assert "not read here" not in text
+
+
+def test_doctor_says_why_allocations_read_in_part_leave_no_empty_device_free(fake_nvml_lib, fake_nvidia_smi,
+                                                                              tmp_path):
+    job_map = tmp_path / "job-map"
+    job_map.mkdir()
+    (job_map / "0").write_bytes(b"4242\n\xff\n")  # card 0's file, not UTF-8: its jobs are unknown
+    result = _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path, "--slurm.job-map-dir", str(job_map),
+                         "--format", "json")
+    assert result.exit_code == 0, result.output  # a warning: the numbers are not wrong, only unknown
+    doc = json.loads(result.stdout)
+    assert _states(doc)["0/mig3"] == ("unknown", "the device allocations could not be read (kubelet or Slurm job map)")
+    assert next(c for c in doc["classes"] if c["class"] == "h200-141g-mig-1g.18gb")["free"] == 0
+    (warning,) = doc["warnings"]
+    assert (warning["code"], warning["severity"]) == ("allocations-unknown", "warning")
+    assert warning["message"] == ("the device allocations could not all be read, so no empty device counts free: "
+                                  "slurm job map file '0': not UTF-8 text (byte 5)")
+
+
+def test_doctor_in_a_pod_without_the_kubelet_socket_counts_no_empty_device_free(fake_nvml_lib, fake_nvidia_smi,
+                                                                                tmp_path, monkeypatch):
+    outside = _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path / "outside", "--format", "json")
+    assert _states(json.loads(outside.stdout))["0/mig3"][0] == "free"  # no socket, no pod: not on Kubernetes
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    result = _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path / "in-pod", "--format", "json")
+    doc = json.loads(result.stdout)
+    assert {state for state, _ in _states(doc).values() if state != "in_use"} == {"unknown"}
+    (warning,) = doc["warnings"]
+    assert warning["code"] == "allocations-unknown" and "KUBERNETES_SERVICE_HOST is set" in warning["message"]
+    # --no-kubernetes: the operator's word that no kubelet is to be asked.
+    off = _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path / "off", "--no-kubernetes", "--format", "json")
+    assert _states(json.loads(off.stdout))["0/mig3"][0] == "free"

@@ -16,6 +16,7 @@ instance (and the demo's idle 1g.10gb), node B the demo as it is (its 3g.40gb in
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.server
 import json
 import os
@@ -38,16 +39,8 @@ import yaml
 
 from certs import Pki, make_pki
 from conftest import SAMPLES
-from mig_exporter.fleet import (
-    QUERIES,
-    Access,
-    FleetError,
-    FleetUsageError,
-    PrometheusClient,
-    Queries,
-    as_json,
-    read_fleet,
-)
+from mig_exporter.fleet import QUERIES, Queries, as_json, read_fleet
+from mig_exporter.prometheus_api import PASSWORD_ENV, Access, FleetError, FleetUsageError, PrometheusClient
 from proc_tree import make_proc
 from test_capacity import LISTING, ONE_G, THREE_G, free_three_g_xml
 from test_prometheus import HOST, JOB, STARTUP_S, _free_port, _prometheus_binary, _stop, exporter, wait_ready
@@ -474,9 +467,30 @@ def test_fleet_refuses_an_answer_that_is_not_prometheus_with_a_reason(body, says
 
 def test_fleet_refuses_a_url_with_a_bad_port_without_a_traceback():
     assert "http://prom:90x0: not a URL" in _fails(_cli("--prometheus", "http://prom:90x0"), 2)
-    assert "http://***@prom:90x0: not a URL" in _fails(_cli("--prometheus", f"http://planner:{PASSWORD}@prom:90x0"), 2)
+    assert "http://prom:99999: not a URL: its port is not a number 0-65535" in _fails(
+        _cli("--prometheus", "http://prom:99999"), 2)
+    stderr = _fails(_cli("--prometheus", f"http://planner:{PASSWORD}@prom:90x0"), 2)
+    assert "http://***@prom:90x0: credentials in the URL are refused" in stderr
     with pytest.raises(FleetUsageError, match="not a URL"):
         PrometheusClient("http://prom:90x0")
+
+
+# Passwords holding what ends urllib's user information early ('#', '/', '?'), an '@' (the user
+# information ends at the last), a ':', and a URL without a scheme. Each piece is searched for too:
+# "http://admin:Qx7#vK2m@prom:9090" once showed as "http://admin:Qx7: not a URL: ... as 'Qx7'".
+@pytest.mark.parametrize("password", ["Qx7#vK2m", "Qx7/vK2m", "Qx7?vK2m", "Qx7@vK2m", "Qx7:vK2m", "Qx7#v/K?2@m:"])
+def test_credentials_in_the_url_are_refused_and_no_piece_of_the_password_shows(password):
+    pieces = (password, "admin", *(p for p in re.split(r"[#/?@:]", password) if len(p) >= 3))
+    for shape in ("http://admin:{}@prom:9090", "https://admin:{}@prom/prefix", "admin:{}@prom:9090",
+                  "http://admin:{}@prom:90x0", "http://admin:{}@prom:9090/?q=1#f", "http://admin:{}@[::1/"):
+        with pytest.raises(FleetUsageError, match="credentials in the URL are refused") as raised:
+            PrometheusClient(shape.format(password))
+        assert "***@" in str(raised.value)
+        assert not [p for p in pieces if p in str(raised.value)], str(raised.value)
+    url = f"http://admin:{password}@prom:9090"
+    for done in (_cli("--prometheus", url), _cli(env={"MIG_EXPORTER_PROMETHEUS_URL": url})):
+        stderr = _fails(done, 2, *pieces)
+        assert "http://***@prom:9090: credentials in the URL are refused" in stderr
 
 
 def test_an_error_body_that_echoes_a_secret_is_shown_without_it():
@@ -511,6 +525,95 @@ def test_an_error_body_that_echoes_a_secret_is_shown_without_it():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# A Kubernetes service-account token is a JWT of about 900 characters; a header value may hold a tab,
+# and so may a password, which a gateway may echo as it decoded it.
+LONG_TOKEN = "eyJhbGciOiJSUzI1NiIsImtpZCI6Ik" + "".join(
+    base64.urlsafe_b64encode(hashlib.sha512(str(i).encode()).digest()).decode().rstrip("=") for i in range(11))[:870]
+TAB_TENANT = "tenant\tgpu-Wq4-eu1"
+TAB_PASSWORD = "pa55\tZq81-horse-Kv9"
+
+
+def _no_piece(out: str, *secrets: str) -> None:
+    """No 8 characters in a row of any secret show, as sent, escaped for a terminal or as JSON writes it."""
+    for secret in secrets:
+        for form in {secret, secret.replace("\t", "\\t")}:
+            shown = [form[i:i + 8] for i in range(len(form) - 7) if form[i:i + 8] in out]
+            assert not shown, f"{shown[:3]} of a secret show in:\n{out}"
+
+
+class EchoingGate(http.server.BaseHTTPRequestHandler):
+    """A gateway that says what it was sent, the way the URL's path asks (``/MODE/PAD/api/v1/query``):
+    ``text`` a 401 with the echo in a text body, ``json`` a 403 with it in Prometheus' JSON error,
+    ``reason`` a 401 with it in the status line and no body, ``redirect`` a 302 whose Location holds
+    it. PAD characters come first, so the secrets straddle the 200 characters a message shows."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        mode, pad = self.path.split("/")[1:3]
+        auth = self.headers.get("Authorization", "")
+        said = f"{auth} tenant={self.headers.get('X-Scope-OrgID')}"
+        if auth.startswith("Basic "):
+            said += f" as {base64.b64decode(auth[6:]).decode()}"
+        said = "." * int(pad) + " " + said
+        body = b""
+        if mode == "text":
+            self.send_response(401)
+            body = f"denied: {said}\n".encode()
+        elif mode == "json":
+            self.send_response(403)
+            body = json.dumps({"status": "error", "errorType": "forbidden", "error": said}).encode()
+        elif mode == "reason":
+            self.send_response(401, f"Denied {said}")
+        else:
+            self.send_response(302)
+            self.send_header("Location", f"http://{HOST}:1/login/{said.replace(' ', '/')}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def echoing_gate() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer((HOST, 0), EchoingGate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://{HOST}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("mode", ["text", "json", "reason", "redirect"])
+def test_a_long_token_or_a_secret_with_a_tab_echoed_back_shows_no_piece_of_itself(echoing_gate, mode, tmp_path):
+    """Each secret is cut out of the server's text before that is escaped (a tab as \\t) and cut to
+    200 characters: cut first, a 900-character token's beginning showed; escaped first, a secret
+    with a tab was never found. Wherever the cut falls (PAD), no 8 characters of one show."""
+    basic = base64.b64encode(f"planner:{TAB_PASSWORD}".encode()).decode()
+    for access in (Access(bearer_token=LONG_TOKEN, headers=(("X-Scope-OrgID", TAB_TENANT),)),
+                   Access(basic_auth=("planner", TAB_PASSWORD), headers=(("X-Scope-OrgID", TAB_TENANT),))):
+        for pad in (0, 120, 150, 185, 195, 230):
+            with pytest.raises(FleetError) as raised:
+                PrometheusClient(f"{echoing_gate}/{mode}/{pad}", access=access).query("up")
+            message = str(raised.value)
+            _no_piece(message, LONG_TOKEN, TAB_TENANT, TAB_PASSWORD, basic)
+            assert ("HTTP 302" if mode == "redirect" else "HTTP 40") in message
+            assert "\t" not in message
+            if pad == 0:
+                assert "<redacted>" in message, message
+    # Through the command: the token from its file, the password from the environment, the header.
+    token_file = tmp_path / "token"
+    token_file.write_text(LONG_TOKEN + "\n")
+    url = f"{echoing_gate}/{mode}/150"
+    for done in (_cli("--prometheus", url, "--prometheus.bearer-token-file", str(token_file),
+                      "--prometheus.header", f"X-Scope-OrgID:{TAB_TENANT}"),
+                 _cli("--prometheus", url, "--prometheus.basic-auth-user", "planner", "--prometheus.header",
+                      f"X-Scope-OrgID:{TAB_TENANT}", env={PASSWORD_ENV: TAB_PASSWORD})):
+        _no_piece(_fails(done, 3) + done.stdout, LONG_TOKEN, TAB_TENANT, TAB_PASSWORD, basic)
 
 
 def test_fleet_follows_no_redirect_so_credentials_never_go_elsewhere(tmp_path):
@@ -608,7 +711,7 @@ def _status_free(node: Node, device_class: str) -> list[dict]:
                            str(node.smi), "--proc.root", node.proc, "--no-kubernetes", "--output", "json"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
-    keys = ("device", "uuid", "gpu_instance", "compute_instance", "memory_free_bytes")
+    keys = ("device", "index", "uuid", "gpu_instance", "compute_instance", "memory_free_bytes")
     return [{k: d[k] for k in keys} for d in json.loads(done.stdout)["devices"]
             if d["class"] == device_class and d["state"] == "free"]
 
@@ -616,7 +719,8 @@ def _status_free(node: Node, device_class: str) -> list[dict]:
 def test_fleet_lists_the_free_devices_with_the_uuids_and_gpu_instances_status_gives(fake_nvidia_smi, tmp_path):
     """Both nodes named gpu-node-1, one in cluster eu-1 and one in us-1 (a target label, as a
     global Prometheus sees external ones): they stay two nodes, and each free device fleet lists
-    is the one status --output json gives on that node, UUID, GPU instance and memory free alike."""
+    is the one status --output json gives on that node, placement index, UUID, GPU instance and
+    memory free alike."""
     with fleet_nodes(fake_nvidia_smi, tmp_path, "a", "b") as nodes:
         cluster = {"eu-1": nodes["a"], "us-1": nodes["b"]}
         job = {"job_name": JOB,

@@ -122,6 +122,25 @@ def test_host_view_reads_the_kubelet_the_job_map_and_the_namespace():
     assert host_view(None, None, None).host_pids is None
 
 
+def test_allocations_read_in_part_make_an_empty_device_unknown_not_free():
+    """A job map read in part (a device's file unread, the budget spent, too many files) may miss
+    the job on the empty 3g.40gb; so may a pod whose kubelet socket is missing. Neither is free,
+    and what was read still counts: the job map's allocated device stays in use."""
+    snapshot = snapshot_from_smi(free_three_g_xml(), LISTING)
+    engines = EngineReading((), True, None, True)
+    assert device_states(snapshot, host_view(engines, None, SlurmJobMapReading((), True)))[1000].state == FREE
+    partial = SlurmJobMapReading((SlurmAllocation(1002, "4242"),), True, ("slurm job map file '0': cannot read",),
+                                 complete=False)
+    host = host_view(engines, None, partial)
+    assert host.allocated == {1002: ("Slurm job 4242",)} and not host.allocations_known
+    states = device_states(snapshot, host)
+    assert states[1000] == (UNKNOWN, "the device allocations could not be read (kubelet or Slurm job map)")
+    assert states[1002].state == IN_USE
+    # No socket in a pod: the kubelet was due to be asked (pods.py), so success is False, not None.
+    in_pod = PodReading({}, None, False, ("no kubelet pod-resources socket at …, though this runs in a pod",))
+    assert device_states(snapshot, host_view(engines, in_pod, None))[1000].state == UNKNOWN
+
+
 def test_the_state_family_has_one_series_per_state_and_exactly_one_is_1():
     (family,) = device_state_families(_free_demo(), HostView(allocated={1002: ("Slurm job 7",)}))
     by_device: dict[str, dict[str, float]] = {}

@@ -942,3 +942,22 @@ def test_the_capacity_rules_freshness_window_is_a_value_and_only_they_change():
                 assert after["expr"] == before["expr"].replace("[1m]", "[90s]")
             else:
                 assert after == before
+
+
+def test_the_dashboards_count_with_the_rules_freshness_window():
+    """The capacity panels run the rules' expressions, so they take prometheusRule.capacityFreshWithin
+    too; every `}[1m]` in the dashboards is a capacity selector's, so nothing else changes."""
+    import re
+
+    def dashboards(values: dict | None = None) -> dict[str, str]:
+        return {d["metadata"]["name"]: next(iter(d["data"].values())) for d in render(values)
+                if d["kind"] == "ConfigMap" and "-dashboard-" in d["metadata"]["name"]}
+
+    shipped, wider = dashboards(), dashboards({"prometheusRule": {"capacityFreshWithin": "90s"}})
+    windows = [m for text in shipped.values() for m in re.findall(r"(mig_exporter_\w+)\{[^}]*\}\[1m\]", text)]
+    assert windows and set(windows) <= {"mig_exporter_build_info", "mig_exporter_read_success",
+                                        "mig_exporter_device_info", "mig_exporter_device_state",
+                                        "mig_exporter_device_memory_free_bytes"}
+    for name, text in shipped.items():
+        assert wider[name] == text.replace("}[1m]", "}[90s]"), name
+    assert any("}[90s]" in text for text in wider.values())

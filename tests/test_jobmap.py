@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SAMPLES, sample_value, samples_of, scenario
 from mig_exporter.core.deadline import Deadline
+from mig_exporter.host import jobmap
 from mig_exporter.host.jobmap import (
     MAX_FILE_BYTES,
     JobMapFile,
@@ -127,6 +128,7 @@ def test_a_hostile_directory_gives_a_problem_per_bad_entry_and_keeps_the_rest(tm
     reading = SlurmJobMap(str(d)).read(DEMO)
     assert _pairs(reading) == {(1, "4242"), (1002, "777")}
     assert reading.read_success is True
+    assert reading.complete is False  # '0', card 0's file, was not read: its jobs are unknown
     assert sorted(reading.problems) == sorted([
         f"slurm job map file '0': larger than {MAX_FILE_BYTES} bytes, skipped",
         "slurm job map file '1000': not UTF-8 text (byte 5)",
@@ -151,6 +153,95 @@ def test_no_budget_left_is_a_problem_and_what_was_read_stays(tmp_path):
     assert reading.allocations == ()
     assert reading.read_success is True
     assert reading.problems == (f"slurm job map: the scrape's budget ran out after 0 of 1 files in {tmp_path}",)
+    assert reading.complete is False
+
+
+# --- read in part: allocations that may be missing -----------------------------------------------
+
+def test_a_reading_is_complete_unless_a_device_s_file_went_unread_or_the_listing_stopped():
+    files = [JobMapFile("1", "4242\n")]
+    assert job_map_reading(DEMO, files).complete
+    # A name that names no device hides no allocation, read or not.
+    assert job_map_reading(DEMO, files, unread=["README", "7", "1000"]).complete
+    assert not job_map_reading(DEMO, files, unread=["0"]).complete  # card 0: all its instances
+    assert not job_map_reading(DEMO, files, unread=[DEMO_MIG_1002]).complete
+    assert not job_map_reading(DEMO, files, listed_all=False).complete
+
+
+def test_a_device_s_file_that_cannot_be_read_leaves_the_allocations_unknown(tmp_path):
+    outside = tmp_path / "secret"
+    outside.write_text("31337\n")
+    d = tmp_path / "map"
+    d.mkdir()
+    (d / "0").write_text("4242\n")
+    (d / DEMO_MIG_1002).write_bytes(b"777\n\xff\n")  # not UTF-8: its jobs are not known
+    reading = SlurmJobMap(str(d)).read(DEMO)
+    assert (_pairs(reading), reading.read_success, reading.complete) == (
+        {(1000, "4242"), (1001, "4242"), (1002, "4242")}, True, False)
+    (d / DEMO_MIG_1002).unlink()
+    (d / "1").symlink_to(outside)  # whole card 1's file, a link: not followed, so not read
+    assert not SlurmJobMap(str(d)).read(DEMO).complete
+    (d / "1").unlink()
+    # Bad entries whose names name no device leave nothing out.
+    (d / "README").symlink_to(outside)
+    (d / "GPU-dir").mkdir()
+    (d / "7").write_bytes(b"\xff")
+    reading = SlurmJobMap(str(d)).read(DEMO)
+    assert (reading.complete, len(reading.problems)) == (True, 3)
+
+
+def test_a_device_s_file_that_fails_to_read_leaves_the_allocations_unknown(tmp_path, monkeypatch):
+    (tmp_path / "1").write_text("4242\n")
+
+    def failing(fd: int, limit: int) -> bytes:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(jobmap, "read_fd", failing)
+    reading = SlurmJobMap(str(tmp_path)).read(DEMO)
+    assert reading.problems == ("slurm job map file '1': cannot read: Input/output error",)
+    assert (reading.allocations, reading.read_success, reading.complete) == ((), True, False)
+
+
+def test_more_files_than_the_bound_is_a_reading_in_part(tmp_path, monkeypatch):
+    monkeypatch.setattr(jobmap, "MAX_FILES", 2)
+    for name in ("README", "notes", "old"):  # none names a device, but what lies beyond is not known
+        (tmp_path / name).write_text("4242\n")
+    reading = SlurmJobMap(str(tmp_path)).read(DEMO)
+    assert reading.problems[0] == f"slurm job map: more than 2 files in {tmp_path}: the rest are left out"
+    assert reading.complete is False
+
+
+def test_a_budget_spent_before_files_that_name_no_device_leaves_nothing_out(tmp_path):
+    (tmp_path / "README").write_text("the prolog's notes\n")
+    reading = SlurmJobMap(str(tmp_path)).read(DEMO, Deadline.after(-1.0))
+    assert reading.problems == (f"slurm job map: the scrape's budget ran out after 0 of 1 files in {tmp_path}",)
+    assert reading.complete is True
+
+
+def test_a_file_an_epilog_removes_while_the_directory_is_read_is_no_allocation_and_no_problem(
+        tmp_path, monkeypatch):
+    (tmp_path / "0").write_text("4242\n")
+    (tmp_path / "1").write_text("4243\n")
+    read_entry = jobmap.read_entry
+
+    def epilog_first(dir_fd: int, name: str) -> str:
+        if name == "0":  # listed, then removed by the job's epilog before it is read
+            os.unlink(name, dir_fd=dir_fd)
+        return read_entry(dir_fd, name)
+
+    monkeypatch.setattr(jobmap, "read_entry", epilog_first)
+    reading = SlurmJobMap(str(tmp_path)).read(DEMO)
+    assert (_pairs(reading), reading.problems, reading.complete) == ({(1, "4243")}, (), True)
+
+
+def test_the_scrape_s_host_view_takes_a_reading_in_part_as_unknown_allocations(tmp_path):
+    (tmp_path / "1").write_text("4242\n")
+    (tmp_path / "0").write_bytes(b"\xff")
+    outcome = Scraper(DemoSource(), job_map=SlurmJobMap(str(tmp_path))).read()
+    assert outcome.job_map is not None and not outcome.job_map.complete
+    assert outcome.host.allocated == {1: ("Slurm job 4242",)} and not outcome.host.allocations_known
+    families = Scraper(DemoSource(), job_map=SlurmJobMap(str(tmp_path))).families()
+    assert sample_value(families, "mig_exporter_slurm_job_map_read_success") == 1  # the directory was read
 
 
 # --- the metrics ---------------------------------------------------------------------------------

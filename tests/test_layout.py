@@ -25,6 +25,7 @@ FLOORS: dict[str, int] = {
     "core": 0,
     "model": 1,
     "capacity_rules": 1,
+    "prometheus_api": 1,
     "host": 2,
     "nvidia_smi": 2,
     "engines": 3,

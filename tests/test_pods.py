@@ -37,7 +37,7 @@ from mig_exporter.kubernetes.podresources import (
     PodResources,
     PodResourcesClient,
 )
-from mig_exporter.kubernetes.pods import PodReader, device_indexes, pod_reading
+from mig_exporter.kubernetes.pods import PodReader, device_indexes, in_a_pod, pod_reading
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.readings import Allocation, ProcessPod
 from mig_exporter.sources.demo import DemoSource
@@ -365,3 +365,65 @@ def test_grpc_is_not_loaded_where_there_is_no_kubelet(fake_nvidia_smi, tmp_path)
                             capture_output=True, text=True, timeout=60)
     assert result.stderr.endswith("GRPC NOT LOADED"), result.stderr
     assert "no kubelet pod-resources socket at" in result.stderr
+
+
+# --- in a pod, no socket is unknown allocations, not none ------------------------------------------
+
+def test_in_a_pod_is_told_by_the_variable_the_kubelet_sets_in_every_container():
+    # The kubelet adds the default namespace's kubernetes Service's variables to every container,
+    # enableServiceLinks: false or not (pkg/kubelet/kubelet_pods.go, getServiceEnvVarMap).
+    assert in_a_pod({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
+    assert not in_a_pod({}) and not in_a_pod({"KUBERNETES_SERVICE_HOST": ""})
+
+
+def test_in_a_pod_a_missing_socket_is_a_problem_and_the_allocations_unknown(tmp_path):
+    """A pod's node runs a kubelet whose pods hold devices: a socket not mounted, or gone while
+    the kubelet starts (it unlinks the old one first: pkg/kubelet/util/util_unix.go,
+    CreateListener), is allocations that cannot be read, never no allocations."""
+    pods = _watch(tmp_path, str(tmp_path / "no.sock"))
+    pods.in_pod = True
+    outcome = Scraper(DemoSource(), pods=pods).read()
+    assert outcome.pods is not None
+    assert (outcome.pods.allocations, outcome.pods.pod_resources_success) == (None, False)
+    (problem,) = outcome.pods.problems
+    assert problem.startswith(f"no kubelet pod-resources socket at {tmp_path / 'no.sock'}, though this runs in a "
+                              "Kubernetes pod (KUBERNETES_SERVICE_HOST is set): device allocations are unknown")
+    assert outcome.pods.notes == ()
+    assert not outcome.host.allocations_known
+    families = list(Scraper(DemoSource(), pods=pods).families_for(outcome))
+    assert sample_value(families, "mig_exporter_pod_resources_read_success") == 0
+    assert sample_value(families, "mig_exporter_read_problems") == 1
+    # The process labels still come from the cgroups and the log directories.
+    assert sample_value(families, "mig_exporter_process_info", {"pid": "48213", "pod": "llama-0"}) == 1
+
+
+def test_in_a_pod_with_the_socket_mounted_nothing_changes(tmp_path, fake_kubelet):
+    pods = _watch(tmp_path, fake_kubelet(PODS).socket_path)
+    pods.in_pod = True
+    outcome = Scraper(DemoSource(), pods=pods).read()
+    assert outcome.pods is not None and outcome.pods.pod_resources_success is True
+    assert outcome.host.allocations_known and len(outcome.host.allocated) == 4
+
+
+def test_end_to_end_in_a_pod_without_the_socket_no_empty_device_is_free(fake_nvidia_smi, tmp_path):
+    """The demo's 1g.10gb (0/mig2) is empty: free outside a pod, unknown in one whose kubelet
+    socket is missing, free again where the socket is switched off (--kubelet.pod-resources-socket=,
+    the non-root component) or --no-kubernetes: the operator's word that nothing is asked."""
+    smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
+    proc = str(demo_proc(tmp_path / "proc"))
+    missing = str(tmp_path / "pod-resources" / "kubelet.sock")
+    in_pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+
+    def state_of_1002(args: list[str], env: dict[str, str]) -> tuple[str, float | None]:
+        result = _read(["--nvidia-smi", str(smi), "--proc.root", proc, *args], env)
+        assert result.returncode == 0, result.stderr
+        families = list(text_string_to_metric_families(result.stdout))
+        (state,) = [s.labels["state"] for s in samples_of(families, "mig_exporter_device_state")
+                    if s.labels["index"] == "1002" and s.value == 1]
+        return state, sample_value(families, "mig_exporter_pod_resources_read_success")
+
+    outside = {"KUBERNETES_SERVICE_HOST": ""}  # whatever the tests run in
+    assert state_of_1002(["--kubelet.pod-resources-socket", missing], outside) == ("free", None)
+    assert state_of_1002(["--kubelet.pod-resources-socket", missing], in_pod) == ("unknown", 0)
+    assert state_of_1002(["--kubelet.pod-resources-socket="], in_pod) == ("free", None)
+    assert state_of_1002(["--kubelet.pod-resources-socket", missing, "--no-kubernetes"], in_pod) == ("free", None)

@@ -185,12 +185,12 @@ def test_rules_over_device_card_and_process_series_count_the_exporters_own_serie
                 assert _words(rule["expr"]).endswith(PROBE_GUARD), name
 
 
-# A node that reports now, an exporter's own /metrics (capacity_rules.REPORTING), and a silent one's devices.
-CAPACITY_REPORTING = ("last_over_time(mig_exporter_device_info[1m]) and ignoring (index, card, mig_profile, uuid, "
-                      "gpu_instance, compute_instance, name, device, class, state, source, version) ( "
-                      "last_over_time(mig_exporter_read_success[1m]) == 1 and ignoring (source, version) "
-                      "last_over_time(mig_exporter_build_info[1m]) "
-                      "and mig_exporter_read_success )")
+# A node that reports now, an exporter's own /metrics (capacity_rules), and a silent one's devices.
+CAPACITY_REPORTING = ("last_over_time(mig_exporter_device_info[1m]) and mig_exporter_device_info and ignoring "
+                      "(index, card, mig_profile, uuid, gpu_instance, compute_instance, name, device, class, state, "
+                      "source, version) ( min without (source) (last_over_time(mig_exporter_read_success[1m])) == 1 "
+                      "and ignoring (version) last_over_time(mig_exporter_build_info[1m]) and ignoring (source) "
+                      "mig_exporter_read_success )")
 CAPACITY_SEEN = ("last_over_time(mig_exporter_device_info[1h]) and ignoring (index, card, mig_profile, uuid, "
                  "gpu_instance, compute_instance, name, device, class, state, source, version) "
                  "last_over_time(mig_exporter_build_info[1h])")

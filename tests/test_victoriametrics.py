@@ -40,7 +40,8 @@ import pytest
 import yaml
 
 from conftest import SAMPLES, require_tool
-from mig_exporter.fleet import PrometheusClient, as_json, read_fleet
+from mig_exporter.fleet import as_json, read_fleet
+from mig_exporter.prometheus_api import PrometheusClient
 from proc_tree import make_proc
 from test_capacity import LISTING, ONE_G, THREE_G, free_three_g_xml
 from test_e2e import PROBED, _rules_with_short_for, e2e_exporter

@@ -8,6 +8,7 @@ Every option can also be set from the environment: ``--timeout`` from
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from mig_exporter import __version__
+from mig_exporter import __version__, prometheus_api
 from mig_exporter import fleet as fleet_view
 from mig_exporter import status as status_view
 from mig_exporter.config.checks import ConfigError
@@ -31,7 +32,15 @@ from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError
 from mig_exporter.core.logs import FORMATS, setup_logging
 from mig_exporter.core.malloc_tuning import limit_arenas
-from mig_exporter.doctor import DEFAULT_SLOW_THRESHOLD_S, as_json, diagnose, render_text, timed_read
+from mig_exporter.doctor import (
+    DEFAULT_SLOW_THRESHOLD_S,
+    PathReading,
+    as_json,
+    diagnose,
+    render_text,
+    shown_snapshot,
+    timed_read,
+)
 from mig_exporter.engines.attribution import EngineReader
 from mig_exporter.engines.rules import EngineSettings
 from mig_exporter.host.jobmap import SlurmJobMap
@@ -40,11 +49,12 @@ from mig_exporter.host.procfs import DEFAULT_ROOT as DEFAULT_PROC_ROOT
 from mig_exporter.host.procfs import ProcError, ProcfsSource
 from mig_exporter.kubernetes.podlogs import DEFAULT_LOG_DIR
 from mig_exporter.kubernetes.podresources import DEFAULT_SOCKET, PodResourcesClient
-from mig_exporter.kubernetes.pods import PodReader
+from mig_exporter.kubernetes.pods import PodReader, in_a_pod
 from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.process_series import ALL_PROCESSES, ProcessSeries
 from mig_exporter.metrics.scrape import Scraper
-from mig_exporter.model.capacity import HostView
+from mig_exporter.model.capacity import HostView, host_view
+from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.auto import AutoSource
 from mig_exporter.sources.base import Source
 from mig_exporter.sources.command import kill_running, reaping
@@ -180,7 +190,7 @@ def _make_pod_reader(kubernetes: bool, proc_root: str, socket: str, log_dir: str
     whose sample host is not a Kubernetes node)."""
     if not kubernetes or demo:
         return None
-    reader = PodReader(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None)
+    reader = PodReader(proc_root, PodResourcesClient(socket) if socket else None, log_dir or None, in_pod=in_a_pod())
     log.info("reading %s at each scrape", reader.describe())
     return reader
 
@@ -570,8 +580,8 @@ class _HeaderType(click.ParamType):  # type: ignore[type-arg]
         if isinstance(value, tuple):
             return value
         try:
-            return fleet_view.parse_header(value)
-        except fleet_view.FleetUsageError as e:
+            return prometheus_api.parse_header(value)
+        except prometheus_api.FleetUsageError as e:
             self.fail(str(e), param, ctx)
 
 
@@ -601,7 +611,7 @@ class _UnknownClass(click.ClickException):
 @click.option("--prometheus.basic-auth-user", "basic_auth_user", metavar="USER", default=None,
               envvar=_env("PROMETHEUS_BASIC_AUTH_USER"), show_envvar=True,
               help="Basic auth user; the password comes from --prometheus.password-file, else from the environment "
-                   f"variable {fleet_view.PASSWORD_ENV}.")
+                   f"variable {prometheus_api.PASSWORD_ENV}.")
 @click.option("--prometheus.password-file", "password_file", metavar="FILE", type=click.Path(dir_okay=False),
               default=None, envvar=_env("PROMETHEUS_PASSWORD_FILE"), show_envvar=True,
               help="File holding the basic auth password (surrounding whitespace removed).")
@@ -638,15 +648,15 @@ def fleet(prometheus_url: str, device_class: str | None, devices: bool, output_f
         raise click.UsageError("--devices lists the free devices of one class: give --class")
     try:
         queries = fleet_view.QUERIES.fresh_within(fresh_within)
-        client = fleet_view.PrometheusClient(prometheus_url, timeout, fleet_view.access(
+        client = prometheus_api.PrometheusClient(prometheus_url, timeout, prometheus_api.access(
             user=basic_auth_user, password_file=password_file,
-            password_env=os.environ.get(fleet_view.PASSWORD_ENV) or None, bearer_token_file=bearer_token_file,
+            password_env=os.environ.get(prometheus_api.PASSWORD_ENV) or None, bearer_token_file=bearer_token_file,
             headers=headers, ca_file=ca_file))
-    except fleet_view.FleetUsageError as e:
+    except prometheus_api.FleetUsageError as e:
         raise click.UsageError(str(e)) from None
     try:
         found = fleet_view.read_fleet(client, device_class, devices=devices, queries=queries)
-    except fleet_view.FleetError as e:
+    except prometheus_api.FleetError as e:
         raise _CannotAsk(f"cannot ask the Prometheus: {e}") from None
     if device_class is not None and not found.knows(device_class):
         raise _UnknownClass(f"the Prometheus has no device of class {device_class!a}; its classes: "
@@ -673,10 +683,14 @@ def fleet(prometheus_url: str, device_class: str | None, devices: bool, output_f
 @click.option("--proc.root", "proc_root", metavar="DIR", default=DEFAULT_PROC_ROOT, show_default=True,
               envvar=_env("PROC_ROOT"), show_envvar=True,
               help="The /proc that tells whether the host's PIDs are seen (without them no device counts free).")
+@_kubernetes_options
+@_slurm_options
 @_with_options(_log_options("warning"))
 def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, demo: bool, proc_root: str,
+           kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
            log_level: str, log_format: str) -> None:
-    """Read through NVML and nvidia-smi, show each card, and say what is wrong.
+    """Read through NVML and nvidia-smi, show each card, and say what is wrong. Each device's
+    state counts the allocations to pods and Slurm jobs, read as status reads them.
 
     Exit codes: 0 when at least one path reads and nothing is wrong with the GPUs (warnings such as one
     unavailable path or a slow nvidia-smi may remain); 1 when workloads cannot run or the numbers are
@@ -684,26 +698,41 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     retirement, the driver's recovery action, a failed row remap), before 1; 2 when nothing can be read.
     """
     setup_logging(log_level, log_format)
+    nvml_read: PathReading | None = None
     if demo:
         # The sample is nvidia-smi's output: there is no NVML to read.
-        report = diagnose(None, timed_read("demo", DemoSource().read), slow_threshold_s=slow_threshold,
-                          host=HostView(DemoProcs().read_namespace().is_host))
+        source: Source = DemoSource()
+        smi_read = timed_read("demo", source.read)
+        host_pids: bool | None = DemoProcs().read_namespace().is_host
     else:
         nvml = NvmlSource(timeout_s=timeout)
-        smi = NvidiaSmiSource(nvidia_smi, timeout)
+        source = NvidiaSmiSource(nvidia_smi, timeout)
         with _signals_kill_commands():
             # One after the other, each with the whole --timeout (each source's own).
-            report = diagnose(
-                timed_read("nvml", nvml.read),
-                timed_read("nvidia-smi", smi.read),
-                slow_threshold_s=slow_threshold,
-                host=HostView(_sees_host_pids(proc_root)),
-            )
+            nvml_read, smi_read = timed_read("nvml", nvml.read), timed_read("nvidia-smi", source.read)
+        host_pids = _sees_host_pids(proc_root)
+    # The allocations' readers as status makes them (none of the kubelet's in the demo).
+    scraper = Scraper(source, pods=_make_pod_reader(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo),
+                      job_map=_make_job_map(slurm_job_map_dir))
+    host, problems = _doctor_host(scraper, shown_snapshot((nvml_read, smi_read)), host_pids, timeout)
+    report = diagnose(nvml_read, smi_read, slow_threshold_s=slow_threshold, host=host, allocation_problems=problems)
     if output_format == "json":
         click.echo(json.dumps(as_json(report), indent=2))
     else:
         click.echo(render_text(report), nl=False)
     sys.exit(report.exit_code)
+
+
+def _doctor_host(scraper: Scraper, snapshot: Snapshot | None, host_pids: bool | None,
+                 timeout: float) -> tuple[HostView, tuple[str, ...]]:
+    """What decides doctor's device states beyond its read, as for status: whether the host's
+    PIDs are seen, and the allocations of ``snapshot`` (the one doctor shows), read once through
+    the scraper's readers within ``timeout``; with what reading them found wrong."""
+    if snapshot is None:
+        return HostView(host_pids), ()
+    pods, job_map = scraper.read_allocations(snapshot, Deadline.after(timeout))
+    problems = (pods.problems if pods is not None else ()) + (job_map.problems if job_map is not None else ())
+    return dataclasses.replace(host_view(None, pods, job_map), host_pids=host_pids), problems
 
 
 def _sees_host_pids(proc_root: str) -> bool | None:

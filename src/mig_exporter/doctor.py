@@ -125,14 +125,14 @@ class Report:
     # What cannot be seen (severity NOTE): remapped rows of a card in MIG mode, XIDs.
     notes: tuple[Finding, ...] = field(default=())
     xids: XidWatch | None = None
-    # What decides a device's state beyond the read: doctor reads the PID namespace, not the
-    # kubelet's or Slurm's allocations (status does).
+    # What decides a device's state beyond the read, as status has it: the PID namespace, and
+    # the allocations to pods and Slurm jobs of the snapshot shown.
     host: HostView = GPU_ONLY
 
     @property
     def snapshot(self) -> Snapshot | None:
         """What to show: the first path that read (NVML before nvidia-smi)."""
-        return next((r.snapshot for r in self.readings if r.snapshot is not None), None)
+        return shown_snapshot(self.readings)
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -146,6 +146,11 @@ class Report:
         if any(f.code in HEALTH_EXIT_CODES for f in self.findings):
             return EXIT_CARD_HEALTH
         return EXIT_PROBLEM if self.errors else EXIT_OK
+
+
+def shown_snapshot(readings: Iterable[PathReading | None]) -> Snapshot | None:
+    """The snapshot doctor shows, and reads the allocations of: the first path's that read."""
+    return next((r.snapshot for r in readings if r is not None and r.snapshot is not None), None)
 
 
 def timed_read(source: str, read: Callable[[], Snapshot]) -> PathReading:
@@ -168,10 +173,13 @@ def diagnose(
     slow_threshold_s: float = DEFAULT_SLOW_THRESHOLD_S,
     xids: XidWatch | None = None,
     host: HostView = GPU_ONLY,
+    allocation_problems: Iterable[str] = (),
 ) -> Report:
     """The findings of one read of each path. ``nvml`` is None where it was not
     read (``doctor --demo``, whose sample is nvidia-smi's output). ``xids``: the
     XID watcher's answer; asked of it (``xid_watch``) when NVML reads and none is given.
+    ``host``: what decides the devices' states beyond the read (``host_view``), and
+    ``allocation_problems`` what reading its allocations found.
 
     A path that fails while the other reads is a warning: the exporter reads
     through the other (``--source auto``). Both failing is the exit code's 2."""
@@ -206,12 +214,13 @@ def diagnose(
                 "expose the GPUs to the container: NVIDIA_VISIBLE_DEVICES=all (or the device plugin's "
                 "allocation), runtimeClassName: nvidia, and check the devices on the host with nvidia-smi -L",
             ))
-    snapshot = next((r.snapshot for r in readings if r.snapshot is not None), None)
+    snapshot = shown_snapshot(readings)
     notes: list[Finding] = []
     if snapshot is not None:
         findings.extend(_card_findings(snapshot))
         findings.extend(_health_findings(snapshot))
         findings.extend(_unlisted_memory_findings(snapshot, host))
+        findings.extend(_allocation_findings(snapshot, host, tuple(allocation_problems)))
         notes.extend(_remap_notes(snapshot))
     xids = (xids if xids is not None else xid_watch()) if nvml is not None and nvml.ok else None
     notes.extend(_xid_notes(xids))
@@ -402,6 +411,21 @@ def _unlisted_memory_findings(snapshot: Snapshot, host: HostView) -> Iterable[Fi
             )
 
 
+def _allocation_findings(snapshot: Snapshot, host: HostView, problems: tuple[str, ...]) -> Iterable[Finding]:
+    """The allocations to pods and Slurm jobs could not all be read: no empty device is free."""
+    if host.allocations_known or not snapshot.devices:
+        return
+    why = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    yield Finding(
+        "allocations-unknown",
+        f"the device allocations could not all be read, so no empty device counts free: {why or 'no reason given'}",
+        "as the reason says: the kubelet's socket needs the host's /var/lib/kubelet/pod-resources mounted and "
+        "uid 0 (docs/kubernetes.md); each file of the Slurm job-map directory must be readable, within --timeout "
+        "(docs/hpc.md)",
+        WARNING,  # the numbers are not wrong: the devices are counted unknown
+    )
+
+
 def compare(a: Snapshot, b: Snapshot) -> list[str]:
     """Differences between two snapshots of the same node, one line each."""
     out: list[str] = []
@@ -518,8 +542,7 @@ def render_text(report: Report) -> str:
             lines.extend(_card_lines(snapshot, card.index))
         if snapshot.devices:
             lines.append("")
-            lines.append("devices by class: " + summary(count_by_class(snapshot, report.host))
-                         + " (allocations to pods and Slurm jobs are not read here: status reads them)")
+            lines.append("devices by class: " + summary(count_by_class(snapshot, report.host)))
     if report.xids is not None and report.xids.watching:
         partly = f" ({report.xids.reason})" if report.xids.reason else ""
         lines.append(f"XIDs: watched through NVML events on {report.xids.cards} card(s){partly}")
@@ -602,7 +625,7 @@ def as_json(report: Report) -> dict[str, Any]:
                         "gpu_instance": d.gpu_instance_id, "compute_instance": d.compute_instance_id,
                         "class": d.device_class, "memory_total_bytes": d.memory.total_bytes,
                         "memory_used_bytes": d.memory.used_bytes,
-                        "state": states[d.index].state, "state_reason": states[d.index].reason,
+                        "state": states[d.index].state, "reason": states[d.index].reason,
                         "processes": [
                             {"pid": p.pid, "type": p.type, "name": p.name, "used_bytes": p.used_bytes}
                             for p in snapshot.processes_on(d.index)

@@ -16,23 +16,14 @@ names, so it answers from a Prometheus that does not load the rules too: one def
       gpu-node-1:10064 {cluster="eu-1"}  1 free
       gpu-node-2:10064 {cluster="eu-1"}  1 free
 
-Secrets (a basic-auth password, a bearer token, header values) go into the request's headers
-and nowhere else: no message names them, and a URL is shown without its user information.
+It asks through ``prometheus_api``'s client, which keeps every secret out of every message.
 """
 
 from __future__ import annotations
 
-import base64
-import http.client
-import json
 import math
 import re
-import ssl
 import time
-import unicodedata
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,345 +40,15 @@ from mig_exporter.capacity_rules import (
     SEEN_WITHIN,
     UNKNOWN_PER_NODE,
 )
+from mig_exporter.prometheus_api import FleetUsageError, PrometheusClient, for_terminal
 
 # The rules' freshness window as shipped: --capacity.fresh-within's default.
 DEFAULT_FRESH_WITHIN = FRESH_WITHIN
-# The environment variable a basic-auth password may come from (cli.py names it in --help).
-PASSWORD_ENV = "MIG_EXPORTER_PROMETHEUS_BASIC_AUTH_PASSWORD"
 
 _GIB = 1024**3
-_ERROR_BODY_LIMIT = 64 * 1024  # what is read of an error's body
-_SHOWN_LIMIT = 200  # characters of outside text in one message
 # The labels of a device series that are the device's, not its node's.
 _DEVICE_ONLY = frozenset(label.strip() for label in DEVICE_LABELS.split(",")) | {"class"}
-# Headers the request's framing and auth options own: --prometheus.header may not set them.
-_OWN_HEADERS = frozenset({"host", "content-type", "content-length", "transfer-encoding", "connection"})
 _DURATION = re.compile(r"[1-9][0-9]*(s|m|h)")  # as the chart's capacityFreshWithin takes it
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP header name (RFC 9110 token)
-
-
-class FleetError(Exception):
-    """The Prometheus could not be asked, or answered an error: the message names the URL (its
-    user information left out) and why. ``fleet`` exits 3."""
-
-
-class FleetUsageError(ValueError):
-    """The options cannot make a request: a bad URL, header or credential file, or two ways of
-    authenticating at once. The message names no secret. ``fleet`` exits 2."""
-
-
-# --- asking ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Access:
-    """How to reach the Prometheus: credentials, extra headers and the CA that signs its
-    certificate. Built with ``access()``, which checks each part; ``secrets()`` lists what no
-    message may show."""
-
-    # Left out of repr(): an Access in a traceback or a log shows no secret.
-    basic_auth: tuple[str, str] | None = field(default=None, repr=False)  # (user, password)
-    bearer_token: str | None = field(default=None, repr=False)
-    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
-    ca_file: str | None = None
-
-    def request_headers(self) -> dict[str, str]:
-        out = dict(self.headers)
-        if self.basic_auth is not None:
-            user, password = self.basic_auth
-            out["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
-        elif self.bearer_token is not None:
-            out["Authorization"] = f"Bearer {self.bearer_token}"
-        return out
-
-    def secrets(self) -> tuple[str, ...]:
-        """Every value that must never be shown: the password, the token, the header values,
-        and the Authorization header as sent."""
-        found = [value for _, value in self.headers]
-        if self.basic_auth is not None:
-            found.append(self.basic_auth[1])
-        if self.bearer_token is not None:
-            found.append(self.bearer_token)
-        found += [value.split(" ", 1)[1] for name, value in self.request_headers().items()
-                  if name == "Authorization" and " " in value]
-        return tuple(s for s in found if s)
-
-
-def parse_header(text: str) -> tuple[str, str]:
-    """``NAME:VALUE`` (``--prometheus.header``) as a (name, value) pair; the value is never
-    named in an error."""
-    name, colon, value = text.partition(":")
-    if not colon:
-        raise FleetUsageError("expected NAME:VALUE, e.g. X-Scope-OrgID:tenant-1 (no ':' found)")
-    name, value = name.strip(), value.strip(" \t")
-    if not _TOKEN.fullmatch(name):
-        raise FleetUsageError("the name before ':' is not an HTTP header name "
-                              "(letters, digits and !#$%&'*+-.^_`|~ only)")
-    if "\r" in value or "\n" in value:
-        raise FleetUsageError(f"the value of {name} holds a line break (CR or LF): refused")
-    if any(unicodedata.category(c) == "Cc" and c != "\t" for c in value):
-        raise FleetUsageError(f"the value of {name} holds a control character: refused")
-    try:
-        value.encode("latin-1")
-    except UnicodeEncodeError:
-        raise FleetUsageError(f"the value of {name} holds a character an HTTP header cannot carry "
-                              "(outside Latin-1)") from None
-    if name.lower() in _OWN_HEADERS:
-        raise FleetUsageError(f"{name} is set by fleet itself and cannot be given")
-    return name, value
-
-
-def read_secret_file(path: str, option: str) -> str:
-    """A password or token file's content, surrounding whitespace removed (as Prometheus reads
-    its own ``password_file`` and ``bearer_token_file``). Errors name the file, never its content."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(64 * 1024 + 1)
-    except OSError as e:
-        raise FleetUsageError(f"{option} {path}: cannot read it: {e.strerror or type(e).__name__}") from None
-    if len(raw) > 64 * 1024:
-        raise FleetUsageError(f"{option} {path}: over 64 KiB, not a secret")
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise FleetUsageError(f"{option} {path}: not UTF-8 text") from None
-    if not text:
-        raise FleetUsageError(f"{option} {path}: the file is empty")
-    return text
-
-
-def access(*, user: str | None = None, password_file: str | None = None, password_env: str | None = None,
-           bearer_token_file: str | None = None, headers: Iterable[tuple[str, str]] = (),
-           ca_file: str | None = None) -> Access:
-    """The options checked together: one way of authenticating at most, a password only with a
-    user (the file before the environment), no header given twice."""
-    given = tuple(headers)
-    names = [name.lower() for name, _ in given]
-    if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise FleetUsageError(f"--prometheus.header {', '.join(twice)} given twice (one value per header: "
-                              "Mimir takes several tenants as one X-Scope-OrgID, a|b)")
-    if user is not None and bearer_token_file is not None:
-        raise FleetUsageError("--prometheus.basic-auth-user and --prometheus.bearer-token-file together: "
-                              "give one way of authenticating")
-    if "authorization" in names and (user is not None or bearer_token_file is not None):
-        raise FleetUsageError("--prometheus.header Authorization with --prometheus.basic-auth-user or "
-                              "--prometheus.bearer-token-file: give one way of authenticating")
-    basic = None
-    if user is not None:
-        if ":" in user or any(unicodedata.category(c) == "Cc" for c in user) or not user:
-            raise FleetUsageError("--prometheus.basic-auth-user: a user name holds no ':' and no control "
-                                  "character (RFC 7617)")
-        if password_file is not None:
-            password = read_secret_file(password_file, "--prometheus.password-file")
-        elif password_env:
-            password = password_env
-        else:
-            raise FleetUsageError(f"--prometheus.basic-auth-user needs a password: --prometheus.password-file "
-                                  f"FILE, or the environment variable {PASSWORD_ENV}")
-        if "\r" in password or "\n" in password:
-            raise FleetUsageError("the basic-auth password holds a line break: refused")
-        basic = (user, password)
-    elif password_file is not None or password_env:
-        where = "--prometheus.password-file" if password_file is not None else PASSWORD_ENV
-        raise FleetUsageError(f"a password is given ({where}) but no --prometheus.basic-auth-user")
-    token = None
-    if bearer_token_file is not None:
-        token = read_secret_file(bearer_token_file, "--prometheus.bearer-token-file")
-        if not all("!" <= c <= "~" for c in token):
-            raise FleetUsageError(f"--prometheus.bearer-token-file {bearer_token_file}: the token holds a space, "
-                                  "a control or a non-ASCII character, which a bearer token cannot (RFC 6750)")
-    return Access(basic, token, given, ca_file)
-
-
-def shown_url(url: str) -> str:
-    """``url`` as any message shows it: without its user information (``user:pass@``), query
-    or fragment, escaped to one printable line."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return _for_terminal(url.split("@")[-1], _SHOWN_LIMIT)
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    return _for_terminal(urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")), _SHOWN_LIMIT)
-
-
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect is answered as an error: following it would send the credentials to wherever
-    it points (urllib keeps the Authorization header across hosts)."""
-
-    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
-                         newurl: str) -> None:
-        return None
-
-
-class PrometheusClient:
-    """Instant queries against one Prometheus (or anything that serves its query API:
-    Thanos Query, Mimir, VictoriaMetrics)."""
-
-    def __init__(self, url: str, timeout_s: float = 10.0, access: Access | None = None) -> None:
-        self.access = access or Access()
-        self.shown = shown_url(url)
-        try:
-            parsed = urllib.parse.urlsplit(url)
-            parsed.port  # noqa: B018 - raises ValueError for a port that is not a number in range
-        except ValueError as e:
-            raise FleetUsageError(f"{self.shown}: not a URL: {e}") from None
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise FleetUsageError(f"{self.shown}: not an http:// or https:// URL")
-        if parsed.username is not None or parsed.password is not None:
-            raise FleetUsageError(f"{self.shown}: credentials in the URL are refused (they would show in process "
-                                  "lists and logs): give --prometheus.basic-auth-user with --prometheus.password-file "
-                                  f"or {PASSWORD_ENV}")
-        if parsed.query or parsed.fragment:
-            raise FleetUsageError(f"{self.shown}: the URL is the API's base (http://prometheus:9090, or with its "
-                                  "path prefix): no ?query or #fragment")
-        if self.access.ca_file is not None and parsed.scheme != "https":
-            raise FleetUsageError(f"{self.shown}: --prometheus.ca-file verifies an https:// server; this URL is "
-                                  "http://")
-        handlers: list[urllib.request.BaseHandler] = [_NoRedirects()]
-        if parsed.scheme == "https":
-            handlers.append(urllib.request.HTTPSHandler(context=self._tls_context()))
-        self._opener = urllib.request.build_opener(*handlers)
-        self.url = url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def _tls_context(self) -> ssl.SSLContext:
-        ca_file = self.access.ca_file
-        try:
-            return ssl.create_default_context(cafile=ca_file)
-        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError: a file that is not PEM
-            reason = (e.reason if isinstance(e, ssl.SSLError) else e.strerror if isinstance(e, OSError) else None)
-            reason = reason or type(e).__name__
-            raise FleetUsageError(f"--prometheus.ca-file {ca_file}: cannot load it as PEM certificates: "
-                                  f"{reason}") from None
-
-    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
-        """The instant vector ``promql`` gives at ``at`` (seconds since the epoch; now when
-        ``None``): each element's ``metric`` (a dict) and ``value`` ([time, "number"])."""
-        try:
-            return self._query(promql, at)
-        except FleetError as e:
-            raise FleetError(self._scrub(str(e))) from None
-
-    def _query(self, promql: str, at: float | None) -> list[dict[str, Any]]:
-        endpoint = f"{self.shown.rstrip('/')}/api/v1/query"
-        form = {"query": promql} | ({"time": f"{at:.3f}"} if at is not None else {})
-        data = urllib.parse.urlencode(form).encode()
-        request = urllib.request.Request(f"{self.url}/api/v1/query", data=data, method="POST",
-                                         headers={"Content-Type": "application/x-www-form-urlencoded",
-                                                  **self.access.request_headers()})
-        try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                body = response.read()
-        except urllib.error.HTTPError as e:  # Prometheus answers 400/422/503 with a JSON error
-            raise FleetError(f"{endpoint}: {_http_error(e)}") from None
-        except urllib.error.URLError as e:
-            raise FleetError(f"{endpoint}: {_unreachable(e.reason, self.timeout_s)}") from None
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            # A gRPC port answering garbage, a cut answer, a TLS failure after the handshake.
-            raise FleetError(f"{endpoint}: {_unreachable(e, self.timeout_s)}") from None
-        try:
-            answer = json.loads(body)
-        except ValueError:
-            raise FleetError(f"{endpoint}: the answer is not JSON (is this a Prometheus?)") from None
-        if not isinstance(answer, dict) or answer.get("status") != "success":
-            raise FleetError(f"{endpoint}: {_error_of(body) or 'the answer is not a success'}")
-        result = answer.get("data")
-        if not isinstance(result, dict) or result.get("resultType") != "vector":
-            kind = result.get("resultType") if isinstance(result, dict) else type(result).__name__
-            raise FleetError(f"{endpoint}: expected an instant vector, got {_for_terminal(str(kind), 40)!r}")
-        elements = result.get("result")
-        if not isinstance(elements, list) or not all(_is_sample(e) for e in elements):
-            raise FleetError(f"{endpoint}: the answer's samples are not a Prometheus instant vector's")
-        return elements
-
-    def _scrub(self, message: str) -> str:
-        """The message with every secret cut out: a server may echo a request's header in its
-        error body. Values under 4 characters are left (they would blank digits of the message)."""
-        for secret in sorted(self.access.secrets(), key=len, reverse=True):
-            if len(secret) >= 4:
-                message = message.replace(secret, "<redacted>")
-        return message
-
-
-def _http_error(e: urllib.error.HTTPError) -> str:
-    """``HTTP 401: no org id``, from the body Prometheus (JSON) or a proxy (text) gave, with a hint
-    for the errors an option fixes."""
-    try:
-        body = e.read(_ERROR_BODY_LIMIT)
-    except (OSError, http.client.HTTPException, ValueError):
-        body = b""
-    said = _error_of(body) or _first_line(body) or str(e.reason or "")
-    text = f"HTTP {e.code}" + (f": {said}" if said else "")
-    if 300 <= e.code < 400:
-        location = e.headers.get("Location") if e.headers is not None else None
-        to = f" to {shown_url(location)}" if location else ""
-        return f"{text} (a redirect{to}; fleet follows none: give the URL it points to)"
-    if e.code == 401 and "no org id" in said.lower():
-        return f"{text} (Mimir and Cortex ask for a tenant: --prometheus.header X-Scope-OrgID:TENANT)"
-    if e.code in (401, 403):
-        return (f"{text} (credentials: --prometheus.basic-auth-user with --prometheus.password-file, "
-                "--prometheus.bearer-token-file, or --prometheus.header)")
-    return text
-
-
-def _unreachable(reason: object, timeout_s: float) -> str:
-    """Why no answer came, in words: TLS, a timeout, a refused connection."""
-    if isinstance(reason, ssl.SSLCertVerificationError):
-        return (f"TLS: the server's certificate is not trusted ({reason.verify_message or reason.reason}): give "
-                "the CA that signs it with --prometheus.ca-file")
-    if isinstance(reason, ssl.SSLError):
-        return f"TLS: {reason.reason or type(reason).__name__} (is the server serving TLS, and this URL https://?)"
-    if isinstance(reason, TimeoutError):
-        return f"no answer within {timeout_s:g} s"
-    if isinstance(reason, OSError):
-        return f"cannot reach it: {reason.strerror or type(reason).__name__}"
-    return f"cannot reach it: {_for_terminal(str(reason), _SHOWN_LIMIT) or type(reason).__name__}"
-
-
-def _is_sample(element: object) -> bool:
-    """``{"metric": {...}, "value": [time, "number"]}``, the number parseable."""
-    if not isinstance(element, dict) or not isinstance(element.get("metric"), dict):
-        return False
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in element["metric"].items()):
-        return False
-    value = element.get("value")
-    if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], str):
-        return False
-    try:
-        float(value[1])
-    except ValueError:
-        return False
-    return True
-
-
-def _error_of(body: bytes) -> str | None:
-    """Prometheus' JSON error (``bad_data: parse error ...``), escaped and cut."""
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        return None
-    if isinstance(answer, dict) and answer.get("error"):
-        return _for_terminal(f"{answer.get('errorType', 'error')}: {answer['error']}", _SHOWN_LIMIT)
-    return None
-
-
-def _first_line(body: bytes) -> str:
-    """A plain-text error's first line (Go's http.Error: ``no org id``), escaped and cut; nothing
-    for an HTML page (a proxy's 502), whose status line says more."""
-    text = body.decode("utf-8", errors="replace").strip()
-    if not text or text.startswith("<"):
-        return ""
-    return _for_terminal(text.splitlines()[0], _SHOWN_LIMIT)
-
-
-def _for_terminal(text: str, limit: int) -> str:
-    """Outside text as a terminal line can hold it: control and other unprintable characters
-    escaped (``\\x1b``), at most ``limit`` characters."""
-    out = "".join(c if c == " " or (c.isprintable() and unicodedata.category(c)[0] not in "CZ")
-                  else ascii(c)[1:-1] for c in text)
-    return out if len(out) <= limit else out[: limit - 1] + "\u2026"
 
 
 # --- the fleet ---------------------------------------------------------------------------------
@@ -447,8 +108,8 @@ class Node:
 
     def describe(self) -> str:
         """``gpu-node-1:10064`` and, beyond its job, its other labels: ``{cluster="eu-1"}``."""
-        others = [f'{_for_terminal(k, 40)}="{_for_terminal(v, 80)}"' for k, v in self.labels if k != "job"]
-        name = _for_terminal(self.instance, 120) or "(no instance)"
+        others = [f'{for_terminal(k, 40)}="{for_terminal(v, 80)}"' for k, v in self.labels if k != "job"]
+        name = for_terminal(self.instance, 120) or "(no instance)"
         return name + (f" {{{', '.join(others)}}}" if others else "")
 
 
@@ -470,15 +131,16 @@ class FreeDevice:
 
     node: Node
     device: str  # card/migN, or the card's index for a whole card
-    index: int | None
+    index: int | None  # the placement index, as status gives it (device_info's index label)
     uuid: str
     gpu_instance: int | None
     compute_instance: int | None
     memory_free_bytes: int | None
 
     def as_json(self) -> dict[str, Any]:
-        return {**self.node.as_json(), "device": self.device, "uuid": self.uuid, "gpu_instance": self.gpu_instance,
-                "compute_instance": self.compute_instance, "memory_free_bytes": self.memory_free_bytes}
+        return {**self.node.as_json(), "device": self.device, "index": self.index, "uuid": self.uuid,
+                "gpu_instance": self.gpu_instance, "compute_instance": self.compute_instance,
+                "memory_free_bytes": self.memory_free_bytes}
 
 
 @dataclass(frozen=True, slots=True)
@@ -597,19 +259,19 @@ def render_text(fleet: Fleet, device_class: str | None = None) -> str:
         lines = ["No devices: the Prometheus has no mig-exporter device series (is it scraping the exporters?)"]
     else:
         rows: list[tuple[str, ...]] = [("CLASS", "DEVICES", "FREE", "IN USE", "UNKNOWN", "MEMORY FREE")]
-        rows += [(_for_terminal(c.device_class, 80) or "(unknown class)", str(c.devices), str(c.free),
+        rows += [(for_terminal(c.device_class, 80) or "(unknown class)", str(c.devices), str(c.free),
                   str(c.in_use), str(c.unknown), _gib(c.memory_free_bytes)) for c in fleet.classes]
         lines = _table(rows, right={1, 2, 3, 4, 5})
     lines.append("")
     silent = ", ".join(n.describe() for n in fleet.not_reporting) or "none"
     lines.append(f"Nodes not reporting (seen within {SEEN_WITHIN}, not now): {silent}")
-    shown_class = _for_terminal(device_class or "", 80)
+    shown_class = for_terminal(device_class or "", 80)
     if fleet.devices is not None:
         lines.append("")
         if fleet.devices:
             lines.append(f"Free {shown_class} devices now:")
             rows = [("NODE", "DEVICE", "UUID", "GPU INSTANCE", "MEMORY FREE")]
-            rows += [(d.node.describe(), _for_terminal(d.device, 20), _for_terminal(d.uuid, 80),
+            rows += [(d.node.describe(), for_terminal(d.device, 20), for_terminal(d.uuid, 80),
                       "-" if d.gpu_instance is None else str(d.gpu_instance), _gib(d.memory_free_bytes))
                      for d in fleet.devices]
             lines += _table(rows, right={3, 4}, indent="  ")
@@ -627,4 +289,4 @@ def render_text(fleet: Fleet, device_class: str | None = None) -> str:
 
 def known_classes(fleet: Fleet) -> str:
     """The classes the Prometheus has, for the message naming an unknown one."""
-    return ", ".join(_for_terminal(c.device_class, 80) or "(unknown class)" for c in fleet.classes) or "none"
+    return ", ".join(for_terminal(c.device_class, 80) or "(unknown class)" for c in fleet.classes) or "none"

@@ -8,10 +8,18 @@ form: a card in MIG mode stands for all of its instances) or by a ``GPU-…`` or
 one per line; a line may carry more fields (jobstats writes ``jobid uid``),
 and the first is the job id.
 
-``job_map_reading`` is pure: the snapshot and the files' names and texts in,
-a ``SlurmJobMapReading`` out. ``SlurmJobMap`` reads the directory for the
+``job_map_reading`` is pure: the snapshot and the files' names and texts in
+(with the names of those not read, and whether the listing was whole), a
+``SlurmJobMapReading`` out. ``SlurmJobMap`` reads the directory for the
 scraper, right after the GPUs, never following a link out of it and never
 reading more than ``MAX_FILES`` files of ``MAX_FILE_BYTES`` each.
+
+A read is *complete* when every file that names a device was read: a file of a
+device that could not be read (no permission, too large, the scrape's budget
+spent before it) or a listing cut at ``MAX_FILES`` may hide an allocation, so
+its devices' allocations are unknown (model/capacity.py: no empty device is
+then free). A file whose name names no device hides none; nor does one removed
+between the listing and its read (an epilog's: its job has ended).
 """
 
 from __future__ import annotations
@@ -50,6 +58,10 @@ class BadFile(Exception):
     """A directory entry that is not a job-map file to read (the message says why)."""
 
 
+class Gone(BadFile):
+    """The entry was removed after the listing (an epilog's ``rm``): no file, no allocation."""
+
+
 def parse_job_ids(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The job ids of a file's text, in order and once each, and the numbers
     (from 1) of the lines that are not job ids: never their text, which a link
@@ -75,11 +87,14 @@ def file_devices(snapshot: Snapshot, name: str) -> tuple[int, ...]:
 
 
 def job_map_reading(
-    snapshot: Snapshot, files: Iterable[JobMapFile], problems: Iterable[str] = ()
+    snapshot: Snapshot, files: Iterable[JobMapFile], problems: Iterable[str] = (), *,
+    unread: Iterable[str] = (), listed_all: bool = True,
 ) -> SlurmJobMapReading:
     """Join the files read with the snapshot: one allocation per (device, job).
     A file that names no device, and lines that are not job ids, are problems;
-    the file's good lines are kept."""
+    the file's good lines are kept. ``unread``: the names of the files listed and
+    not read; ``listed_all``: False when the listing stopped early. The reading is
+    complete unless it stopped early or a file not read names a device."""
     found: set[SlurmAllocation] = set()
     out = list(problems)
     for f in files:
@@ -94,7 +109,8 @@ def job_map_reading(
                        f"Slurm job id ($SLURM_JOB_ID), first line {bad[0]}")
         found.update(SlurmAllocation(index, job) for index in indexes for job in jobs)
     ordered = sorted(found, key=lambda a: (a.device_index, a.job))
-    return SlurmJobMapReading(tuple(ordered), True, tuple(out))
+    complete = listed_all and not any(file_devices(snapshot, name) for name in unread)
+    return SlurmJobMapReading(tuple(ordered), True, tuple(out), complete)
 
 
 class SlurmJobMap:
@@ -116,17 +132,21 @@ class SlurmJobMap:
             return SlurmJobMapReading((), False, (f"slurm job map: cannot read the directory {self.directory}: "
                                                   f"{e.strerror or e}",))
         try:
-            files, problems = self._read_files(dir_fd, deadline)
+            files, problems, unread, listed_all = self._read_files(dir_fd, deadline)
         except OSError as e:  # listing failed after the open (permission on read, I/O error)
             return SlurmJobMapReading((), False, (f"slurm job map: cannot list the directory {self.directory}: "
                                                   f"{e.strerror or e}",))
         finally:
             os.close(dir_fd)
-        return job_map_reading(snapshot, files, problems)
+        return job_map_reading(snapshot, files, problems, unread=unread, listed_all=listed_all)
 
-    def _read_files(self, dir_fd: int, deadline: Deadline | None) -> tuple[list[JobMapFile], list[str]]:
+    def _read_files(self, dir_fd: int,
+                    deadline: Deadline | None) -> tuple[list[JobMapFile], list[str], list[str], bool]:
+        """The files read, the problems, the names listed and not read, and whether the
+        listing was whole."""
         problems: list[str] = []
         names: list[str] = []
+        listed_all = True
         with os.scandir(dir_fd) as entries:
             for entry in entries:
                 # Hidden files are the scripts' own (a file written before its rename): not a device's.
@@ -135,34 +155,45 @@ class SlurmJobMap:
                 if len(names) == MAX_FILES:
                     problems.append(f"slurm job map: more than {MAX_FILES} files in {self.directory}: "
                                     "the rest are left out")
+                    listed_all = False
                     break
                 names.append(entry.name)
         files: list[JobMapFile] = []
-        for n, name in enumerate(sorted(names)):
+        unread: list[str] = []
+        ordered = sorted(names)
+        for n, name in enumerate(ordered):
             if deadline is not None and deadline.expired:
                 problems.append(f"slurm job map: the scrape's budget ran out after {n} of {len(names)} files "
                                 f"in {self.directory}")
+                unread.extend(ordered[n:])
                 break
             try:
                 files.append(JobMapFile(name, read_entry(dir_fd, name)))
+            except Gone:
+                continue
             except BadFile as e:
                 problems.append(f"slurm job map file {shown(name)}: {e}")
-        return files, problems
+                unread.append(name)
+        return files, problems, unread, listed_all
 
 
 def read_entry(dir_fd: int, name: str) -> str:
     """The text of regular file ``name`` in the directory ``dir_fd``, at most
     ``MAX_FILE_BYTES``. Links are never followed (one could point anywhere on
     the host), and only regular files are opened (a FIFO would block, a
-    device could act on open)."""
+    device could act on open). ``Gone`` when it was removed since the listing."""
     try:
         kind = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        raise Gone("removed since the listing") from None
     except OSError as e:
         raise BadFile(f"cannot stat: {e.strerror or e}") from None
     _check_kind(kind)
     try:
         # O_NOFOLLOW and O_NONBLOCK again: the entry may have been swapped since the stat.
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise Gone("removed since the listing") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise BadFile("a symbolic link, not followed") from None

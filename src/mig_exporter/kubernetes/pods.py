@@ -14,12 +14,16 @@ them, for the pids the driver listed:
   names (``podlogs.py``), by container id, else by pod UID;
 - allocations from the kubelet's pod-resources ``List`` (``podresources.py``):
   each device id is mapped to placement indexes through the snapshot's UUIDs.
+  No socket is no allocations outside a pod (not on Kubernetes), and unknown
+  ones in a pod (``in_a_pod``): there the node has a kubelet, whose socket is
+  not mounted, not seen, or gone while the kubelet restarts.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from mig_exporter.core.deadline import Deadline
@@ -38,6 +42,14 @@ _CARD_INDEX = re.compile(r"^(\d+)$")
 _MIG_INDEX = re.compile(r"^(\d+):(\d+)$")
 NVIDIA_RESOURCE_PREFIX = "nvidia.com/"
 MIN_CALL_S = 0.05  # less than this left of the scrape's budget: not worth a call
+# Set in every container of a pod: the kubelet always adds the default namespace's kubernetes
+# Service's variables, even with enableServiceLinks: false (kubelet_pods.go, getServiceEnvVarMap).
+IN_POD_VARIABLE = "KUBERNETES_SERVICE_HOST"
+
+
+def in_a_pod(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process runs in a Kubernetes pod, so on a node with a kubelet."""
+    return bool(environ.get(IN_POD_VARIABLE))
 
 
 def device_indexes(snapshot: Snapshot, resource: str, device_id: str) -> tuple[int, ...]:
@@ -132,7 +144,8 @@ def pod_reading(
 class KubeletReading:
     """What the kubelet gave, apart from the GPUs: the log directory's names and why none
     (``None``: not read), and the pod-resources answer (``listed``, ``None`` when not asked
-    or unanswered)."""
+    or unanswered). ``asked``: allocations were expected of the kubelet (it was asked, or
+    its socket is missing in a pod), so none listed means unknown ones."""
 
     names: tuple[PodNames, str | None] | None
     listed: tuple[PodResources, ...] | None
@@ -144,13 +157,16 @@ class KubeletReading:
 class PodReader:
     """Where the Kubernetes read looks: the /proc root, the kubelet's log
     directory and its pod-resources socket (either may be switched off with
-    ``None``)."""
+    ``None``). ``in_pod``: this process runs in a pod (``in_a_pod``), where a
+    missing socket leaves the allocations unknown rather than none."""
 
-    def __init__(self, proc_root: str, pod_resources: PodResourcesClient | None, log_dir: str | None) -> None:
+    def __init__(self, proc_root: str, pod_resources: PodResourcesClient | None, log_dir: str | None,
+                 in_pod: bool = False) -> None:
         self.procs = ProcfsSource(proc_root)
         self._cgroups = cgroup_reads(self.procs)
         self.pod_resources = pod_resources
         self.log_dir = log_dir
+        self.in_pod = in_pod
 
     def describe(self) -> str:
         parts = [f"cgroups under {self.procs.root}"]
@@ -168,7 +184,15 @@ class PodReader:
         asked = False
         client = self.pod_resources
         if client is not None:
-            if not client.present():
+            present = client.present()
+            if not present and self.in_pod:
+                # A pod's node runs a kubelet, whose pods hold devices: not to be taken as none.
+                asked = True
+                problems.append(f"no kubelet pod-resources socket at {client.socket_path}, though this runs in a "
+                                f"Kubernetes pod ({IN_POD_VARIABLE} is set): device allocations are unknown, so no "
+                                "empty device counts free (mount the host's /var/lib/kubelet/pod-resources "
+                                "directory and run as uid 0, see docs/kubernetes.md)")
+            elif not present:
                 notes.append(f"no kubelet pod-resources socket at {client.socket_path}: device allocations are left "
                              "out (not on Kubernetes, or the socket's directory is not mounted)")
             elif deadline is not None and deadline.left_s() < MIN_CALL_S:

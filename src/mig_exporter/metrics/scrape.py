@@ -187,6 +187,13 @@ class Scraper:
             self._log_problems(job_map.problems, "slurm job map")
         return ReadOutcome(snapshot, duration, engines=engines, pods=pods, owners=owners, job_map=job_map)
 
+    def read_allocations(self, snapshot: Snapshot, deadline: Deadline | None = None,
+                         ) -> tuple[PodReading | None, SlurmJobMapReading | None]:
+        """The kubelet's and the Slurm job map's readings for ``snapshot``, a GPU read made
+        elsewhere (doctor's), read by ``deadline`` as a scrape reads them after its GPUs
+        (``None`` for what is not watched); ``host_view`` makes their allocations a HostView."""
+        return self._pods(snapshot, deadline), self._job_map(snapshot, deadline)
+
     def _job_map(self, snapshot: Snapshot, deadline: Deadline | None) -> SlurmJobMapReading | None:
         if self.job_map is None:
             return None

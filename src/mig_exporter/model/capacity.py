@@ -70,15 +70,16 @@ GPU_ONLY = HostView()
 def host_view(engines: EngineReading | None, pods: PodReading | None,
               job_map: SlurmJobMapReading | None) -> HostView:
     """The HostView of one scrape's readings beside the GPU read. The kubelet not asked (no
-    socket: not on Kubernetes) and no job-map directory are no allocations; asked and not
-    answering is unknown allocations."""
+    socket outside a pod: not on Kubernetes; switched off) and no job-map directory are no
+    allocations; asked and not answering (no socket in a pod included), and a job map read
+    in part (a device's file unread, the budget spent, too many files), are unknown ones."""
     allocated: dict[int, list[str]] = defaultdict(list)
     for a in (pods.allocations or ()) if pods is not None else ():
         allocated[a.device_index].append(f"pod {a.namespace}/{a.pod}")
     for s in job_map.allocations if job_map is not None else ():
         allocated[s.device_index].append(f"Slurm job {s.job}")
     kubelet_failed = pods is not None and pods.pod_resources_success is False
-    job_map_failed = job_map is not None and not job_map.read_success
+    job_map_failed = job_map is not None and not (job_map.read_success and job_map.complete)
     return HostView(engines.host_pid_namespace if engines is not None else None,
                     {index: tuple(dict.fromkeys(who)) for index, who in allocated.items()},
                     not (kubelet_failed or job_map_failed))

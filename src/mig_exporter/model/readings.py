@@ -76,9 +76,10 @@ class PodReading:
     ``processes`` holds the processes on the GPU lists that run in a
     container, by pid. ``allocations`` is ``None`` when the kubelet was not
     asked or did not answer; ``pod_resources_success`` is ``None`` when it
-    was not asked (no socket, or switched off), else whether it answered.
-    ``problems`` count as read problems; ``notes`` are conditions logged once
-    (no socket: not on Kubernetes, or not mounted).
+    was not asked (switched off, or no socket outside a pod: not on
+    Kubernetes), else whether it answered: False too for no socket in a pod,
+    where the allocations exist and cannot be read. ``problems`` count as read
+    problems; ``notes`` are conditions logged once (no socket outside a pod).
     """
 
     processes: dict[int, ProcessPod]
@@ -103,11 +104,15 @@ class SlurmJobMapReading:
     ``read_success`` is False when the directory itself could not be read;
     ``allocations`` is then empty. ``problems`` (a bad file, a name on no
     device) count as read problems; the rest of the directory is kept.
+    ``complete`` is False when allocations may be missing though the directory
+    was read: a file naming a device could not be read, the scrape's budget ran
+    out before the last file, or the directory holds more than the files read.
     """
 
     allocations: tuple[SlurmAllocation, ...]
     read_success: bool
     problems: tuple[str, ...] = ()
+    complete: bool = True
 
 
 @dataclass(frozen=True, slots=True)
