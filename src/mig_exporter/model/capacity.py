@@ -33,7 +33,7 @@ IN_USE = "in_use"
 UNKNOWN = "unknown"
 STATES = (FREE, IN_USE, UNKNOWN)  # the values of mig_exporter_device_state's state label
 
-# Memory an empty device shows in use, at most. In the real captures (tests/test_capacity.py
+# Memory an empty device shows in use, at most. In the real captures (tests/test_free.py
 # reads them all), a device with no process listed holds 0 to 19 MiB on a MIG instance and 0 to
 # 116 MiB on a whole card (a desktop card, 68 MiB under Windows' WDDM); the smallest CUDA process
 # listed holds 160 MiB. 128 MiB lies between: more, with no process listed, is work the driver
