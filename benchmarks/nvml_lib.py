@@ -15,9 +15,16 @@ where they ask for ``libnvidia-ml.so.1`` (``LD_LIBRARY_PATH``):
 
 ``ratio`` is our CPU per scrape over nvitop's CPU per update (issue 17's target: at most 0.2 on
 big-mig, and at most 3 ms a big-mig scrape). ``measure(quick)`` returns the markdown table;
-``measure(quick, figures)`` also fills ``figures``. Run alone::
+``measure(quick, figures)`` also fills ``figures``.
 
-    PYTHONPATH=src:. python -m benchmarks.nvml_lib [--quick]
+``--health-cost`` measures what card health costs the NVML path (issue 37: at most 15% of the CPU
+per scrape before health): on big-mig, ``serve --source nvml`` as it is and with the health read
+stubbed out (a ``sitecustomize`` on the server's ``PYTHONPATH`` makes ``HealthReader.card`` answer an
+empty ``CardHealth`` and ``instance_ecc`` nothing: no health calls, no health rows, the tree before
+card health as far as NVML goes), taking turns for ``--rounds`` rounds so that both see the same load;
+the same for the read alone. Run alone::
+
+    PYTHONPATH=src:. python -m benchmarks.nvml_lib [--quick] [--health-cost [--rounds N]]
 """
 
 from __future__ import annotations
@@ -88,6 +95,44 @@ for _ in range(reps):
     source._read_now()
     cpu.append(time.process_time_ns() - c)
 print(json.dumps({"read_cpu_ms": statistics.median(cpu) / 1e6}))
+"""
+
+
+# The health read stubbed out: imported by Python at start-up from the server's PYTHONPATH.
+_NO_HEALTH_SITE = """
+from mig_exporter.model.health import NO_HEALTH
+from mig_exporter.sources import nvml_health
+nvml_health.HealthReader.card = lambda self, card, handle, mig_current: NO_HEALTH
+nvml_health.HealthReader.instance_ecc = lambda self, card, handle: ()
+"""
+
+
+def _without_health(env: dict[str, str], directory: Path) -> dict[str, str]:
+    """``env`` for a process whose NVML path reads no card health (``_NO_HEALTH_SITE``)."""
+    (directory / "sitecustomize.py").write_text(_NO_HEALTH_SITE)
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH")) if p)
+    return env
+
+
+# Our scrape in process, no HTTP: read, families and rendering, CPU per scrape; the least of batches,
+# the figure least moved by what else the machine runs.
+_SCRAPE_CHILD = """
+import json, sys, time
+from mig_exporter.metrics.exposition import render
+from mig_exporter.metrics.scrape import Scraper
+from mig_exporter.sources.nvml import NvmlSource
+reps, batches = int(sys.argv[1]), int(sys.argv[2])
+scraper = Scraper(NvmlSource())
+for _ in range(3):
+    render(scraper.families(), None)
+best = []
+for _ in range(batches):
+    c = time.process_time_ns()
+    for _ in range(reps):
+        render(scraper.families(), None)
+    best.append((time.process_time_ns() - c) / reps / 1e6)
+print(json.dumps({"scrape_cpu_ms": min(best)}))
 """
 
 
@@ -209,13 +254,68 @@ def measure(quick: bool, figures: dict[str, float] | None = None) -> str:
     return "\n".join(lines)
 
 
+TARGET_HEALTH_SHARE = 0.15  # issue 37: health may add at most 15% to the NVML path's CPU per scrape
+
+
+def measure_health_cost(quick: bool, rounds: int, figures: dict[str, float] | None = None) -> str:
+    """big-mig's CPU per scrape and per read with card health and without it, taking turns."""
+    figures = {} if figures is None else figures
+    library = build()
+    reps, warmup = (3, 1) if quick else (100, 3)
+    runs: dict[str, dict[str, list[float]]] = {mode: {"cpu": [], "read": [], "in_process": []}
+                                               for mode in ("with", "without")}
+    with tempfile.TemporaryDirectory(prefix="mig-bench-nvml-health-") as tmp:
+        path = write_scenario(Path(tmp) / "big-mig.txt", scenarios.nvml_scenario(BIG_MIG))
+        site = Path(tmp) / "site"
+        site.mkdir()
+        envs = {"with": environment(library, path), "without": _without_health(environment(library, path), site)}
+        for i in range(rounds):
+            for mode in (("with", "without") if i % 2 == 0 else ("without", "with")):
+                runs[mode]["cpu"].append(measure_ours(BIG_MIG, envs[mode], library, reps, warmup)["cpu_per_scrape_ms"])
+                runs[mode]["read"].append(measure_read(envs[mode], reps, warmup)["read_cpu_ms"])
+                result = subprocess.run([sys.executable, "-c", _SCRAPE_CHILD, str(reps), "5"],
+                                        env=_python_env(envs[mode]), capture_output=True, text=True, timeout=600)
+                if result.returncode != 0:
+                    raise RuntimeError(f"the in-process scrape failed: {result.stderr[-2000:]}")
+                runs[mode]["in_process"].append(json.loads(result.stdout.strip().splitlines()[-1])["scrape_cpu_ms"])
+    medians = {f"{mode}.{k}": statistics.median(v) for mode, by in runs.items() for k, v in by.items()}
+    share = medians["with.cpu"] / medians["without.cpu"] - 1
+    least = {mode: min(runs[mode]["in_process"]) for mode in runs}
+    in_process = least["with"] / least["without"] - 1
+    figures["big-mig.health.in_process_share"] = in_process
+    figures.update({f"big-mig.health.{k}": v for k, v in medians.items()}, **{"big-mig.health.share": share})
+    load = os.getloadavg()
+    cells = {mode: " ".join(f"{v:.2f}" for v in runs[mode]["cpu"]) for mode in runs}
+    return "\n".join([
+        f"Card health on the NVML path, big-mig through the C fake libnvidia-ml (ms; {rounds} rounds taking turns, "
+        f"{reps} scrapes each; medians; load {load[0]:.2f})" + ("; QUICK MODE" if quick else ""),
+        "",
+        "| figure | without health | with health | change |",
+        "|---|---:|---:|---:|",
+        f"| server CPU per scrape | {medians['without.cpu']:.2f} | {medians['with.cpu']:.2f} | {share:+.1%} |",
+        f"| NVML read CPU (`_read_now`) | {medians['without.read']:.2f} | {medians['with.read']:.2f} | "
+        f"{medians['with.read'] - medians['without.read']:+.2f} ms |",
+        f"| scrape CPU in process, least of all batches (read, families, render) | {least['without']:.2f} | "
+        f"{least['with']:.2f} | {in_process:+.1%} |",
+        "",
+        f"rounds, server CPU per scrape: without {cells['without']}; with {cells['with']}",
+        f"target: health adds <= {TARGET_HEALTH_SHARE:.0%}: {'PASS' if share <= TARGET_HEALTH_SHARE else 'MISS'}",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON after the table")
+    parser.add_argument("--health-cost", action="store_true",
+                        help="big-mig with and without card health, taking turns (issue 37's 15%%)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of --health-cost (default 6)")
     args = parser.parse_args(argv)
     figures: dict[str, float] = {}
-    print(measure(args.quick, figures))
+    if args.health_cost:
+        print(measure_health_cost(args.quick, args.rounds, figures))
+    else:
+        print(measure(args.quick, figures))
     if args.json:
         print(json.dumps(figures, indent=1, sort_keys=True))
     return 0

@@ -182,6 +182,11 @@ def _template() -> tuple[etree._Element, etree._Element]:
     return root, gpu
 
 
+def _serial(card: _Card) -> str:
+    """The card's board serial, 13 digits as NVIDIA's: ``<serial>`` in the XML, nvmlDeviceGetSerial in NVML."""
+    return f"16541230{card.index:05d}"
+
+
 def query_xml(shape: Shape) -> bytes:
     """``nvidia-smi -q -x`` for the shape, tab-indented as nvidia-smi writes it."""
     root, template = _template()
@@ -202,7 +207,7 @@ def query_xml(shape: Shape) -> bytes:
         bus = card.pci_bus_id.split(":")[1]
         _set(gpu, "mig_mode/current_mig", "Enabled" if card.mig else "Disabled")
         _set(gpu, "mig_mode/pending_mig", "Enabled" if card.mig else "Disabled")
-        _set(gpu, "serial", f"16541230{card.index:05d}")
+        _set(gpu, "serial", _serial(card))
         _set(gpu, "uuid", card.uuid)
         _set(gpu, "minor_number", str(card.index))
         _set(gpu, "board_id", f"0x{bus}00")
@@ -298,6 +303,7 @@ def nvml_scenario(shape: Shape) -> FakeNvmlScenario:
             **H100,
             uuid=card.uuid,
             pci_bus_id=card.pci_bus_id,
+            serial=_serial(card),
             memory=_memory(CARD_TOTAL_MIB, CARD_RESERVED_MIB, card.used_mib),
             mig_mode=(card.mig, card.mig),
             temperature_c=card.temperature_c,

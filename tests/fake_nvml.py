@@ -29,7 +29,11 @@ Knobs, all on the frozen dataclasses below: per card or per MIG instance
 call that takes the card's handle or one of its MIG handles), scenario-wide
 ``system_errors`` (calls without a device handle), ``init_error``,
 ``missing_functions`` (an older driver; see ``OLD_DRIVER_MISSING``) and
-``r535_struct_mismatch``; per card ``health=FakeHealth(...)`` (heat, power and wear; its
+``r535_struct_mismatch``; ``driver_version`` also picks the header whose field ids
+nvmlDeviceGetFieldValues answers (``FAKE_FIELD_IDS``: 570's has no thermal clock-event counters,
+575's and 580.65's have them at 251-253, 580.82's (CUDA 13.0 Update 1) and 590's at 269-271), and ``nvml_version`` what
+nvmlSystemGetNVMLVersion says (by default CUDA's major version, then ``driver_version``); per card
+``serial`` and ``health=FakeHealth(...)`` (heat, power and wear; its
 ``field_errors`` fail single fields inside a successful nvmlDeviceGetFieldValues) and per MIG
 instance ``sram_uncorrectable_volatile``. ``FakeNvml.set_scenario`` swaps the data under a
 running exporter (a card lost between two scrapes, a driver reload).
@@ -48,6 +52,7 @@ function (``_nvmlDeviceGetIndex`` etc.).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -153,13 +158,17 @@ class FakeSramStatus:
 @dataclass(frozen=True)
 class FakeHealth:
     """A card's heat, power and wear, as NVML answers them. ``None`` (or a missing key) answers
-    NVML_ERROR_NOT_SUPPORTED. Keys are pynvml's own constants (field ids, thresholds, clocks,
-    memory locations), never numbers written here: NVML's field ids moved between releases.
+    NVML_ERROR_NOT_SUPPORTED. Keys of the enums that never moved (thresholds, clocks, memory
+    locations) are pynvml's constants; field ids are not, as they moved between headers.
 
-    - ``fields``: nvmlDeviceGetFieldValues, by field id (``NVML_FI_DEV_MEMORY_TEMP``,
-      ``NVML_FI_DEV_CLOCKS_EVENT_REASON_*`` in ns, ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``,
-      ``NVML_FI_DEV_PCIE_REPLAY_COUNTER``, ``NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION`` in mJ);
-      the single calls that give the same values answer from here too;
+    - ``fields``: nvmlDeviceGetFieldValues, by NVML's NAME of the field (``"NVML_FI_DEV_MEMORY_TEMP"``,
+      ``"NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN"`` in ns, ``"NVML_FI_PWR_SMOOTHING_ENABLED"``,
+      ``"NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"``, ``"NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"`` in mJ...):
+      the scenario's driver answers each at the id ITS header gives that name (``FAKE_FIELD_IDS``),
+      and a name its header lacks at none. The single calls that give the same values answer from
+      here too, and the fields that repeat a single call (ECC mode and DRAM counts, retired pages,
+      remapped rows, the enforced and requested power limits) answer from that call's value
+      (``field_answers``);
     - ``thresholds_c``: nvmlDeviceGetTemperatureThreshold, by ``NVML_TEMPERATURE_THRESHOLD_*``;
     - ``clocks_mhz``/``max_clocks_mhz``: nvmlDeviceGetClockInfo/GetMaxClockInfo, by ``NVML_CLOCK_*``;
     - ``power_limits_mw``: enforced, management (requested), default, min, max;
@@ -168,10 +177,13 @@ class FakeHealth:
     - ``remapped_rows``: (correctable, uncorrectable, pending, failure);
     - ``remapper_histogram``: (max, high, partial, low, none) banks;
     - ``retired_pages``: page addresses by ``NVML_PAGE_RETIREMENT_CAUSE_*``;
-    - ``repair_pending``: (channel, tpc), nvmlDeviceGetRepairStatus (590+).
+    - ``repair_pending``: (channel, tpc), nvmlDeviceGetRepairStatus (590+);
+    - ``unrepairable_memory``: nvmlDeviceGetUnrepairableMemoryFlag_v1 (590+);
+    - ``pcie_link``: (current generation, max generation, current width, max width), the four
+      nvmlDeviceGet{Curr,Max}PcieLink{Generation,Width} calls.
     """
 
-    fields: Mapping[int, int] = field(default_factory=dict)
+    fields: Mapping[str, int] = field(default_factory=dict)
     margin_c: int | None = None
     thresholds_c: Mapping[int, int] = field(default_factory=dict)
     clocks_event_reasons: int | None = None  # the active bitmask
@@ -189,8 +201,11 @@ class FakeHealth:
     retired_pages: Mapping[int, tuple[int, ...]] | None = None
     retired_pending: bool | None = None
     repair_pending: tuple[bool, bool] | None = None
-    # A field's own nvmlReturn inside a successful nvmlDeviceGetFieldValues call, over ``fields``.
-    field_errors: Mapping[int, int] = field(default_factory=dict)
+    unrepairable_memory: bool | None = None
+    pcie_link: tuple[int, int, int, int] | None = None
+    # A field's own nvmlReturn inside a successful nvmlDeviceGetFieldValues call, over ``fields``:
+    # by NVML's name (at the id of the driver's header), or by a raw id.
+    field_errors: Mapping[int | str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -241,6 +256,7 @@ class FakeCard:
     mig_devices: tuple[FakeMig, ...] = ()
     errors: Mapping[str, int] = field(default_factory=dict)
     health: FakeHealth = field(default_factory=FakeHealth)
+    serial: str | None = None  # nvmlDeviceGetSerial; None: NOT_SUPPORTED (a GeForce)
 
     def __post_init__(self) -> None:
         if (self.gpu_util_percent is None) != (self.memory_util_percent is None):
@@ -269,6 +285,12 @@ class FakeNvmlScenario:
     missing_functions: frozenset[str] = frozenset()
     r535_struct_mismatch: bool = False
     system_errors: Mapping[str, int] = field(default_factory=dict)  # calls without a device handle
+    # nvmlSystemGetNVMLVersion's answer; None: CUDA's major version, then driver_version ("12.570.86.15").
+    nvml_version: str | None = None
+
+    @property
+    def nvml_version_text(self) -> str:
+        return self.nvml_version or f"{self.cuda_version // 1000}.{self.driver_version}"
 
 
 # ---------------------------------------------------------------------------
@@ -364,6 +386,13 @@ _SIGNATURES: dict[str, tuple[tuple[Any, ...], Any]] = {
     "nvmlDeviceGetRetiredPages_v2": ((_P, c_uint, _P, _P, _P), c_int),
     "nvmlDeviceGetRetiredPagesPendingStatus": ((_P, _P), c_int),
     "nvmlDeviceGetRepairStatus": ((_P, _P), c_int),
+    "nvmlDeviceGetUnrepairableMemoryFlag_v1": ((_P, _P), c_int),
+    "nvmlDeviceGetCurrPcieLinkGeneration": ((_P, _P), c_int),
+    "nvmlDeviceGetMaxPcieLinkGeneration": ((_P, _P), c_int),
+    "nvmlDeviceGetCurrPcieLinkWidth": ((_P, _P), c_int),
+    "nvmlDeviceGetMaxPcieLinkWidth": ((_P, _P), c_int),
+    "nvmlDeviceGetSerial": ((_P, _P, c_uint), c_int),
+    "nvmlSystemGetNVMLVersion": ((_P, c_uint), c_int),
     # Readings our exporter does not take but nvitop-exporter does. Fixed answers, see
     # "other readings" below.
     "nvmlDeviceGetEncoderUtilization": ((_P, _P, _P), c_int),
@@ -380,19 +409,121 @@ for _kind in _PROCESS_LISTS:
 _FEWEST_ARGUMENTS = {"nvmlDeviceGetRetiredPages_v2": 4}
 # What nvmlDeviceGetMemoryErrorCounter answers on a MIG handle: its volatile uncorrectable SRAM errors.
 _OWN_ECC = (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC, pynvml.NVML_MEMORY_LOCATION_SRAM)
-# nvmlFieldValue_t.valueType of the fields the scenarios give; any other is an unsigned long long.
-_FIELD_TYPES = {
-    pynvml.NVML_FI_DEV_MEMORY_TEMP: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-    pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-    pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-    pynvml.NVML_FI_DEV_RESET_STATUS: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
-    pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS: pynvml.NVML_VALUE_TYPE_UNSIGNED_INT,
+# NVML's field ids, per driver branch, as each branch's nvml.h numbers them (NVIDIA's header as
+# NVIDIA/go-nvml keeps it, gen/nvml/nvml.h, and the nvidia-ml-py release of each branch), written
+# out here as numbers: never pynvml's constants (the installed binding's own release) nor
+# sources/nvml_header.py's table (the code under test), so that a mismatch shows.
+_IDS_535 = {
+    "NVML_FI_DEV_ECC_CURRENT": 1, "NVML_FI_DEV_ECC_PENDING": 2,
+    "NVML_FI_DEV_ECC_SBE_VOL_DEV": 11, "NVML_FI_DEV_ECC_DBE_VOL_DEV": 12,
+    "NVML_FI_DEV_ECC_SBE_AGG_DEV": 22, "NVML_FI_DEV_ECC_DBE_AGG_DEV": 23,
+    "NVML_FI_DEV_RETIRED_SBE": 29, "NVML_FI_DEV_RETIRED_DBE": 30, "NVML_FI_DEV_RETIRED_PENDING": 31,
+    "NVML_FI_DEV_PERF_POLICY_POWER": 74, "NVML_FI_DEV_PERF_POLICY_THERMAL": 75,
+    "NVML_FI_DEV_PERF_POLICY_SYNC_BOOST": 76,
+    "NVML_FI_DEV_MEMORY_TEMP": 82, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 83, "NVML_FI_DEV_PCIE_REPLAY_COUNTER": 94,
+    "NVML_FI_DEV_REMAPPED_COR": 142, "NVML_FI_DEV_REMAPPED_UNC": 143, "NVML_FI_DEV_REMAPPED_PENDING": 144,
+    "NVML_FI_DEV_REMAPPED_FAILURE": 145, "NVML_FI_DEV_POWER_MIN_LIMIT": 187, "NVML_FI_DEV_POWER_MAX_LIMIT": 188,
+    "NVML_FI_DEV_POWER_DEFAULT_LIMIT": 189, "NVML_FI_DEV_POWER_CURRENT_LIMIT": 190,
+    "NVML_FI_DEV_POWER_REQUESTED_LIMIT": 192,
 }
+_IDS_550 = {**_IDS_535, "NVML_FI_DEV_RESET_STATUS": 226, "NVML_FI_DEV_DRAIN_AND_RESET_STATUS": 227}
+_IDS_570 = {**_IDS_550, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION": 230,
+            # 251-268: power smoothing; no thermal clock-event counters in 570's header.
+            "NVML_FI_PWR_SMOOTHING_ENABLED": 251, "NVML_FI_PWR_SMOOTHING_PRIV_LVL": 252,
+            "NVML_FI_PWR_SMOOTHING_IMM_RAMP_DOWN_ENABLED": 253}
+_IDS_575 = {**_IDS_550, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION": 230,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 74, "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 76,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 251,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 252,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 253, "NVML_FI_PWR_SMOOTHING_ENABLED": 256}
+_IDS_590 = {**_IDS_550, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION": 230,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 74, "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 76,
+            "NVML_FI_PWR_SMOOTHING_ENABLED": 251, "NVML_FI_PWR_SMOOTHING_PRIV_LVL": 252,
+            "NVML_FI_PWR_SMOOTHING_IMM_RAMP_DOWN_ENABLED": 253,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 269,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 270,
+            "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 271}
+# Driver branch -> its header's ids; a driver is answered with the newest branch at or below its own
+# (older than 535: 535's).
+# By (branch, release): 580.82 renumbered the counters within its branch (NVML's known issues:
+# "changed between 13.0 and 13.0U1/v580TRD2").
+FAKE_FIELD_IDS: dict[tuple[int, int], dict[str, int]] = {
+    (535, 0): _IDS_535, (550, 0): _IDS_550, (555, 0): _IDS_535, (560, 0): _IDS_550, (570, 0): _IDS_570,
+    (575, 0): _IDS_575, (580, 0): _IDS_575, (580, 82): _IDS_590,
+    (590, 0): _IDS_590, (595, 0): _IDS_590, (610, 0): _IDS_590, (615, 0): _IDS_590,
+}
+# nvmlFieldValue_t.valueType (nvml.h's nvmlValueType_t: 1 unsigned int, 3 unsigned long long) of
+# the fields the scenarios give; any other is an unsigned long long.
+VALUE_UINT, VALUE_ULL = 1, 3
+_UINT_FIELDS = frozenset({
+    "NVML_FI_DEV_MEMORY_TEMP", "NVML_FI_DEV_PCIE_REPLAY_COUNTER", "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION",
+    "NVML_FI_DEV_RESET_STATUS", "NVML_FI_DEV_DRAIN_AND_RESET_STATUS", "NVML_FI_DEV_ECC_CURRENT",
+    "NVML_FI_DEV_ECC_PENDING", "NVML_FI_DEV_RETIRED_PENDING", "NVML_FI_DEV_REMAPPED_PENDING",
+    "NVML_FI_DEV_REMAPPED_FAILURE", "NVML_FI_DEV_POWER_CURRENT_LIMIT", "NVML_FI_DEV_POWER_REQUESTED_LIMIT",
+    "NVML_FI_PWR_SMOOTHING_ENABLED",
+})
+# Memory error types, counter types and the DRAM location, as nvml.h numbers them.
+_CORRECTED, _UNCORRECTED, _VOLATILE, _AGGREGATE, _DRAM_LOCATION = 0, 1, 0, 1, 2
+# Retirement causes: multiple single-bit errors, a double-bit error.
+_SBE_CAUSE, _DBE_CAUSE = 0, 1
+
+
+def fake_field_ids(driver_version: str) -> dict[str, int]:
+    """The field ids the header of ``driver_version``'s branch and release gives ("570.86.15": 570's,
+    "580.82.07": 580.82's)."""
+    parts = [int(p) for p in driver_version.split(".")[:2]]
+    release = (parts[0], parts[1] if len(parts) > 1 else 0)
+    return FAKE_FIELD_IDS[max((k for k in FAKE_FIELD_IDS if k <= release), default=min(FAKE_FIELD_IDS))]
+
+
+def _derived_fields(card: FakeCard) -> dict[str, int]:
+    """The fields that repeat a single call, from that call's value in the card's health."""
+    health = card.health
+    found: dict[str, int] = {}
+    if health.ecc_mode is not None:
+        found.update(NVML_FI_DEV_ECC_CURRENT=int(health.ecc_mode[0]), NVML_FI_DEV_ECC_PENDING=int(health.ecc_mode[1]))
+        if health.ecc_mode[0]:  # counted only while ECC is on, as nvmlDeviceGetMemoryErrorCounter
+            for name, key in (("SBE_VOL", (_CORRECTED, _VOLATILE)), ("DBE_VOL", (_UNCORRECTED, _VOLATILE)),
+                              ("SBE_AGG", (_CORRECTED, _AGGREGATE)), ("DBE_AGG", (_UNCORRECTED, _AGGREGATE))):
+                count = health.ecc_counts.get((*key, _DRAM_LOCATION))
+                if count is not None:
+                    found[f"NVML_FI_DEV_ECC_{name}_DEV"] = count
+    if health.retired_pages is not None:
+        found["NVML_FI_DEV_RETIRED_SBE"] = len(health.retired_pages.get(_SBE_CAUSE, ()))
+        found["NVML_FI_DEV_RETIRED_DBE"] = len(health.retired_pages.get(_DBE_CAUSE, ()))
+    if health.retired_pending is not None:
+        found["NVML_FI_DEV_RETIRED_PENDING"] = int(health.retired_pending)
+    if health.remapped_rows is not None and not card.mig_enabled:  # as GetRemappedRows: not in MIG mode
+        for name, value in zip(("COR", "UNC", "PENDING", "FAILURE"), health.remapped_rows, strict=True):
+            found[f"NVML_FI_DEV_REMAPPED_{name}"] = int(value)
+    enforced, requested = health.power_limits_mw[0], health.power_limits_mw[1]
+    if enforced is not None:
+        found["NVML_FI_DEV_POWER_CURRENT_LIMIT"] = enforced
+    if requested is not None:
+        found["NVML_FI_DEV_POWER_REQUESTED_LIMIT"] = requested
+    return found
+
+
+def field_answers(card: FakeCard, driver_version: str) -> dict[int, tuple[int, int | None, int]]:
+    """What nvmlDeviceGetFieldValues answers for each field id the card's driver knows:
+    ``id -> (nvmlReturn, value or None, valueType)``; an id not listed answers NOT_SUPPORTED."""
+    ids = fake_field_ids(driver_version)
+    values = {**_derived_fields(card), **card.health.fields}
+    found: dict[int, tuple[int, int | None, int]] = {
+        ids[name]: (NVML_SUCCESS, value, VALUE_UINT if name in _UINT_FIELDS else VALUE_ULL)
+        for name, value in values.items() if name in ids and value is not None}
+    for key, code in card.health.field_errors.items():
+        fid = ids.get(key) if isinstance(key, str) else key
+        if fid is not None:
+            found[fid] = (code, None, VALUE_ULL)
+    return found
+
 
 # Calls that name a device by handle in their first argument.
 _NO_HANDLE = frozenset({
     "nvmlInitWithFlags", "nvmlInit_v2", "nvmlShutdown", "nvmlErrorString", "nvmlSystemGetDriverVersion",
     "nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetProcessName",
+    "nvmlSystemGetNVMLVersion",
     "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2",
 })
 
@@ -630,6 +761,10 @@ class FakeNvml:
     def _nvmlSystemGetDriverVersion(self, buf: int | None, length: int) -> int:
         self._require_init("nvmlSystemGetDriverVersion")
         return _write_string(buf, length, self.scenario.driver_version)
+
+    def _nvmlSystemGetNVMLVersion(self, buf: int | None, length: int) -> int:
+        self._require_init("nvmlSystemGetNVMLVersion")
+        return _write_string(buf, length, self.scenario.nvml_version_text)
 
     def _nvmlSystemGetCudaDriverVersion(self, out: int | None) -> int:
         self._require_init("nvmlSystemGetCudaDriverVersion")
@@ -897,11 +1032,11 @@ class FakeNvml:
 
     def _nvmlDeviceGetTotalEnergyConsumption(self, handle: int | None, out: int | None) -> int:
         fields = self._health("nvmlDeviceGetTotalEnergyConsumption", handle).fields
-        return _write_uint(out, _given(fields.get(pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION)), c_ulonglong)
+        return _write_uint(out, _given(fields.get("NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION")), c_ulonglong)
 
     def _nvmlDeviceGetPcieReplayCounter(self, handle: int | None, out: int | None) -> int:
         fields = self._health("nvmlDeviceGetPcieReplayCounter", handle).fields
-        return _write_uint(out, _given(fields.get(pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER)))
+        return _write_uint(out, _given(fields.get("NVML_FI_DEV_PCIE_REPLAY_COUNTER")))
 
     def _nvmlDeviceGetEccMode(self, handle: int | None, current: int | None, pending: int | None) -> int:
         mode = _given(self._health("nvmlDeviceGetEccMode", handle).ecc_mode)
@@ -992,6 +1127,36 @@ class FakeNvml:
         status.bChannelRepairPending, status.bTpcRepairPending = int(pending[0]), int(pending[1])
         return NVML_SUCCESS
 
+    def _nvmlDeviceGetUnrepairableMemoryFlag_v1(self, handle: int | None, out: int | None) -> int:
+        # nvml.h (590+): nvmlUnrepairableMemory_v1_t {unsigned int version; unsigned int unrepairableMemory;},
+        # version NVML_STRUCT_VERSION(UnrepairableMemory, 1) = 8 | 1 << 24.
+        flag = _given(self._health("nvmlDeviceGetUnrepairableMemoryFlag_v1", handle).unrepairable_memory)
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        if c_uint.from_address(out).value != 0x1000008:
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        c_uint.from_address(out + 4).value = int(flag)
+        return NVML_SUCCESS
+
+    def _link(self, name: str, handle: int | None, out: int | None, which: int) -> int:
+        return _write_uint(out, _given(self._health(name, handle).pcie_link)[which])
+
+    def _nvmlDeviceGetCurrPcieLinkGeneration(self, handle: int | None, out: int | None) -> int:
+        return self._link("nvmlDeviceGetCurrPcieLinkGeneration", handle, out, 0)
+
+    def _nvmlDeviceGetMaxPcieLinkGeneration(self, handle: int | None, out: int | None) -> int:
+        return self._link("nvmlDeviceGetMaxPcieLinkGeneration", handle, out, 1)
+
+    def _nvmlDeviceGetCurrPcieLinkWidth(self, handle: int | None, out: int | None) -> int:
+        return self._link("nvmlDeviceGetCurrPcieLinkWidth", handle, out, 2)
+
+    def _nvmlDeviceGetMaxPcieLinkWidth(self, handle: int | None, out: int | None) -> int:
+        return self._link("nvmlDeviceGetMaxPcieLinkWidth", handle, out, 3)
+
+    def _nvmlDeviceGetSerial(self, handle: int | None, buf: int | None, length: int) -> int:
+        t = self._device("nvmlDeviceGetSerial", handle)
+        return _write_string(buf, length, _given(t.card.serial))  # a MIG handle answers its card's
+
     # -- other readings ---------------------------------------------------
     # The fake's choices: every card answers the same H100-like values; a MIG
     # handle answers NVML_ERROR_NOT_SUPPORTED, as for temperature and power.
@@ -1021,19 +1186,18 @@ class FakeNvml:
         return _write_uint(out, self._PCIE_KB_PER_S[counter])
 
     def _nvmlDeviceGetFieldValues(self, handle: int | None, count: int, values: int | None) -> int:
-        # The call succeeds and each field carries its own answer, from FakeCard.health; a MIG
-        # handle supports none.
+        # The call succeeds and each field carries its own answer, at the ids of the scenario's
+        # driver's header (field_answers); a MIG handle supports none.
         t = self._device("nvmlDeviceGetFieldValues", handle)
         if values is None or count <= 0:
             return NVML_ERROR_INVALID_ARGUMENT
-        health = FakeHealth() if t.mig else t.card.health
+        answers = {} if t.mig else field_answers(t.card, self.scenario.driver_version)
         for entry in (pynvml.c_nvmlFieldValue_t * count).from_address(values):
-            value = health.fields.get(entry.fieldId)
-            entry.nvmlReturn = health.field_errors.get(
-                entry.fieldId, NVML_ERROR_NOT_SUPPORTED if value is None else NVML_SUCCESS)
-            if entry.nvmlReturn == NVML_SUCCESS:
-                entry.valueType = _FIELD_TYPES.get(entry.fieldId, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)
-                if entry.valueType == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+            code, value, kind = answers.get(entry.fieldId, (NVML_ERROR_NOT_SUPPORTED, None, VALUE_ULL))
+            entry.nvmlReturn = code
+            if code == NVML_SUCCESS:
+                entry.valueType = kind
+                if kind == VALUE_UINT:
                     entry.value.uiVal = value
                 else:
                     entry.value.ullVal = value
@@ -1290,12 +1454,12 @@ def _fixture_health(*, memory_c: int | None, limits_w: tuple[int, int, int, int,
     recommended (gpu_reset_status), unless ``more`` says otherwise. The 550 fixtures' XML has no
     clock-event counters, recovery action, SRAM status, repair status or margin: NVML answers
     NOT_SUPPORTED there. The energy is NVML's alone (nvidia-smi -q -x has none)."""
-    fields = {pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: 0, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: energy_j * 1000,
-              pynvml.NVML_FI_DEV_RESET_STATUS: 0}
+    fields = {"NVML_FI_DEV_PCIE_REPLAY_COUNTER": 0, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": energy_j * 1000,
+              "NVML_FI_DEV_RESET_STATUS": 0}
     if drain_flag:  # drain_and_reset_recommended N/A where False
-        fields[pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS] = 0
+        fields["NVML_FI_DEV_DRAIN_AND_RESET_STATUS"] = 0
     if memory_c is not None:
-        fields[pynvml.NVML_FI_DEV_MEMORY_TEMP] = memory_c
+        fields["NVML_FI_DEV_MEMORY_TEMP"] = memory_c
     values: dict[str, Any] = dict(
         fields=fields, thresholds_c=thresholds, clocks_event_reasons=0,
         supported_clocks_event_reasons=ALL_CLOCK_EVENT_REASONS, performance_state=0, clocks_mhz=clocks,
@@ -1332,8 +1496,8 @@ def _hopper(memory_c: int, margin_c: int, memory_mhz: int, energy_j: int) -> Fak
 def h100_fixture_health() -> FakeHealth:
     """The health of h100-mig-processes.xml's card, for machines built from that XML (benchmarks/), less
     the energy: their snapshots are compared value for value with the XML's, which has none."""
-    health = _hopper(61, 35, 2619, 0)
-    energy = pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION
+    health = replace(_hopper(61, 35, 2619, 0), pcie_link=_FIXTURE_BOARDS["GPU-0e9558c1-530a-493a-fbb8-b64cb580fac2"][1])
+    energy = "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"
     return replace(health, fields={k: v for k, v in health.fields.items() if k != energy})
 
 
@@ -1343,16 +1507,56 @@ H100 = dict(name="NVIDIA H100 80GB HBM3", pci_device_id=0x233010DE, pci_subsyste
 H200 = dict(name="NVIDIA H200", pci_device_id=0x233510DE, pci_subsystem_id=0x18BE10DE)
 
 
+# Each fixture card's board serial and PCIe link (current generation, max generation, current
+# width, max width), as its nvidia-smi capture gives them (serial, pci/pci_gpu_link_info), by UUID.
+_FIXTURE_BOARDS: dict[str, tuple[str, tuple[int, int, int, int]]] = {
+    "GPU-a84bba07-931d-b925-306a-0799dc6ebd71": ("1653922034781", (4, 4, 16, 16)),  # demo
+    "GPU-975dcb6d-e070-3b4a-b7ed-013e50181d96": ("1653922034512", (4, 4, 4, 16)),  # demo: a link at x4 of x16
+    "GPU-0e9558c1-530a-493a-fbb8-b64cb580fac2": ("1654123056789", (5, 5, 16, 16)),  # h100-mig-processes
+    "GPU-68c6414c-e9da-201e-0c0d-1a0dc00f0e71": ("1655024011872", (5, 5, 16, 16)),  # h200-shared-gpu-instance
+    "GPU-d21b54fa-8973-381f-412a-0a4f9fa42335": ("1324321002518", (4, 4, 16, 16)),  # a100-mig-nothing-carved
+    "GPU-0b233931-da53-f50a-0be5-2d057e0bd04a": ("1324321002764", (4, 4, 16, 16)),
+    "GPU-2e2425ba-9682-1709-05f4-ec5a399fc47f": ("1653922035104", (4, 4, 16, 16)),  # a100-mig-pending
+    "GPU-5edbada5-14e2-87ba-0547-69ba41cbb44f": ("1322021045367", (4, 4, 16, 16)),  # na-memory
+    "GPU-07539038-7071-2d5f-63ad-fa395d6cff31": ("1563120043211", (1, 3, 16, 16)),  # na-memory: idle at gen 1
+}
+
+
+def _with_boards(build: Callable[[], FakeNvmlScenario]) -> Callable[[], FakeNvmlScenario]:
+    """``build``'s scenario with each fixture card's serial and PCIe link (``_FIXTURE_BOARDS``)."""
+    @functools.wraps(build)
+    def built() -> FakeNvmlScenario:
+        scenario = build()
+        cards = []
+        for card in scenario.cards:
+            board = _FIXTURE_BOARDS.get(card.uuid)
+            if board is not None:
+                card = replace(card, serial=board[0], health=replace(card.health, pcie_link=board[1]))
+            cards.append(card)
+        return replace(scenario, cards=tuple(cards))
+    return built
+
+
+def _counters(health: FakeHealth, **ns: int) -> FakeHealth:
+    """``health`` with the five clock-event counters of a 575+ header (ns; 0 unless ``ns`` names them)."""
+    names = ("SW_POWER_CAP", "SYNC_BOOST", "SW_THERM_SLOWDOWN", "HW_THERM_SLOWDOWN", "HW_POWER_BRAKE_SLOWDOWN")
+    counters = {f"NVML_FI_DEV_CLOCKS_EVENT_REASON_{name}": ns.get(name, 0) for name in names}
+    return replace(health, fields={**health.fields, **counters})
+
+
+@_with_boards
 def demo() -> FakeNvmlScenario:
-    """src/mig_exporter/samples/demo.xml + demo.L.txt: one A100 in MIG mode, one whole A100."""
+    """src/mig_exporter/samples/demo.xml + demo.L.txt (a 575 driver, with the clock-event counters):
+    one A100 in MIG mode, one whole A100 with 8.4 s of power brake behind it, at a 38 °C margin."""
     return FakeNvmlScenario(
-        driver_version="550.90.07",
-        cuda_version=12040,
+        driver_version="575.57.08",
+        cuda_version=12090,
         cards=(
             FakeCard(
                 **A100_80GB,
                 uuid="GPU-a84bba07-931d-b925-306a-0799dc6ebd71",
-                health=_a100(41, 1593, 5_210_333, ecc_counts=_sram_dram((0, 1, 0, 0), (0, 1, 0, 0))),
+                health=_counters(_a100(41, 1593, 5_210_333, ecc_counts=_sram_dram((0, 1, 0, 0), (0, 1, 0, 0)),
+                                       clocks_event_reasons=pynvml.nvmlClocksEventReasonGpuIdle)),
                 pci_bus_id="00000000:07:00.0",
                 memory=_mem(81920, 562, 20971, 60387),
                 mig_mode=(True, True),
@@ -1372,8 +1576,10 @@ def demo() -> FakeNvmlScenario:
             FakeCard(
                 **A100_80GB,
                 uuid="GPU-975dcb6d-e070-3b4a-b7ed-013e50181d96",
-                health=_a100(58, 1593, 18_602_915, ecc_counts=_sram_dram((0, 0, 0, 1), (0, 0, 0, 1)),
-                              remapped_rows=(0, 1, True, False), remapper_histogram=(639, 1, 0, 0, 0)),
+                health=_counters(_a100(58, 1593, 18_602_915, ecc_counts=_sram_dram((0, 0, 0, 1), (0, 0, 0, 1)),
+                                       remapped_rows=(0, 1, True, False), remapper_histogram=(639, 1, 0, 0, 0),
+                                       margin_c=38),
+                                 SW_POWER_CAP=1_843_200_000, HW_POWER_BRAKE_SLOWDOWN=8_412_000_000),
                 pci_bus_id="00000000:0F:00.0",
                 memory=_mem(81920, 562, 22110, 59248),
                 mig_mode=(False, False),
@@ -1394,6 +1600,7 @@ def demo() -> FakeNvmlScenario:
     )
 
 
+@_with_boards
 def h100_mig_processes() -> FakeNvmlScenario:
     """h100-mig-processes: one H100 in MIG mode, four instances, three processes."""
     return FakeNvmlScenario(
@@ -1427,6 +1634,7 @@ def h100_mig_processes() -> FakeNvmlScenario:
     )
 
 
+@_with_boards
 def h200_shared_gpu_instance() -> FakeNvmlScenario:
     """h200-shared-gpu-instance: MIG devices 0 and 1 are two compute instances of GPU instance 1."""
     gi1 = _mem(71424, 0, 30210, 41214)  # both compute instances report the whole GPU instance
@@ -1465,6 +1673,7 @@ def h200_shared_gpu_instance() -> FakeNvmlScenario:
     )
 
 
+@_with_boards
 def a100_mig_nothing_carved() -> FakeNvmlScenario:
     """a100-mig-nothing-carved: card 0 in MIG mode with no instance, card 1 with one 7g.40gb."""
     return FakeNvmlScenario(
@@ -1503,6 +1712,7 @@ def a100_mig_nothing_carved() -> FakeNvmlScenario:
     )
 
 
+@_with_boards
 def a100_mig_pending() -> FakeNvmlScenario:
     """a100-mig-pending: MIG current Disabled, pending Enabled; a whole card with utilisation."""
     return FakeNvmlScenario(
@@ -1528,6 +1738,7 @@ def a100_mig_pending() -> FakeNvmlScenario:
     )
 
 
+@_with_boards
 def na_memory() -> FakeNvmlScenario:
     """na-memory: an A10G that reports nothing (N/A everywhere) and a T4 without MIG support."""
     return FakeNvmlScenario(
@@ -1687,7 +1898,7 @@ def pascal_page_retirement() -> FakeNvmlScenario:
         for error, values in zip(_ECC, (single, double), strict=True):
             ecc.update({(error, scope, location): n for location, n in zip(_OLDER_LOCATIONS, values, strict=True)})
     health = FakeHealth(
-        fields={pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: 7, pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: 912_345_678},
+        fields={"NVML_FI_DEV_PCIE_REPLAY_COUNTER": 7, "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 912_345_678},
         thresholds_c=_thresholds(85, 82, 80, None), clocks_event_reasons=pynvml.nvmlClocksThrottleReasonSwPowerCap,
         supported_clocks_event_reasons=ALL_CLOCK_EVENT_REASONS & ~pynvml.nvmlClocksThrottleReasonSyncBoost
         & ~pynvml.nvmlClocksThrottleReasonDisplayClockSetting,
@@ -1709,21 +1920,22 @@ def pascal_page_retirement() -> FakeNvmlScenario:
 
 
 def h100_r570_sram_split() -> FakeNvmlScenario:
-    """An H100 (whole card) on a 570 driver with the SRAM status split into parity and SEC-DED past its
-    threshold, a drain-and-reset advice, clocks held by the power cap, the clock-event counters, a TPC
-    repair pending (590+'s call) and two remapped rows."""
+    """An H100 (whole card) on a 575 driver (the first whose header has the thermal clock-event
+    counters, at 251-253) with 570's SRAM status split into parity and SEC-DED past its threshold, a
+    drain-and-reset advice (4), clocks held by the power cap, the clock-event counters, a TPC repair
+    pending (590+'s call) and two remapped rows."""
     sram = FakeSramStatus(volatile_parity=2, volatile_secded=1, volatile_correctable=5, aggregate_parity=3,
                           aggregate_secded=2, aggregate_correctable=9, threshold_exceeded=True)
     health = FakeHealth(
-        fields={pynvml.NVML_FI_DEV_MEMORY_TEMP: 71, pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER: 2,
-                pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: 4_200_000_123,
-                pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET,
-                pynvml.NVML_FI_DEV_RESET_STATUS: 0, pynvml.NVML_FI_DEV_DRAIN_AND_RESET_STATUS: 0,
-                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP: 1_500_000_000,
-                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST: 0,
-                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN: 250_000_000,
-                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN: 0,
-                pynvml.NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN: 0},
+        fields={"NVML_FI_DEV_MEMORY_TEMP": 71, "NVML_FI_DEV_PCIE_REPLAY_COUNTER": 2,
+                "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 4_200_000_123,
+                "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION": 4,
+                "NVML_FI_DEV_RESET_STATUS": 0, "NVML_FI_DEV_DRAIN_AND_RESET_STATUS": 0,
+                "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_POWER_CAP": 1_500_000_000,
+                "NVML_FI_DEV_CLOCKS_EVENT_REASON_SYNC_BOOST": 0,
+                "NVML_FI_DEV_CLOCKS_EVENT_REASON_SW_THERM_SLOWDOWN": 250_000_000,
+                "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_THERM_SLOWDOWN": 0,
+                "NVML_FI_DEV_CLOCKS_EVENT_REASON_HW_POWER_BRAKE_SLOWDOWN": 0},
         margin_c=3, thresholds_c={**HOPPER_THRESHOLDS, pynvml.NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_CURR: 83},
         clocks_event_reasons=pynvml.nvmlClocksEventReasonSwPowerCap,
         supported_clocks_event_reasons=ALL_CLOCK_EVENT_REASONS, performance_state=0,
@@ -1732,8 +1944,8 @@ def h100_r570_sram_split() -> FakeNvmlScenario:
         ecc_counts=_sram_dram((5, 3, 1, 0), (9, 5, 4, 0)), sram=sram, remapped_rows=(2, 0, False, False),
         remapper_histogram=(638, 2, 0, 0, 0), repair_pending=(False, True))
     return FakeNvmlScenario(
-        driver_version="570.86.15",
-        cuda_version=12080,
+        driver_version="575.57.08",
+        cuda_version=12090,
         cards=(FakeCard(**H100, uuid="GPU-1d7e3c90-8b2a-4f61-a5c3-9e0f2b4d6a88", pci_bus_id="00000000:9A:00.0",
                         memory=_mem(81559, 479, 60211, 20869), mig_mode=(False, False), temperature_c=80,
                         power_mw=648_900, gpu_util_percent=100, memory_util_percent=64, health=health),),

@@ -24,9 +24,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-import pynvml
-
-from fake_nvml import _FIELD_TYPES, FakeCard, FakeHealth, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess
+from fake_nvml import FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess, field_answers
 
 SOURCE_DIR = Path(__file__).resolve().parent / "fake_libnvml"
 SONAME = "libnvidia-ml.so.1"
@@ -95,11 +93,13 @@ def _optional(value: int | bool | None) -> str:
     return "-" if value is None else str(int(value))
 
 
-def _health(health: FakeHealth) -> list[str]:
-    """A card's FakeHealth as scenario lines; what it leaves None gets no line (NOT_SUPPORTED)."""
-    lines = [f"field {fid} {_FIELD_TYPES.get(fid, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG)} {value}"
-             for fid, value in health.fields.items()]
-    lines += [f"field_error {fid} {code}" for fid, code in health.field_errors.items()]
+def _health(card: FakeCard, driver_version: str) -> list[str]:
+    """A card's FakeHealth as scenario lines; what it leaves None gets no line (NOT_SUPPORTED). Its
+    fields go at the ids of ``driver_version``'s header, as the Python fake answers them
+    (``field_answers``), the library itself knowing no field's name."""
+    health = card.health
+    lines = [f"field {fid} {kind} {value}" if value is not None else f"field_error {fid} {code}"
+             for fid, (code, value, kind) in field_answers(card, driver_version).items()]
     if health.margin_c is not None:
         lines.append(f"margin {health.margin_c}")
     lines += [f"threshold {kind} {c}" for kind, c in health.thresholds_c.items()]
@@ -134,6 +134,12 @@ def _health(health: FakeHealth) -> list[str]:
         lines.append(f"retired_pending {int(health.retired_pending)}")
     if health.repair_pending is not None:
         lines.append(f"repair {int(health.repair_pending[0])} {int(health.repair_pending[1])}")
+    if health.unrepairable_memory is not None:
+        lines.append(f"unrepairable {int(health.unrepairable_memory)}")
+    if health.pcie_link is not None:
+        lines.append("pcie_link " + " ".join(map(str, health.pcie_link)))
+    if card.serial is not None:
+        lines.append(f"serial {_text(card.serial)}")
     return [line.rstrip() for line in lines]
 
 
@@ -154,7 +160,8 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
         # A shared object's symbols are fixed at build time; the Python fake covers this.
         raise ValueError("the C fake libnvidia-ml cannot leave functions out (missing_functions)")
     lines = ["# fake libnvidia-ml scenario, written by tests/fake_nvml_c.py",
-             f"driver {_text(scenario.driver_version)}", f"cuda {scenario.cuda_version}"]
+             f"driver {_text(scenario.driver_version)}", f"cuda {scenario.cuda_version}",
+             f"nvml_version {_text(scenario.nvml_version_text)}"]
     if scenario.init_error is not None:
         lines.append(f"init_error {scenario.init_error}")
     if scenario.r535_struct_mismatch:
@@ -176,7 +183,7 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
             lines.append(f"power {card.power_mw}")
         if card.gpu_util_percent is not None:
             lines.append(f"utilization {card.gpu_util_percent} {card.memory_util_percent}")
-        lines += _health(card.health) + _device(card.errors, card)
+        lines += _health(card, scenario.driver_version) + _device(card.errors, card)
         if (index, None) in grow:
             lines.append(f"grow C {grow.pop((index, None))}")
         for mig in card.mig_devices:

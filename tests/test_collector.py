@@ -73,7 +73,8 @@ def test_mig_node_series():
     assert get("mig_exporter_card_power_draw_watts", {"card": "0"}) == 432.17
     assert get("mig_exporter_card_info", {
         "card": "0", "uuid": "GPU-0e9558c1-530a-493a-fbb8-b64cb580fac2", "name": "NVIDIA H100 80GB HBM3",
-        "pci_bus_id": "00000000:19:00.0", "driver_version": "550.90.07", "cuda_version": "12.4"}) == 1
+        "pci_bus_id": "00000000:19:00.0", "serial": "1654123056789", "driver_version": "550.90.07",
+        "cuda_version": "12.4"}) == 1
     assert get("mig_exporter_card_read_success", {"card": "0"}) == 1
     assert get("mig_exporter_read_success", {"source": "nvidia-smi"}) == 1
     assert get("mig_exporter_read_errors_total", {"source": "nvidia-smi"}) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -24,6 +25,7 @@ from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.model.health import XidSeen
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.sources.demo import DemoProcs, DemoSource
+from mig_exporter.sources.kmsg import KmsgReader
 from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.web.probe import Prober, ProbeResult
 from proc_tree import CONTAINER_NS, make_proc
@@ -104,6 +106,9 @@ def _emitted(tmp_path, kubelet, nvml_snapshots) -> dict[str, tuple[str, set[str]
     xids = Scraper(_Source(scenario("h100-mig-processes"), name="nvml"))
     xids.xids = _Xids()  # type: ignore[assignment]
     scrapers.append(xids)
+    kernel_log = Scraper(DemoSource())  # the kernel's XID lines, as --demo reads them
+    kernel_log.kmsg = KmsgReader(str(REPO / "src" / "mig_exporter" / "samples" / "demo-kmsg.txt"))
+    scrapers.append(kernel_log)
     families = [f for scraper in scrapers for f in scraper.families()]
     # A whole /metrics answer: the scrape's families, then what it costs (mig_exporter_scrape_series).
     families += Exporter(Scraper(DemoSource())).answer(Deadline.after(30)).families
@@ -129,8 +134,13 @@ def nvml_snapshots(fake_nvml_lib):
     """The NVML-only scenarios read through the real pynvml over the fake libnvidia-ml: the
     energy counter and the MIG instances' own ECC count are NVML's."""
     snapshots = []
-    for fake in (fake_nvml_scenarios.demo(), fake_nvml_scenarios.pascal_page_retirement(),
-                 fake_nvml_scenarios.h100_r570_sram_split()):
+    # A 590 driver's H100, which answers whether it has unrepairable memory, and a card lost.
+    h100 = fake_nvml_scenarios.h100_r570_sram_split()
+    (card,) = h100.cards
+    on_590 = dataclasses.replace(h100, driver_version="590.44.01", cards=(
+        dataclasses.replace(card, health=dataclasses.replace(card.health, unrepairable_memory=False)),))
+    for fake in (fake_nvml_scenarios.demo(), fake_nvml_scenarios.pascal_page_retirement(), h100, on_590,
+                 fake_nvml_scenarios.one_lost_one_no_permission()):
         fake_nvml_lib(fake)
         snapshots.append(NvmlSource().read())
     return snapshots

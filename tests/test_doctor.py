@@ -9,23 +9,26 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from conftest import fixture_bytes
-from fake_nvml import SCENARIOS, without_mig_monitor
+from conftest import FIXTURES, REPO, fixture_bytes
+from fake_nvml import SCENARIOS, FakeNvmlScenario, without_mig_monitor
 from mig_exporter.cli import cli
 from mig_exporter.doctor import (
+    NO_NVML_EVENTS,
     NO_XIDS_WITHOUT_NVML,
+    Comparison,
     PathReading,
     XidWatch,
     as_json,
     compare,
+    compare_paths,
     diagnose,
     render_text,
     timed_read,
     xid_watch,
 )
 from mig_exporter.model.capacity import GPU_ONLY, HostView
-from mig_exporter.model.health import CardHealth, ClockReading, EccCount
-from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.model.health import CardHealth, ClockReading, EccCount, Verdict, grade
+from mig_exporter.model.snapshot import Card, Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.sources.nvidia_smi import NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
@@ -359,9 +362,10 @@ def test_an_unreadable_card_is_an_error_even_when_both_paths_read(fake_nvml_lib,
 
 def test_doctor_demo_shows_the_sample_and_its_card_that_needs_a_reset_without_a_gpu():
     """The sample's whole A100 (card 1) has a pending row remap: doctor --demo exits 3 for it, on
-    purpose, so the report shows what a card that needs a reset looks like. Card 0's instance
-    0/mig0 has an uncorrectable SRAM error (a warning), and card 0, in MIG mode, cannot report
-    its remapped rows. No NVML: no XIDs, and it says so."""
+    purpose, so the report shows what a card that needs a reset looks like (with its link at x4
+    of x16, a warning beside it, whose fix follows the reset's). Card 0's instance 0/mig0 has an
+    uncorrectable SRAM error (a warning), and card 0, in MIG mode, cannot report its remapped
+    rows. No NVML, but the demo's kernel log: its XIDs are seen, and no note says otherwise."""
     result = CliRunner().invoke(cli, ["doctor", "--demo"])
     assert result.exit_code == 3, result.output
     out = result.stdout
@@ -371,40 +375,54 @@ def test_doctor_demo_shows_the_sample_and_its_card_that_needs_a_reset_without_a_
             "11663 MiB used of 40192 MiB") in out
     assert "    pid 50102 G /usr/local/bin/llama-server 20480 MiB" in out
     assert ("  health: needs reset\n    - a row remap is pending: reset the card to apply it\n"
-            "    - 1 uncorrectable ECC error(s) since the driver loaded\n") in out
+            "    - 1 uncorrectable ECC error(s) since the driver loaded\n"
+            "    - PCIe link at x4 of x16\n") in out
     assert "  health: warning\n    - 1 uncorrectable ECC error(s) since the driver loaded\n" in out
     assert ("ERROR [card-needs-reset] card 1 (NVIDIA A100-SXM4-80GB) needs a reset: a row remap is pending: "
-            "reset the card to apply it; 1 uncorrectable ECC error(s) since the driver loaded") in out
-    assert "      fix: drain its workloads and reset it when idle (nvidia-smi -r -i 1)" in out
+            "reset the card to apply it; 1 uncorrectable ECC error(s) since the driver loaded; "
+            "PCIe link at x4 of x16\n") in out
+    fix = next(line for line in out.splitlines() if line.startswith("      fix: drain its workloads"))
+    assert fix.startswith("      fix: drain its workloads and reset it when idle (nvidia-smi -r -i 1)")
+    assert "reseat the card" in fix and "nvidia-smi -q -d PCI -i 1" in fix
     assert "WARNING [card-health-warning] card 0 (NVIDIA A100-SXM4-80GB): 1 uncorrectable ECC error(s)" in out
     assert "NOTE [remapped-rows-unknown] card 0 (NVIDIA A100-SXM4-80GB) is in MIG mode: it cannot report" in out
     assert "XIDs 63 and 64 (row remapping) and 94 and 95" in out and "recovery action" in out
-    assert "NOTE [xids-not-watched] no XID family: nvidia-smi gives none; use --source nvml" in out
+    # The demo reads its bundled kernel log: the XIDs are seen without NVML, and no note says otherwise.
+    assert "xids-not-watched" not in out and "xids-kmsg-unreadable" not in out
     assert out.rstrip().endswith("a card needs a reset or replacing: 1 error(s), 1 warning(s) (exit 3)")
     doc = json.loads(CliRunner().invoke(cli, ["doctor", "--demo", "--format", "json"]).stdout)
     assert doc["exit_code"] == 3 and [r["source"] for r in doc["reads"]] == ["demo"]
+    assert doc["kmsg"] == {"readable": True, "reason": None}
     assert [(w["code"], w["severity"]) for w in doc["warnings"]] == [
         ("card-health-warning", "warning"), ("card-needs-reset", "error")]
     assert [c["health"] for c in doc["cards"]] == [
         {"state": "warning", "label": "warning", "reasons": ["1 uncorrectable ECC error(s) since the driver loaded"],
-         "remapped_rows_reported": False},
+         "codes": ["ecc_uncorrectable"], "remapped_rows_reported": False},
         {"state": "reset", "label": "needs reset", "reasons": [
             "a row remap is pending: reset the card to apply it",
-            "1 uncorrectable ECC error(s) since the driver loaded"], "remapped_rows_reported": True},
+            "1 uncorrectable ECC error(s) since the driver loaded",
+            "PCIe link at x4 of x16"],
+         "codes": ["row_remap_pending", "ecc_uncorrectable", "pcie_link_width"],
+         "remapped_rows_reported": True},
     ]
-    assert [n["code"] for n in doc["notes"]] == ["remapped-rows-unknown", "xids-not-watched"]
-    assert doc["xids"] == {"watching": False, "cards": 0, "reason": NO_XIDS_WITHOUT_NVML}
+    assert [n["code"] for n in doc["notes"]] == ["remapped-rows-unknown"]  # the XIDs come from the kernel log
+    assert doc["xids"] == {"watching": False, "cards": 0, "reason": NO_NVML_EVENTS}
 
 
 # --- card health: each state, its finding and the exit code -----------------------------------
+
+def _graded(card: Card, health: CardHealth) -> Card:
+    """``card`` with ``health``, graded as the snapshot grades it when it is built (its
+    instances' own counts are cleared where this is used)."""
+    return dataclasses.replace(card, health=health, verdict=None if card.error else grade(health))
+
 
 def _with_health(name: str, **health) -> Snapshot:
     """The scenario with its first card's health replaced (the others' cleared)."""
     from conftest import scenario
 
     snapshot = scenario(name)
-    cards = tuple(dataclasses.replace(c, health=CardHealth(**(health if i == 0 else {})))
-                  for i, c in enumerate(snapshot.cards))
+    cards = tuple(_graded(c, CardHealth(**(health if i == 0 else {}))) for i, c in enumerate(snapshot.cards))
     devices = tuple(dataclasses.replace(d, ecc_errors=()) for d in snapshot.devices)
     return dataclasses.replace(snapshot, cards=cards, devices=devices)
 
@@ -443,15 +461,51 @@ def test_the_fix_follows_the_reason():
     assert "replaced (RMA)" in next(f for f in failed.findings if f.code == "card-needs-replacing").fix
 
 
+def test_doctor_shows_the_grade_the_snapshot_made_and_grades_nothing_again():
+    """One grade per card and snapshot (issue 37): the card's ``verdict``, which the families and
+    the page show too. Here its health reads fine and its grade says replace: doctor says replace."""
+    snapshot = _with_health("a100-mig-pending")
+    made = Verdict("replace", ("the driver reports memory it cannot repair",), ("unrepairable_memory",), ("replace",))
+    report = _diagnose(dataclasses.replace(snapshot, cards=(
+        dataclasses.replace(snapshot.cards[0], verdict=made), *snapshot.cards[1:])))
+    [found] = [f for f in report.findings if f.code.startswith("card-")]
+    assert (found.code, found.message) == (
+        "card-needs-replacing", "card 0 (NVIDIA A100-SXM4-80GB) needs replacing: the driver reports memory it "
+        "cannot repair")
+    assert report.exit_code == 3
+    assert as_json(report)["cards"][0]["health"]["codes"] == ["unrepairable_memory"]
+    assert "  health: replace\n    - the driver reports memory it cannot repair" in render_text(report)
+
+
+def test_an_advice_this_exporter_does_not_know_is_a_warning_that_says_so():
+    report = _diagnose(_with_health("a100-mig-pending", recovery_action_unknown="Reset Fabric"))
+    [found] = [f for f in report.findings if f.code.startswith("card-")]
+    assert (found.code, found.severity) == ("card-health-warning", "warning")
+    assert found.message.endswith(": the driver advises an action this exporter does not know")
+    assert "GPU Recovery Action" in found.fix and "treat it as a reset" in found.fix
+
+
+def test_a_real_l4_at_x1_of_x16_is_a_warning_with_the_fix_for_a_link():
+    """A real capture (tests/fixtures/nvidia-smi-real/SOURCES.md): card 1's link trained to one
+    lane of sixteen. Not an error: the card works, slowly (exit 0)."""
+    xml = (FIXTURES.parent / "nvidia-smi-real" / "datarhei-2x-l4-x1-link-v12-drv555.xml").read_bytes()
+    report = _diagnose(snapshot_from_smi(xml, None))
+    assert [(f.code, f.message) for f in report.findings] == [
+        ("card-health-warning", "card 1 (NVIDIA L4): PCIe link at x1 of x16")]
+    assert "reseat the card" in report.findings[0].fix and "nvidia-smi -q -d PCI -i 1" in report.findings[0].fix
+    assert report.exit_code == 0
+    assert "card 0: NVIDIA L4" in render_text(report) and "  health: ok" in render_text(report)
+
+
 def test_a_card_that_needs_a_reset_comes_before_another_error_and_nothing_read_before_both():
     """3 before 1: a node with a MIG card with nothing carved (an error) and a card whose recovery
     action is a GPU reset exits 3; an unreadable card has no health at all."""
     snapshot = _with_health("a100-mig-nothing-carved")
-    cards = (snapshot.cards[0], dataclasses.replace(snapshot.cards[1], health=CardHealth(recovery_action=1)))
+    cards = (snapshot.cards[0], _graded(snapshot.cards[1], CardHealth(recovery_action=1)))
     report = _diagnose(dataclasses.replace(snapshot, cards=cards))
     assert [f.code for f in report.findings] == ["mig-nothing-carved", "card-needs-reset"]
     assert report.exit_code == 3
-    lost = dataclasses.replace(cards[1], error="GPU is lost")
+    lost = dataclasses.replace(cards[1], error="GPU is lost", verdict=None)
     report = _diagnose(dataclasses.replace(snapshot, cards=(cards[0], lost)))
     assert [f.code for f in report.findings] == ["mig-nothing-carved", "card-unreadable"]
     assert report.exit_code == 1
@@ -482,7 +536,7 @@ def test_xids_not_watched_on_nvml_say_the_watchers_reason(fake_nvml_lib, fake_nv
     nvml, smi_read = timed_read("nvml", NvmlSource().read), timed_read("nvidia-smi", NvidiaSmiSource(str(smi)).read)
     report = diagnose(nvml, smi_read, xids=XidWatch(False, 0, "nvmlDeviceRegisterEvents: NOT_SUPPORTED on card 0"))
     assert [(n.code, n.message) for n in report.notes if n.code == "xids-not-watched"] == [
-        ("xids-not-watched", "XIDs cannot be watched: nvmlDeviceRegisterEvents: NOT_SUPPORTED on card 0")]
+        ("xids-not-watched", "NVML's XID events cannot be watched: nvmlDeviceRegisterEvents: NOT_SUPPORTED on card 0")]
     watched = diagnose(nvml, smi_read, xids=XidWatch(True, 1, None))
     assert [n.code for n in watched.notes if n.code == "xids-not-watched"] == []
     assert "XIDs: watched through NVML events on 1 card(s)" in render_text(watched)
@@ -512,24 +566,100 @@ def test_the_xid_watcher_is_asked_lazily_and_its_absence_is_a_reason(monkeypatch
 
 def test_compare_reports_health_differences_but_not_nvml_only_or_moving_readings():
     base = _with_health("a100-mig-pending", ecc_errors=(EccCount("volatile", "dram", "uncorrectable", 1),),
-                        recovery_action=0, energy_joules=10.0, clocks=(ClockReading("sm", "current", 1e9),))
+                        recovery_action=0, energy_joules=10.0, clocks=(ClockReading("sm", "current", 1e9),),
+                        pcie_link_generation_current=4)
     other = dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], health=CardHealth(
         ecc_errors=(EccCount("volatile", "dram", "uncorrectable", 0),), recovery_action=0,
-        clocks=(ClockReading("sm", "current", 1.4e9),))),))
+        clocks=(ClockReading("sm", "current", 1.4e9),), pcie_link_generation_current=1)),))
     assert compare(base, other) == ["card 0 ecc volatile dram uncorrectable: 1 vs 0"]
+    # energy_joules is NVML's alone by design (docs/metrics.md): not even a note.
+    assert compare_paths(base, other).one_path_only == ()
     pending = dataclasses.replace(other, cards=(dataclasses.replace(other.cards[0], health=dataclasses.replace(
         base.cards[0].health, row_remap_pending=True, energy_joules=None)),))
-    assert compare(base, pending) == ["card 0 row_remap_pending: None vs True"]
-    # A MIG instance's own counts too.
+    assert compare(base, pending) == []
+    assert compare_paths(base, pending).one_path_only == ("card 0 row_remap_pending (nvidia-smi only)",)
+    not_pending = dataclasses.replace(pending, cards=(dataclasses.replace(pending.cards[0], health=dataclasses.replace(
+        pending.cards[0].health, row_remap_pending=False)),))
+    assert compare(not_pending, pending) == ["card 0 row_remap_pending: False vs True"]
+
+
+def test_an_advice_neither_path_knows_is_agreement_however_each_words_it():
+    base = _with_health("a100-mig-pending", recovery_action_unknown="Reset Fabric")
+    other = dataclasses.replace(base, cards=(
+        dataclasses.replace(base.cards[0], health=CardHealth(recovery_action_unknown="8")), *base.cards[1:]))
+    assert compare_paths(base, other) == Comparison()
+    known = dataclasses.replace(base, cards=(
+        dataclasses.replace(base.cards[0], health=CardHealth(recovery_action=1)), *base.cards[1:]))
+    assert compare_paths(base, known).one_path_only == (
+        "card 0 recovery_action (nvidia-smi only)", "card 0 recovery_action_unknown (NVML only)")
+
+
+def test_a_mig_instances_own_count_differs_only_where_both_paths_give_it():
     from conftest import scenario
 
     mig = scenario("h100-mig-processes")
-    sram = (EccCount("volatile", "sram", "uncorrectable", 1),)
-    counted = dataclasses.replace(mig, devices=tuple(
-        dataclasses.replace(d, ecc_errors=sram if d.index == 1002 else d.ecc_errors) for d in mig.devices))
-    assert compare(counted, mig)[-1:] == [
-        f"device 0/mig2 (1002) ecc volatile sram uncorrectable: 1 vs "
-        f"{next((e.errors for e in mig.device(1002).ecc_errors), 'none')}"]
+
+    def sram(snapshot: Snapshot, counts: tuple[EccCount, ...]) -> Snapshot:
+        return dataclasses.replace(snapshot, devices=tuple(
+            dataclasses.replace(d, ecc_errors=counts if d.index == 1002 else ()) for d in snapshot.devices))
+
+    one, zero = (EccCount("volatile", "sram", "uncorrectable", 1),), (EccCount("volatile", "sram", "uncorrectable", 0),)
+    assert compare(sram(mig, one), sram(mig, zero)) == ["device 0/mig2 (1002) ecc volatile sram uncorrectable: 1 vs 0"]
+    absent = compare_paths(sram(mig, zero), sram(mig, ()))
+    assert absent == Comparison((), ("device 0/mig2 (1002) ecc volatile sram uncorrectable (NVML only)",))
+
+
+def test_a_value_one_path_gives_and_the_other_leaves_unknown_is_not_compared():
+    from conftest import scenario
+
+    serial = scenario("h100-mig-processes")
+    assert serial.cards[0].serial == "1654123056789"  # the XML's <serial>
+    a = dataclasses.replace(serial, cards=tuple(dataclasses.replace(c, serial=None) for c in serial.cards))
+    unused = dataclasses.replace(a, devices=tuple(dataclasses.replace(d, memory=d.memory._replace(used_bytes=None))
+                                                  for d in a.devices))
+    assert compare_paths(serial, a) == Comparison((), ("card 0 serial (NVML only)",))
+    assert compare(a, unused) == [] and compare_paths(a, unused).one_path_only[0] == (
+        "device 0/mig0 (1000) memory used (NVML only)")
+    other_serial = dataclasses.replace(serial, cards=tuple(dataclasses.replace(c, serial="1") for c in a.cards))
+    assert compare(serial, other_serial) == ["card 0 serial: '1654123056789' vs '1'"]
+
+
+def _without_thresholds_or_instance_counts() -> FakeNvmlScenario:
+    """h100-mig-processes as an NVML that gives no temperature thresholds and no MIG instance's
+    own SRAM count, where the XML gives the thresholds and a count of 0 for every instance."""
+    base = SCENARIOS["h100-mig-processes"]()
+    card = base.cards[0]
+    return dataclasses.replace(base, cards=(dataclasses.replace(
+        card, health=dataclasses.replace(card.health, thresholds_c={}),
+        mig_devices=tuple(dataclasses.replace(m, sram_uncorrectable_volatile=None) for m in card.mig_devices)),))
+
+
+def test_a_healthy_node_whose_paths_differ_only_in_what_one_reports_passes(fake_nvml_lib, fake_nvidia_smi):
+    """Issue 37: doctor called such a node broken (paths-disagree, exit 1). Only values both paths
+    give are compared; the rest is a note."""
+    report = _doctor(fake_nvml_lib, fake_nvidia_smi, _without_thresholds_or_instance_counts(),
+                     *_fixture("h100-mig-processes"))
+    assert report.findings == () and report.exit_code == 0
+    [note] = [n for n in report.notes if n.code == "one-path-only"]
+    assert note.severity == "note"
+    assert note.message.startswith("values one path gives and the other does not, not compared: ")
+    for line in ("card 0 temperature_thresholds_celsius max_operating (nvidia-smi only); ",
+                 "card 0 temperature_thresholds_celsius slowdown (nvidia-smi only); ",
+                 "device 0/mig0 (1000) ecc volatile sram uncorrectable (nvidia-smi only)"):
+        assert line in note.message
+    text = render_text(report)
+    assert "NOTE [one-path-only] values one path gives" in text and "[paths-disagree]" not in text
+    assert text.rstrip().endswith("ok: 0 error(s), 0 warning(s) (exit 0)")
+    assert [n["code"] for n in as_json(report)["notes"]].count("one-path-only") == 1
+
+
+def test_a_value_both_paths_give_and_differ_on_is_still_an_error(fake_nvml_lib, fake_nvidia_smi):
+    xml, listing = _fixture("h100-mig-processes")
+    hotter = xml.replace(b"<gpu_temp_slow_threshold>89 C<", b"<gpu_temp_slow_threshold>85 C<", 1)
+    assert hotter != xml
+    report = _doctor(fake_nvml_lib, fake_nvidia_smi, "h100-mig-processes", hotter, listing)
+    assert _codes(report) == ["paths-disagree"] and report.exit_code == 1
+    assert "card 0 temperature_thresholds_celsius slowdown: 89.0 vs 85.0" in report.findings[0].message
 
 
 def test_a_whole_card_the_process_may_not_open_is_a_permission_finding_not_a_lost_card():
@@ -618,3 +748,17 @@ def test_doctor_in_a_pod_without_the_kubelet_socket_counts_no_empty_device_free(
     # --no-kubernetes: the operator's word that no kubelet is to be asked.
     off = _doctor_cli(fake_nvml_lib, fake_nvidia_smi, tmp_path / "off", "--no-kubernetes", "--format", "json")
     assert _states(json.loads(off.stdout))["0/mig3"][0] == "free"
+
+
+def test_a_kernel_log_that_cannot_be_read_is_said_with_what_to_do():
+    """No /dev/kmsg to read (no mount, or no right to open it): one note, with the fix; the XIDs
+    then come only from NVML's events, and none come on the nvidia-smi path."""
+    demo = (REPO / "src" / "mig_exporter" / "samples" / "demo.xml").read_bytes()
+    report = diagnose(None, PathReading("nvidia-smi", snapshot_from_smi(demo, None), None, 0.1),
+                      kmsg=(False, "cannot read /dev/kmsg: Operation not permitted"))
+    notes = {f.code: f for f in report.notes}
+    assert notes["xids-kmsg-unreadable"].message == (
+        "the kernel's log cannot be read: cannot read /dev/kmsg: Operation not permitted")
+    assert "securityContext.privileged: true" in notes["xids-kmsg-unreadable"].fix
+    assert notes["xids-not-watched"].message == NO_XIDS_WITHOUT_NVML
+    assert report.exit_code == 3  # a note changes no exit code: the demo's card 1 needs a reset

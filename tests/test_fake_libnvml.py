@@ -36,10 +36,12 @@ from fake_nvml import (
     SCENARIOS,
     FakeHealth,
     FakeNvmlScenario,
+    fake_field_ids,
+    field_answers,
 )
 from fake_nvml_c import SONAME, scenario_text
 from mig_exporter.cli import cli
-from test_source_nvml import without_volatile
+from test_source_nvml import NO_RECOVERY_FIELD, RECOVERY_LINES, without_volatile
 
 PACKAGE_ROOT = str(Path(mig_exporter.__file__).resolve().parent.parent)
 FIXTURE_SCENARIOS = ["h100-mig-processes", "h200-shared-gpu-instance", "a100-mig-nothing-carved",
@@ -158,11 +160,12 @@ def _health_scenario() -> FakeNvmlScenario:
     pascal = fake_nvml.pascal_page_retirement().cards[0]
     double_bit = pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
     whole = dataclasses.replace(h100.cards[0], health=dataclasses.replace(
-        h100.cards[0].health, fan_percent=40, retired_pending=False,
+        h100.cards[0].health, fan_percent=40, retired_pending=False, unrepairable_memory=True,
+        pcie_link=(5, 5, 16, 16),
         retired_pages={double_bit: tuple(0x7F000000 + 0x1000 * i for i in range(40)),
                        pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: ()},
-        field_errors={pynvml.NVML_FI_DEV_MEMORY_TEMP: pynvml.NVML_ERROR_NO_PERMISSION,
-                      pynvml.NVML_FI_DEV_ECC_CURRENT: pynvml.NVML_ERROR_UNKNOWN}))
+        field_errors={"NVML_FI_DEV_MEMORY_TEMP": pynvml.NVML_ERROR_NO_PERMISSION,
+                      "NVML_FI_DEV_ECC_CURRENT": pynvml.NVML_ERROR_UNKNOWN}))
     mig_card = dataclasses.replace(demo.cards[0], mig_devices=(
         dataclasses.replace(demo.cards[0].mig_devices[0], sram_uncorrectable_volatile=4),
         *demo.cards[0].mig_devices[1:2],
@@ -178,6 +181,10 @@ def _health_scenario() -> FakeNvmlScenario:
 # on every card and MIG handle, each answer a value or "E<code>", as JSON-ready values.
 _HEALTH_PROBE = r"""
 import ctypes, json
+
+
+class UnrepairableMemory(ctypes.Structure):  # nvml.h's nvmlUnrepairableMemory_v1_t (590+), for any pynvml
+    _fields_ = [("version", ctypes.c_uint), ("unrepairableMemory", ctypes.c_uint)]
 
 
 def answers(pynvml, field_ids):
@@ -215,6 +222,12 @@ def answers(pynvml, field_ids):
                      "TotalEnergyConsumption", "PcieReplayCounter", "EccMode", "RemappedRows",
                      "RowRemapperHistogram", "RetiredPagesPendingStatus", "RepairStatus"):
             out[name] = ask(getattr(pynvml, "nvmlDeviceGet" + name), h)
+        for name in ("CurrPcieLinkGeneration", "MaxPcieLinkGeneration", "CurrPcieLinkWidth", "MaxPcieLinkWidth"):
+            out[name] = ask(getattr(pynvml, "nvmlDeviceGet" + name), h)
+        out["serial"] = ask(pynvml.nvmlDeviceGetSerial, h)
+        unrepairable = UnrepairableMemory(version=ctypes.sizeof(UnrepairableMemory) | 1 << 24)
+        code = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetUnrepairableMemoryFlag_v1")(h, ctypes.byref(unrepairable))
+        out["unrepairable"] = [code, unrepairable.unrepairableMemory]
         for name in ("ClockInfo", "MaxClockInfo"):
             out[name] = [ask(getattr(pynvml, "nvmlDeviceGet" + name), h, c) for c in range(pynvml.NVML_CLOCK_COUNT + 1)]
         out["ecc"] = {f"{e} {c} {loc}": ask(pynvml.nvmlDeviceGetMemoryErrorCounter, h, e, c, loc)
@@ -227,7 +240,8 @@ def answers(pynvml, field_ids):
             ("nvmlDeviceGetTemperatureV", pynvml.c_nvmlTemperature_v1_t),
             ("nvmlDeviceGetMarginTemperature", pynvml.c_nvmlMarginTemperature_v1_t),
             ("nvmlDeviceGetSramEccErrorStatus", pynvml.c_nvmlEccSramErrorStatus_v1_t),
-            ("nvmlDeviceGetRepairStatus", pynvml.c_nvmlRepairStatus_t))}
+            ("nvmlDeviceGetRepairStatus", pynvml.c_nvmlRepairStatus_t),
+            ("nvmlDeviceGetUnrepairableMemoryFlag_v1", UnrepairableMemory))}
         return out
 
     result = {}
@@ -246,12 +260,17 @@ def answers(pynvml, field_ids):
 """
 
 
+# A field id every header has and no card of any scenario gives a value: NVML_FI_DEV_PERF_POLICY_THERMAL,
+# between the power (74) and sync-boost (76) counters the exporter reads.
+UNLISTED_FIELD_ID = 75
+
+
 def _field_ids(scenario: FakeNvmlScenario) -> list[int]:
-    """Every field id a card of the scenario answers or fails, and one that none lists."""
-    ids = {fid for card in scenario.cards for fid in (*card.health.fields, *card.health.field_errors)}
-    unlisted = pynvml.NVML_FI_DEV_ECC_PENDING
-    assert unlisted not in ids
-    return [*sorted(ids), unlisted]
+    """Every field id a card of the scenario answers or fails, at the ids of its driver's header,
+    and one that none lists."""
+    ids = {fid for card in scenario.cards for fid in field_answers(card, scenario.driver_version)}
+    assert UNLISTED_FIELD_ID not in ids
+    return [*sorted(ids), UNLISTED_FIELD_ID]
 
 
 def _health_over_the_library(env: dict[str, str], field_ids: list[int]) -> dict:
@@ -290,6 +309,10 @@ def test_health_through_the_library_answers_as_the_python_fake(fake_libnvml_env,
                                 "aggregateUncParity": 3, "aggregateUncSecDed": 2, "aggregateCor": 9,
                                 "bThresholdExceeded": 1}]
     assert h100["margin"] == 3 and h100["FanSpeed"] == 40 and h100["RepairStatus"] == [0, 1]
+    assert h100["unrepairable"] == [0, 1] and h100["serial"] == not_supported
+    assert [h100[n] for n in ("CurrPcieLinkGeneration", "MaxPcieLinkGeneration", "CurrPcieLinkWidth",
+                              "MaxPcieLinkWidth")] == [5, 5, 16, 16]
+    assert over_c["card1"]["serial"] == over_c["card1/mig0"]["serial"] == "1653922034781"  # a MIG handle: its card's
     assert h100["RowRemapperHistogram"] == {"max": 638, "high": 2, "partial": 0, "low": 0, "none": 0}
     assert h100["TotalEnergyConsumption"] == 4_200_000_123 and h100["PcieReplayCounter"] == 2
     assert h100["thresholds"][pynvml.NVML_TEMPERATURE_THRESHOLD_ACOUSTIC_CURR] == 83
@@ -324,12 +347,15 @@ def test_field_values_answer_each_entry_its_own_code_in_a_call_that_succeeds(fak
     ids = _field_ids(scenario)
     answers = _health_over_the_library(fake_libnvml_env(scenario), ids)
     by_id = {fid: rest for fid, *rest in answers["card0"]["fields"]}
-    assert by_id[pynvml.NVML_FI_DEV_MEMORY_TEMP][0] == pynvml.NVML_ERROR_NO_PERMISSION  # its field_errors
-    assert by_id[pynvml.NVML_FI_DEV_ECC_CURRENT][0] == pynvml.NVML_ERROR_UNKNOWN  # an error, no value
-    assert by_id[pynvml.NVML_FI_DEV_ECC_PENDING] == [NVML_ERROR_NOT_SUPPORTED, 0, 0]  # listed nowhere
-    assert by_id[pynvml.NVML_FI_DEV_PCIE_REPLAY_COUNTER] == [0, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 2]
-    assert by_id[pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION] == [0, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
-                                                                  4_200_000_123]
+    by_name = {name: by_id[fid] for name, fid in fake_field_ids(scenario.driver_version).items() if fid in by_id}
+    assert by_name["NVML_FI_DEV_MEMORY_TEMP"][0] == pynvml.NVML_ERROR_NO_PERMISSION  # its field_errors
+    assert by_name["NVML_FI_DEV_ECC_CURRENT"][0] == pynvml.NVML_ERROR_UNKNOWN  # an error, no value
+    # Not in the card's fields, yet answered from its ECC mode (current on, pending on), as NVML does.
+    assert by_name["NVML_FI_DEV_ECC_PENDING"] == [0, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 1]
+    assert by_id[UNLISTED_FIELD_ID] == [NVML_ERROR_NOT_SUPPORTED, 0, 0]  # listed nowhere
+    assert by_name["NVML_FI_DEV_PCIE_REPLAY_COUNTER"] == [0, pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, 2]
+    assert by_name["NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] == [0, pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+                                                               4_200_000_123]
     assert {rest[0] for _, *rest in answers["card1/mig0"]["fields"]} == {NVML_ERROR_NOT_SUPPORTED}
 
 
@@ -431,7 +457,8 @@ def test_read_source_nvml_over_the_library_equals_nvidia_smi(fake_libnvml_env, f
     assert via_smi.returncode == 0, via_smi.stderr
     assert _sample(via_nvml.stdout, 'mig_exporter_read_success{source="nvml"}') == "1.0"
     assert "mig_exporter_card_energy_joules_total{" in via_nvml.stdout  # what parity skips is there
-    assert without_volatile(via_nvml.stdout) == without_volatile(via_smi.stdout)
+    unread = RECOVERY_LINES if name in NO_RECOVERY_FIELD else ()  # no field for it in the driver's header
+    assert without_volatile(via_nvml.stdout, unread) == without_volatile(via_smi.stdout, unread)
 
 
 @pytest.mark.parametrize("name", sorted(BENCH_SHAPES))
@@ -514,8 +541,14 @@ def test_serve_source_nvml_maps_our_library_and_answers_as_read_does(fake_libnvm
     assert str(fake_libnvml_dir / SONAME) in maps
     assert "/libnvidia-ml.so" not in maps.replace(str(fake_libnvml_dir / SONAME), "")
     read = _read(env, "--source", "nvml")
+    # serve listens for XID events over NVML and says whether it does; a one-shot read has no
+    # listener, so that series is serve's alone (its value depends on whether the listener has
+    # registered yet).
+    listener = 'mig_exporter_xid_source_readable{source="nvml_events"} '
+    assert any(line.startswith(listener) for line in body.splitlines())
     ours = [line for line in body.splitlines() if line.startswith("mig_exporter_") and "_read_" not in line
-            and not line.startswith(("mig_exporter_build_info", "mig_exporter_scrape", "mig_exporter_exporter"))]
+            and not line.startswith(("mig_exporter_build_info", "mig_exporter_scrape", "mig_exporter_exporter",
+                                     listener))]
     assert len(ours) > 20
     assert set(ours) <= set(read.stdout.splitlines())
     assert served.get("/-/ready")[0] == 200

@@ -108,28 +108,37 @@ TABLES = {
         for p in PROCESSES
     ],
     ("node.json", "Cards"): [
-        {"Node": NODE, "Card": "0", "Product": "NVIDIA A100-SXM4-80GB", "UUID": UUID_0, "Driver": "550.90.07",
+        {"Node": NODE, "Card": "0", "Product": "NVIDIA A100-SXM4-80GB", "UUID": UUID_0, "Driver": "575.57.08",
          "MIG current": 1, "MIG pending": 1, "Instances": 3},
         # Not in MIG mode: no mig_instances series, so no Instances.
-        {"Node": NODE, "Card": "1", "Product": "NVIDIA A100-SXM4-80GB", "UUID": UUID_1, "Driver": "550.90.07",
+        {"Node": NODE, "Card": "1", "Product": "NVIDIA A100-SXM4-80GB", "UUID": UUID_1, "Driver": "575.57.08",
          "MIG current": 0, "MIG pending": 0, "Instances": None},
     ],
+    # No XID on the e2e machine: it reads nvidia-smi and no kernel log (tests/test_dashboards.py,
+    # NO_XID_LINES); test_every_health_panel_has_data_in_demo draws --demo's, and
+    # test_a_one_off_xid_shows_with_its_meaning_device_and_who_ran_there one made by hand.
+    ("health.json", "XID errors"): [],
 }
 
 # Tables compared as a person reads them: each number cell's text after the panel's units and
 # value mappings (driver.js runs Grafana's display processor). Card health, by hand from demo.xml:
 # card 0 (MIG) has 1 volatile uncorrectable SRAM error (its instance 0/mig0's) and reports no
-# remapped rows, so: warning; card 1 has a pending row remap (1 uncorrectable row) and 1 volatile
-# uncorrectable DRAM error: needs reset. No margin (demo.xml has no T.Limit) and no XIDs (nvidia-smi
-# gives none): those columns are absent, as in Grafana.
+# remapped rows, so: warning; card 1, the demo's sick card, has a pending row remap (1
+# uncorrectable row), 1 volatile uncorrectable DRAM error and its PCIe link at x4 of x16: needs
+# reset, with its T.Limit margin of 38 °C. Why: each reason's code, sorted. Work: the pods on each
+# card's devices (tests/kube_node.py), and the one its idle 0/mig2 is allocated to. No XIDs (no
+# kernel log, and nvidia-smi gives none): that column is absent, as in Grafana.
 SHOWN_TABLES = {
     ("health.json", "Card health"): [
-        {"Node": NODE, "Card": "0", "Product": "NVIDIA A100-SXM4-80GB", "State": "warning", "Temperature": "34 °C",
-         "Power": "87.2 W", "Power limit": "400 W", "Uncorrectable ECC": "1", "Remapped rows": "",
-         "Remap pending": "", "Recovery action": "none"},
+        {"Node": NODE, "Card": "0", "Product": "NVIDIA A100-SXM4-80GB", "State": "warning",
+         "Why": ["ecc_uncorrectable"], "Work": ["pod batch/train-7", "pod llm/llama-0", "pod llm/vllm-6b7f9c-x2x4q"],
+         "Temperature": "34 °C", "Margin": "", "Power": "87.2 W", "Power limit": "400 W", "Uncorrectable ECC": "1",
+         "Remapped rows": "", "Remap pending": "", "Recovery action": "none"},
         {"Node": NODE, "Card": "1", "Product": "NVIDIA A100-SXM4-80GB", "State": "needs reset",
-         "Temperature": "51 °C", "Power": "312 W", "Power limit": "400 W", "Uncorrectable ECC": "1",
-         "Remapped rows": "1", "Remap pending": "pending: reset", "Recovery action": "none"},
+         "Why": ["ecc_uncorrectable", "pcie_link_width", "row_remap_pending"],
+         "Work": ["pod graphics/vk-llama-0", "pod notebooks/jupyter-alice"],
+         "Temperature": "51 °C", "Margin": "38 °C", "Power": "312 W", "Power limit": "400 W",
+         "Uncorrectable ECC": "1", "Remapped rows": "1", "Remap pending": "pending: reset", "Recovery action": "none"},
     ],
 }
 
@@ -255,6 +264,8 @@ def rows(result: dict, shown: bool = False) -> list[dict] | str:
     fields = frames[0]["fields"]
     out = [{f["displayName"]: (f["display"] if shown and f["display"] is not None else f["values"])[i] for f in fields}
            for i in range(frames[0]["length"])]
+    # A cell listing several series (a card's reasons, its works) lists them in the answer's order.
+    out = [{k: sorted(v) if isinstance(v, list) and None not in v else v for k, v in row.items()} for row in out]
     return sorted(out, key=lambda r: json.dumps(r, sort_keys=True))
 
 
@@ -318,26 +329,100 @@ def test_tables_and_stats_as_grafana_draws_them(fake_nvidia_smi, fake_kubelet, t
     assert problems == {}, json.dumps(summary, indent=1) + "\n\n" + json.dumps(problems, indent=1)
 
 
-def test_the_health_table_shows_the_last_xid_where_nvml_gives_it():
-    """The XID families are NVML's alone, so the e2e machine (nvidia-smi) has none: here
-    Prometheus' answers are made by hand (card 1 saw an XID two minutes ago, card 0 none, and
-    neither reports a margin), and Grafana's code merges them into the card's row and writes
-    the time as "2 minutes ago" (the query gives milliseconds, as Grafana's time units read)."""
-    (panel,) = [p for p in _dashboards()["health.json"]["panels"] if p["title"] == "Card health"]
-    now = time.time()
+def _answers(panel: dict, values: dict[str, list[tuple[dict, float]]], now: float) -> list[dict]:
+    """Prometheus' answers to the panel's queries, made by hand: ``values`` by refId, each series'
+    labels (job and instance added) and value."""
     card = {"job": "mig-exporter", "instance": NODE}
-    values = {"A": [({"card": c, "name": "NVIDIA H100 80GB HBM3"}, 1) for c in "01"],
-              "B": [({"card": "0"}, 0), ({"card": "1"}, 3)],
-              "K": [({"card": "1"}, (now - 120) * 1000)]}
-    answers = [{"query": t, "data": {"resultType": "vector", "result": [
+    return [{"query": t, "data": {"resultType": "vector", "result": [
         {"metric": {**card, **labels}, "value": [now, str(v)]} for labels, v in values.get(t["refId"], [])]}}
         for t in panel["targets"]]
-    (result,) = run_driver([{"panel": panel, "answers": answers}])
+
+
+def test_the_health_table_is_one_row_a_card_with_why_whose_work_and_the_last_xid():
+    """Here Prometheus' answers are made by hand: card 1 saw an XID two minutes ago and has two
+    reasons and two works, card 0 none (and neither reports a margin). Grafana's code merges
+    them, groups them back to one row a card with its reasons and works in one cell each, and
+    writes the time as "2 minutes ago" (the query gives milliseconds, as Grafana's time units read)."""
+    (panel,) = [p for p in _dashboards()["health.json"]["panels"] if p["title"] == "Card health"]
+    now = time.time()
+    values = {"A": [({"card": c, "name": "NVIDIA H100 80GB HBM3"}, 1) for c in "01"],
+              "B": [({"card": "0"}, 0), ({"card": "1"}, 3)],
+              "K": [({"card": "1"}, (now - 120) * 1000)],
+              "L": [({"card": "1", "reason": "row_remap_failure"}, 1), ({"card": "1", "reason": "pcie_link_width"}, 1)],
+              "M": [({"card": "1", "work": "pod llm/llama-0"}, 1), ({"card": "1", "work": "Slurm job 4242"}, 2),
+                    ({"card": "0", "work": "process /usr/bin/python3"}, 1)]}
+    (result,) = run_driver([{"panel": panel, "answers": _answers(panel, values, now)}])
     assert rows(result, shown=True) == [
-        {"Node": NODE, "Card": "0", "Product": "NVIDIA H100 80GB HBM3", "State": "ok", "Last XID": ""},
+        {"Node": NODE, "Card": "0", "Product": "NVIDIA H100 80GB HBM3", "State": "ok", "Why": None,
+         "Work": ["process /usr/bin/python3"], "Last XID": ""},
         {"Node": NODE, "Card": "1", "Product": "NVIDIA H100 80GB HBM3", "State": "replace",
+         "Why": ["pcie_link_width", "row_remap_failure"], "Work": ["Slurm job 4242", "pod llm/llama-0"],
          "Last XID": "2 minutes ago"},
     ]
+
+
+def test_a_one_off_xid_shows_with_its_meaning_device_and_who_ran_there():
+    """The issue's case: an XID seen once has a counter born at 1, so increase() over any window
+    is 0 and a graph of it shows nothing. The table reads the last time instead: a one-off XID 94
+    on 0/mig1 two minutes ago (its pid's pod named) and an XID 79 on card 1 an hour ago (no pid), by
+    hand; each code reads as its meaning from src/mig_exporter/model/xids.py."""
+    from mig_exporter.model.xids import describe
+
+    (panel,) = [p for p in _dashboards()["health.json"]["panels"] if p["title"] == "XID errors"]
+    now = time.time()
+    mig = {"card": "0", "index": "1001", "xid": "94", "device": "0/mig1"}
+    whole = {"card": "1", "index": "1", "xid": "79", "device": "1"}
+    who = {"pid": "", "process_name": "", "namespace": "", "pod": "", "slurm_job": "", "systemd_unit": ""}
+    values = {"A": [(mig, (now - 120) * 1000), (whole, (now - 3600) * 1000)],
+              "B": [(mig, 1), (whole, 1)],
+              "C": [({**mig, **who, "pid": "51877", "process_name": "python3", "namespace": "llm",
+                      "pod": "vllm-6b7f9c-x2x4q"}, 1), ({**whole, **who}, 1)]}
+    (result,) = run_driver([{"panel": panel, "answers": _answers(panel, values, now)}])
+    assert rows(result, shown=True) == [
+        {"Node": NODE, "Card": "0", "Device": "0/mig1", "XID": f"94: {describe(94).meaning}",
+         "Last seen": "2 minutes ago", "Count": "1", "PID": "51877", "Process": "python3", "Namespace": "llm",
+         "Pod": "vllm-6b7f9c-x2x4q", "Slurm job": "", "Unit": ""},
+        {"Node": NODE, "Card": "1", "Device": "1", "XID": f"79: {describe(79).meaning}",
+         "Last seen": "an hour ago", "Count": "1", "PID": "", "Process": "", "Namespace": "", "Pod": "",
+         "Slurm job": "", "Unit": ""},
+    ]
+
+
+# --- --demo: the sick card fills every health panel -------------------------------------------
+
+# What --demo cannot give a health query, each for why: an A100 retires no pages (it remaps rows).
+QUIET_IN_DEMO = {"mig_exporter_card_retired_pages", "mig_exporter_card_retired_pages_pending"}
+
+
+def test_every_health_panel_has_data_in_demo(tmp_path):
+    """Issue 37's "done when": a real Prometheus scraping ``serve --demo`` has data for every query
+    of every health panel (but page retirement, which an A100 does not do), and the XID table
+    shows the XIDs of samples/demo-kmsg.txt as Grafana draws it: one row per (card, device, XID),
+    with its meaning, count, last time and the process the last line named."""
+    from mig_exporter.model.xids import describe
+
+    _prometheus_binary()
+    with exporter(None, tmp_path, "--no-kubernetes") as exp, prometheus(exp.address, tmp_path) as prom:
+        assert _target_after_scrapes(prom, exp.address)["health"] == "up"
+        d = _dashboards()["health.json"]
+        values = {**fill_variables(prom, d), "__rate_interval": "1m"}
+        empty = sorted((panel["title"], t["refId"]) for panel in d["panels"] if panel["type"] != "row"
+                       for t in panel["targets"] if not prom.query(interpolate(t["expr"], values))
+                       and not set(re.findall(r"\bmig_exporter_[a-z_]+", t["expr"])) & QUIET_IN_DEMO)
+        assert empty == [], empty
+        results = panels_through_grafana(prom, {exp.address: NODE}, only={("health.json", "XID errors")})
+        assert "Traceback" not in exp.log.text()
+    drawn = rows(results[("health.json", "table", "XID errors")], shown=True)
+    assert isinstance(drawn, list) and all(row.pop("Last seen").endswith("ago") for row in drawn), drawn
+    # No pod, job or unit in the demo: Prometheus keeps no empty label, so those columns are absent.
+    assert drawn == sorted([
+        {"Node": NODE, "Card": "0", "Device": "0/mig0", "XID": f"94: {describe(94).meaning}", "Count": "1",
+         "PID": "48213", "Process": "llama-server"},
+        {"Node": NODE, "Card": "1", "Device": "1", "XID": f"13: {describe(13).meaning}", "Count": "2",
+         "PID": "50318", "Process": "python3"},
+        {"Node": NODE, "Card": "1", "Device": "1", "XID": f"79: {describe(79).meaning}", "Count": "1",
+         "PID": "", "Process": ""},
+    ], key=lambda r: json.dumps(r, sort_keys=True))
 
 
 # --- a troubled fleet: the stats that count what alerts raise, when there is something to count ----

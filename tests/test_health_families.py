@@ -1,5 +1,6 @@
 """Card health as families: once per card (never per MIG instance), the instance's own ECC on
-the device, unknown values left out, and the card's grade as one series per state."""
+the device, unknown values left out, and the card's grade (made once, with the snapshot) as one
+series per state and one per reason."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import dataclasses
 
 from prometheus_client.core import Metric
 
+from conftest import require_real_corpus
 from mig_exporter.metrics.exposition import render
-from mig_exporter.metrics.health_families import health_families, xid_families
+from mig_exporter.metrics.health_families import health_families
+from mig_exporter.metrics.xid_families import xid_families
 from mig_exporter.model.health import CardHealth, ClockReading, EccCount, Verdict, XidSeen, grade
 from mig_exporter.model.placement import place
 from mig_exporter.model.snapshot import MIB, CardReading, Memory, MigInstance
+from mig_exporter.nvidia_smi.build import snapshot_from_smi
 
 SICK = CardHealth(
     memory_temperature_celsius=58.0,
@@ -133,8 +137,8 @@ def test_xids_by_card_instance_and_code():
     families = list(xid_families([XidSeen(1, 1102, 43, 2, 1_700_000_000.0), XidSeen(1, 1, 79, 1, 1_700_000_100.0)]))
     assert _samples(families, "mig_exporter_xid_errors_total") == {
         (("card", "1"), ("index", "1102"), ("xid", "43")): 2, (("card", "1"), ("index", "1"), ("xid", "79")): 1}
-    assert _samples(families, "mig_exporter_xid_last_seconds")[(("card", "1"), ("index", "1"), ("xid", "79"))] == (
-        1_700_000_100.0)
+    last = _samples(families, "mig_exporter_xid_last_timestamp_seconds")
+    assert last[(("card", "1"), ("index", "1"), ("xid", "79"))] == 1_700_000_100.0
 
 
 def test_a_family_whose_rows_are_unchanged_is_the_one_made_last_time_and_its_lines_are_written_once():
@@ -167,3 +171,86 @@ def test_a_negative_zero_is_never_written_as_the_zero_kept_before_it():
         lines += [line for line in body.decode().splitlines() if line.startswith("mig_exporter_card_temperature_m")]
     assert lines == [f'mig_exporter_card_temperature_margin_celsius{{card="7"}} {t}' for t in
                      ("0.0", "-0.0", "-0.0", "0.0")]
+
+
+def _real(name: str) -> list[Metric]:
+    return list(health_families(snapshot_from_smi((require_real_corpus() / name).read_bytes(), None)))
+
+
+def test_a_sick_card_has_a_reason_series_for_each_reason_of_its_grade_with_that_reasons_own_state():
+    families = list(health_families(place([_mig_card(2, SICK)], driver_version=None, cuda_version=None)))
+    assert _samples(families, "mig_exporter_card_health_reason") == {
+        (("card", "2"), ("reason", "row_remap_pending"), ("state", "reset")): 1,
+        (("card", "2"), ("reason", "ecc_uncorrectable"), ("state", "warning")): 1,
+        (("card", "2"), ("reason", "hw_thermal_slowdown"), ("state", "warning")): 1,
+    }
+    assert _samples(families, "mig_exporter_card_health")[(("card", "2"), ("state", "reset"))] == 1
+
+
+def test_an_ok_card_and_an_unreadable_card_have_no_reason_series():
+    ok = CardReading(index=0, name="Tesla T4", memory=_memory(15360))
+    lost = CardReading(index=1, error="GPU_IS_LOST in nvmlDeviceGetMigMode", health=SICK)
+    families = {f.name: f for f in health_families(place([ok, lost], driver_version=None, cuda_version=None))}
+    assert "mig_exporter_card_health_reason" not in families
+    assert {s.labels["card"] for s in families["mig_exporter_card_health"].samples} == {"0"}
+
+
+def test_the_grade_is_the_cards_verdict_made_with_the_snapshot_never_graded_again():
+    snapshot = place([_mig_card(4, CardHealth())], driver_version=None, cuda_version=None)
+    verdict = Verdict("replace", ("the driver reports memory it cannot repair",), ("unrepairable_memory",),
+                      ("replace",))
+    card = dataclasses.replace(snapshot.cards[0], verdict=verdict)
+    families = list(health_families(dataclasses.replace(snapshot, cards=(card,))))
+    assert _samples(families, "mig_exporter_card_health")[(("card", "4"), ("state", "replace"))] == 1
+    assert _samples(families, "mig_exporter_card_health_reason") == {
+        (("card", "4"), ("reason", "unrepairable_memory"), ("state", "replace")): 1}
+
+
+def test_unrepairable_memory_is_1_or_0_and_left_out_where_the_driver_does_not_say():
+    cards = [CardReading(index=i, memory=_memory(81559), health=CardHealth(unrepairable_memory=flag))
+             for i, flag in enumerate((True, False, None))]
+    families = list(health_families(place(cards, driver_version=None, cuda_version=None)))
+    assert _samples(families, "mig_exporter_card_unrepairable_memory") == {(("card", "0"),): 1, (("card", "1"),): 0}
+    assert _samples(families, "mig_exporter_card_health_reason") == {
+        (("card", "0"), ("reason", "unrepairable_memory"), ("state", "replace")): 1}
+    # Every real 590+ capture writes ecc_errors/unrepairable_memory N/A: no series, never 0.
+    assert _samples(_real("telegraf-dual-rtx-a5000-v13-drv590.xml"), "mig_exporter_card_unrepairable_memory") == {}
+
+
+def test_a_pcie_link_at_half_its_lanes_gives_its_generation_and_width_and_no_warning():
+    # A laptop RTX A5000 on 575 whose gen 4 link runs x8 of x16 (pci/pci_gpu_link_info): how the
+    # card is wired (model/health.py PCIE_DEGRADED_SHARE), not a fault.
+    families = _real("llamaland-rtx-a5000-laptop-v12-drv575.xml")
+    assert _samples(families, "mig_exporter_card_pcie_link_generation") == {
+        (("card", "0"), ("kind", "current")): 4, (("card", "0"), ("kind", "max")): 4}
+    assert _samples(families, "mig_exporter_card_pcie_link_width_lanes") == {
+        (("card", "0"), ("kind", "current")): 8, (("card", "0"), ("kind", "max")): 16}
+    assert _samples(families, "mig_exporter_card_health_reason") == {}
+
+
+def test_a_pcie_link_at_a_quarter_of_its_lanes_or_fewer_warns():
+    for width, reasons in ((4, {(("card", "0"), ("reason", "pcie_link_width"), ("state", "warning")): 1}),
+                           (8, {}), (1, {(("card", "0"), ("reason", "pcie_link_width"), ("state", "warning")): 1})):
+        health = CardHealth(pcie_link_width_current=width, pcie_link_width_max=16)
+        families = list(health_families(place([CardReading(index=0, memory=_memory(15360), health=health)],
+                                              driver_version=None, cuda_version=None)))
+        assert _samples(families, "mig_exporter_card_health_reason") == reasons, width
+
+
+def test_each_pcie_link_value_the_driver_does_not_give_is_left_out():
+    health = CardHealth(pcie_link_generation_current=1, pcie_link_width_max=16)
+    families = list(health_families(place([CardReading(index=0, memory=_memory(15360), health=health)],
+                                          driver_version=None, cuda_version=None)))
+    assert _samples(families, "mig_exporter_card_pcie_link_generation") == {(("card", "0"), ("kind", "current")): 1}
+    assert _samples(families, "mig_exporter_card_pcie_link_width_lanes") == {(("card", "0"), ("kind", "max")): 16}
+
+
+def test_a_real_card_with_a_pending_page_retirement_needs_a_reset_and_says_why():
+    # A V100 on 410 with a double-bit error and pending_retirement Yes.
+    families = _real("pai-v100-sxm3-retired-pages-v10-drv410.xml")
+    assert _samples(families, "mig_exporter_card_health") == {
+        (("card", "0"), ("state", "ok")): 0, (("card", "0"), ("state", "warning")): 0,
+        (("card", "0"), ("state", "reset")): 1, (("card", "0"), ("state", "replace")): 0}
+    assert _samples(families, "mig_exporter_card_health_reason") == {
+        (("card", "0"), ("reason", "retired_pages_pending"), ("state", "reset")): 1,
+        (("card", "0"), ("reason", "ecc_uncorrectable"), ("state", "warning")): 1}

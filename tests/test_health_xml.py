@@ -13,7 +13,7 @@ import re
 import pytest
 
 from conftest import FIXTURES, REPO, SAMPLES, require_real_corpus
-from mig_exporter.model.health import NO_HEALTH, CardHealth, ClockReading, EccCount
+from mig_exporter.model.health import NO_HEALTH, CardHealth, ClockReading, EccCount, grade
 from mig_exporter.nvidia_smi import query_xml
 from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
 from mig_exporter.nvidia_smi.query_xml import SectionMemo, parse_query_xml
@@ -304,12 +304,29 @@ def test_reset_status_before_570():
 @pytest.mark.parametrize("text, action", [
     ("None", 0), ("Reset", 1), ("GPU Reset Required", 1), ("Reboot", 2), ("Node Reboot Required", 2),
     ("Drain P2P", 3), ("Drain and Reset", 4), ("Recover IMEX Domain", 5), ("Bus Reset", 6), ("System Reboot", 7),
-    ("N/A", None), ("Requested functionality has been deprecated", None),
+    ("GPU_RESET", 1), ("drain_and_reset", 4), (" Reset ", 1),
+    ("N/A", None), ("Not Supported", None), ("Requested functionality has been deprecated", None), ("", None),
 ])
 def test_recovery_action_words(text, action):
     h = _bent("telegraf-rtx-3060-v12-drv570.xml",
               (b"<gpu_recovery_action>None", f"<gpu_recovery_action>{text}".encode()))
-    assert h.recovery_action == action
+    assert (h.recovery_action, h.recovery_action_unknown) == (action, None)
+
+
+@pytest.mark.parametrize("text, kept", [
+    ("Reset Fabric", "Reset Fabric"),
+    ("Unknown", "Unknown"),  # a word nvidia-smi has for an action it cannot name: not "no advice"
+    ("Drain\n\t and  Rewire", "Drain and Rewire"),
+    ("Wait " * 40, ("Wait " * 40)[:64]),
+])
+def test_a_recovery_action_this_exporter_does_not_know_is_kept_as_written_and_graded_a_warning(text, kept):
+    # Issue 37: an unknown word read as no action at all, and graded the card ok.
+    h = _bent("telegraf-rtx-3060-v12-drv570.xml",
+              (b"<gpu_recovery_action>None", f"<gpu_recovery_action>{text}".encode()))  # and no problem line
+    assert h.recovery_action is None and h.recovery_action_unknown == kept
+    verdict = grade(h)
+    assert (verdict.state, verdict.codes) == ("warning", ("recovery_action_unknown",))
+    assert verdict.reasons == ("the driver advises an action this exporter does not know",)
 
 
 def test_repairs_pending_of_590_and_595():
@@ -318,12 +335,112 @@ def test_repairs_pending_of_590_and_595():
     assert h.repair_pending == (("channel", False), ("tpc", True))
 
 
+def test_unrepairable_memory_of_595_na_and_as_the_driver_writes_it():
+    assert _health("telegraf-rtx-3080-v13-drv595.xml").unrepairable_memory is None  # N/A on a GeForce
+    name, na = "telegraf-rtx-3080-v13-drv595.xml", b"<unrepairable_memory>N/A"
+    assert _bent(name, (na, b"<unrepairable_memory>No")).unrepairable_memory is False
+    broken = _bent(name, (na, b"<unrepairable_memory>Yes"))
+    assert broken.unrepairable_memory is True
+    assert grade(broken)[:1] + grade(broken)[2:3] == ("replace", ("unrepairable_memory",))
+    assert _health("telegraf-rtx-pro-6000-blackwell-maxq-v13-drv590.xml").unrepairable_memory is None  # not written
+
+
+def test_an_unreadable_unrepairable_memory_flag_is_none_and_a_problem_line():
+    data = (require_real_corpus() / "telegraf-rtx-3080-v13-drv595.xml").read_bytes()
+    report = parse_query_xml(data.replace(b"<unrepairable_memory>N/A", b"<unrepairable_memory>Maybe", 1))
+    assert report.cards[0].health.unrepairable_memory is None
+    assert report.problems == ("card 0: ecc_errors/unrepairable_memory: unreadable value 'Maybe'",)
+
+
 def test_deprecated_values_of_590_read_as_nothing_without_a_problem():
     # power_state in gpu_power_readings and module_power_readings is deprecated; performance_state is not.
     data = (require_real_corpus() / "telegraf-rtx-pro-6000-blackwell-maxq-v13-drv590.xml").read_bytes()
     assert b"Requested functionality has been deprecated" in data
     h = _health("telegraf-rtx-pro-6000-blackwell-maxq-v13-drv590.xml")
     assert h.performance_state == 8 and h.fan_speed_ratio == 0.3 and h.recovery_action == 0
+
+
+# --- the PCIe link, and the board's serial ---
+
+OURS = FIXTURES.parent / "nvidia-smi-real"  # real captures kept beside the tests (SOURCES.md there)
+L4 = "datarhei-2x-l4-x1-link-v12-drv555.xml"
+
+
+def _link(h: CardHealth) -> tuple[int | None, ...]:
+    return (h.pcie_link_generation_current, h.pcie_link_generation_max, h.pcie_link_width_current,
+            h.pcie_link_width_max)
+
+
+def test_an_l4_whose_link_trained_down_to_one_lane_grades_a_warning():
+    """Issue 37: a real L4 at x1 of x16 graded ok. Its neighbour, at x16, stays ok."""
+    report = parse_query_xml((OURS / L4).read_bytes())
+    assert report.problems == ()
+    assert [(c.index, c.pci_bus_id, c.serial) for c in report.cards] == [
+        (0, "00000000:01:00.0", "1654523003308"), (1, "00000000:C1:00.0", "1654523001128")]
+    assert [_link(c.health) for c in report.cards] == [(4, 4, 16, 16), (4, 4, 1, 16)]
+    snapshot = snapshot_from_smi((OURS / L4).read_bytes(), None)
+    ok, narrow = snapshot.cards
+    assert ok.verdict is not None and (ok.verdict.state, ok.verdict.codes) == ("ok", ())
+    assert narrow.verdict is not None
+    assert (narrow.verdict.state, narrow.verdict.codes, narrow.verdict.reasons) == (
+        "warning", ("pcie_link_width",), ("PCIe link at x1 of x16",))
+
+
+def test_the_link_of_each_layout():
+    assert _link(_health("telegraf-tesla-t4-v11-drv515.xml")) == (3, 3, 8, 16)
+    assert _link(_health("telegraf-gt-1030-v11-drv470.xml")) == (3, 3, 4, 4)  # a x4 card at x4
+    # max_link_gen is the lower of the card's (max_device_link_gen 5) and the host's (4).
+    assert _link(_health("telegraf-rtx-pro-6000-blackwell-maxq-v13-drv590.xml")) == (1, 4, 16, 16)
+    assert _link(_health("rai-grid-k520-v7-drv352.xml")) == (1, 3, 16, 16)  # v7
+    assert _link(_health("telegraf-grid-p4-1q-vgpu-wddm-v11-drv513.xml")) == (None,) * 4  # a vGPU guest: N/A
+    assert _link(_health("pai-gt730-minimal-v9-drv384.xml")) == (None,) * 4  # no <pci> at all
+    assert _link(_health("telegraf-rtx-3080-wddm-v12-drv536.xml")) == (4, 4, 16, 16)  # max_host_link_gen N/A
+
+
+def test_an_unreadable_link_width_is_none_and_a_problem_line():
+    data = (require_real_corpus() / "telegraf-tesla-t4-v11-drv515.xml").read_bytes()
+    report = parse_query_xml(data.replace(b"<current_link_width>8x<", b"<current_link_width>wide<", 1))
+    assert report.cards[0].health.pcie_link_width_current is None
+    assert report.problems == (
+        "card 0: pci/pci_gpu_link_info/link_widths/current_link_width: unreadable count 'wide'",)
+
+
+_TAG = re.compile(rb"<(serial|max_link_gen|current_link_gen|max_link_width|current_link_width)>([^<]*)<")
+
+
+def _written(data: bytes) -> list[dict[str, str | None]]:
+    """Each card's serial and link as the file writes them, by a pass of its own (N/A: None)."""
+    cards = []
+    for gpu in data.split(b"<gpu id=")[1:]:
+        found = {tag.decode(): None if text.strip() in (b"N/A", b"") else text.strip().decode()
+                 for tag, text in reversed(_TAG.findall(gpu))}
+        cards.append(found)
+    return cards
+
+
+def _every_report() -> list[tuple[str, bytes]]:
+    paths = [*sorted(require_real_corpus().glob("*.xml")), *sorted(OURS.glob("*.xml"))]
+    return [(p.name, p.read_bytes()) for p in paths]
+
+
+def test_every_real_capture_reads_its_serial_and_link_as_written():
+    cards = 0
+    for name, data in _every_report():
+        report = parse_query_xml(data)
+        assert report.problems == (), name
+        for card, written in zip(report.cards, _written(data), strict=True):
+            h = card.health
+            assert card.serial == written.get("serial"), name
+            width = {k: None if v is None else int(v.removesuffix("x"))
+                     for k, v in written.items() if k.endswith("_width")}
+            gen = {k: None if v is None else int(v) for k, v in written.items() if k.endswith("_gen")}
+            assert _link(h) == (gen.get("current_link_gen"), gen.get("max_link_gen"),
+                                width.get("current_link_width"), width.get("max_link_width")), name
+            cards += 1
+    assert cards == 51  # 45 cards in the shared corpus (the GT 730 writes no <pci>), 4 Tesla M10s and 2 L4s here
+    # N/A, and what the corpus writes for a serial.
+    serials = {card.serial for _, data in _every_report() for card in parse_query_xml(data).cards}
+    assert {None, "REDACTED", "0000000000000", "0424217033069", "1654523001128"} <= serials
 
 
 # --- every report, every fixture, the demo ---

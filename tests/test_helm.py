@@ -961,3 +961,20 @@ def test_the_dashboards_count_with_the_rules_freshness_window():
     for name, text in shipped.items():
         assert wider[name] == text.replace("}[1m]", "}[90s]"), name
     assert any("}[90s]" in text for text in wider.values())
+
+
+def test_the_kernel_log_is_mounted_by_default_and_read_only_with_privileged_asked_for():
+    """/dev/kmsg is mounted read-only by default, and the container stays least-privileged: no
+    runtime lets a container open a device it did not allow (c 1:11), so xidKmsg.privileged is the
+    one way to read it (docs/xids.md), asked for, never the default; xidKmsg.enabled=false turns the
+    reading off and mounts nothing."""
+    default = container(render())
+    assert {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True} in default["volumeMounts"]
+    assert "privileged" not in default["securityContext"]
+    assert default["securityContext"]["allowPrivilegeEscalation"] is False
+    privileged = container(render({"xidKmsg": {"privileged": True}}))
+    assert privileged["securityContext"]["privileged"] is True
+    assert privileged["securityContext"]["allowPrivilegeEscalation"] is True
+    off = container(render({"xidKmsg": {"enabled": False, "privileged": True}}))
+    assert "--collector.xid.kmsg=" in off["args"]
+    assert all(m["name"] != "kmsg" for m in off["volumeMounts"]) and "privileged" not in off["securityContext"]

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import threading
@@ -526,6 +527,17 @@ def marks(root: Node) -> dict[str, Mark | None]:
     return out
 
 
+def graded(snapshot):
+    """``snapshot`` with each card's verdict made again from its (edited) health, as placement
+    makes it once per read: the page shows ``Card.verdict`` and grades nothing itself."""
+    from mig_exporter.model.health import grade, instance_uncorrectable
+
+    cards = tuple(dataclasses.replace(c, verdict=None if c.error else grade(
+        c.health, sum(instance_uncorrectable(d.ecc_errors) for d in snapshot.devices if d.card == c.index)))
+        for c in snapshot.cards)
+    return dataclasses.replace(snapshot, cards=cards)
+
+
 def test_each_card_shows_its_health_mark_and_every_reason():
     """The grade of model/health.py, as mig_exporter_card_health has it: an ok card says ok and
     nothing more, a worse one its state's words and every reason, worst first; a MIG instance's
@@ -540,7 +552,7 @@ def test_each_card_shows_its_health_mark_and_every_reason():
     devices = tuple(dataclasses.replace(d, ecc_errors=(sram,) if d.index == 1002 else ()) for d in base.devices)
 
     def shown(card, devices=base.devices) -> Mark | None:
-        snapshot = dataclasses.replace(base, cards=(card,), devices=devices)
+        snapshot = graded(dataclasses.replace(base, cards=(card,), devices=devices))
         (mark,) = marks(dom(landing.page(ReadOutcome(snapshot, 0.1), version="0", source="x"))).values()
         return mark
 
@@ -564,15 +576,73 @@ def test_a_health_reason_is_escaped():
 
     snapshot = scenario("h100-mig-processes")
     odd = dataclasses.replace(snapshot.cards[0], health=CardHealth(repair_pending=(("<b>tpc</b>", True),)))
-    page = landing.page(ReadOutcome(dataclasses.replace(snapshot, cards=(odd,)), 0.1), version="0", source="x")
+    page = landing.page(ReadOutcome(graded(dataclasses.replace(snapshot, cards=(odd,))), 0.1), version="0",
+                        source="x")
     assert "<b>" not in page and "a &lt;b&gt;tpc&lt;/b&gt; repair is pending" in page
+
+
+# --- which node, which card, whose work ----------------------------------------------------------
+
+def test_the_page_names_its_node_and_each_card_by_uuid_pci_address_and_serial():
+    """What a ticket to the vendor or a walk to the rack needs: the node, and each card's UUID,
+    PCI address and board serial (demo.xml's <uuid>, <pci_bus_id>, <serial>); the host's own
+    name where the caller gives none."""
+    page = landing.page(ReadOutcome(DemoSource().read(), 0.1), version="0", source="x", node="gpu-node-7")
+    root = dom(page)
+    assert root.find("span", "node").text == "on node gpu-node-7"
+    assert [p.text for p in root.find_all("p", "identity")] == [
+        "UUID GPU-a84bba07-931d-b925-306a-0799dc6ebd71 PCI 00000000:07:00.0 serial 1653922034781",
+        "UUID GPU-975dcb6d-e070-3b4a-b7ed-013e50181d96 PCI 00000000:0F:00.0 serial 1653922034512",
+    ]
+    default = dom(landing.page(ReadOutcome(DemoSource().read(), 0.1), version="0", source="x"))
+    assert default.find("span", "node").text == f"on node {socket.gethostname()}"
+    # A card the driver names only in part shows what it gave, and nothing for the rest.
+    snapshot = DemoSource().read()
+    bare = dataclasses.replace(snapshot.cards[0], serial=None, uuid="<GPU-x>")
+    root = dom(landing.page(ReadOutcome(dataclasses.replace(snapshot, cards=(bare,)), 0.1), version="0", source="x",
+                            node="<n>"))
+    assert root.find("p", "identity").text == "UUID <GPU-x> PCI 00000000:07:00.0"
+    assert root.find("span", "node").text == "on node <n>"
+
+
+def test_the_mig_instance_with_an_uncorrectable_ecc_error_is_marked_on_its_row():
+    """The demo's 0/mig0 counts 1 volatile uncorrectable SRAM error of its own: the work on it is
+    what the error hit, so its row says so; its siblings (0 errors) and the whole card 1 (its
+    DRAM error is the card's, on no instance) are not marked."""
+    root = dom(landing.page(ReadOutcome(DemoSource().read(), 0.1), version="0", source="x"))
+    marked = {tr.attrs["data-devices"]: tr.find("div", "ecc").text
+              for tr in root.find_all("tr", "device") if "ecc-error" in tr.classes}
+    assert marked == {"0/mig0": "1 uncorrectable ECC error"}
+    assert [tr.find("div", "ecc").attrs["data-errors"] for tr in root.find_all("tr", "ecc-error")] == ["1"]
+
+
+def test_each_top_process_names_its_pod_else_its_slurm_job_else_its_unit():
+    from conftest import scenario
+    from mig_exporter.model.readings import OwnerReading, PodReading, ProcessOwner, ProcessPod
+
+    snapshot = scenario("h100-mig-processes")  # pids 21180, 21181 on 0/mig0; 21198 on 0/mig2
+    pods = PodReading({21180: ProcessPod(21180, "c0ffee", "llm", "<b>llama-0</b>", "server")}, None, None)
+    owners = OwnerReading({
+        21180: ProcessOwner(21180, "9001", "0", None, "alice"),  # a pod's process: the pod is named
+        21181: ProcessOwner(21181, "4242", "batch", None, "bob"),
+        21198: ProcessOwner(21198, None, None, "gpu-burn.service", "root"),
+    })
+    (rows,) = bars(dom(landing.page(ReadOutcome(snapshot, 0.1, pods=pods, owners=owners), version="0",
+                                    source="x"))).values()
+    assert [r.processes for r in rows if r.processes] == [
+        ["21180 /root/tools/memhog 2296 MiB llm/<b>llama-0</b>", "21181 /root/tools/memhog 1272 MiB job 4242"],
+        ["21198 ./gpu_burn 7484 MiB gpu-burn.service"],
+    ]
+    page = landing.page(ReadOutcome(snapshot, 0.1, pods=pods, owners=owners), version="0", source="x")
+    assert "<b>llama" not in page and "llm/&lt;b&gt;llama-0&lt;/b&gt;" in page
 
 
 @pytest.mark.browser
 def test_chromium_shows_the_demo_card_that_needs_a_reset_in_red(serve, tmp_path):
-    """The demo: card 1 has a pending row remap (and a DRAM error), card 0 an uncorrectable SRAM
-    error on its instance 0/mig0. The browser's DOM has both marks and their reasons, and the
-    reset mark is drawn in its red (no bar of the demo is that full)."""
+    """The demo: card 1, the sick card, has a pending row remap (and a DRAM error and
+    a PCIe link at x4 of x16), card 0 an uncorrectable SRAM error on its instance 0/mig0. The
+    browser's DOM has both marks and their reasons, and the reset mark is drawn in its red (no bar
+    of the demo is that full)."""
     url = serve(DemoSource())
     built = marks(dom(chromium(tmp_path, url + "/", "--dump-dom").decode()))
     assert built == {
@@ -580,7 +650,8 @@ def test_chromium_shows_the_demo_card_that_needs_a_reset_in_red(serve, tmp_path)
             "warning", "warning", ["1 uncorrectable ECC error(s) since the driver loaded"]),
         "GPU 1 NVIDIA A100-SXM4-80GB MIG off": Mark(
             "reset", "needs reset", ["a row remap is pending: reset the card to apply it",
-                                     "1 uncorrectable ECC error(s) since the driver loaded"]),
+                                     "1 uncorrectable ECC error(s) since the driver loaded",
+                                     "PCIe link at x4 of x16"]),
     }
     shot = tmp_path / "demo.png"
     chromium(tmp_path, url + "/", f"--screenshot={shot}", "--window-size=1280,1000")

@@ -314,7 +314,7 @@ def test_the_operators_scrape_of_the_chart_keeps_the_workloads_pods(fake_nvidia_
         # exporter's pod as its owner.
         alerts = prom.get("/api/v1/alerts")["alerts"]
         assert {a["labels"]["alertname"] for a in alerts if a["labels"].get("pod") == EXPORTER_POD} <= {
-            "GPUCardNeedsReset"}
+            "GPUCardNeedsReset", "GPUPCIeLinkWidthDegraded"}
         engine = _wait("engine alert", lambda: _firing(prom, "EngineHoldsNoGPUMemory"))
         assert [(a["labels"]["pid"], a["labels"].get("namespace"), a["labels"].get("pod")) for a in engine] == [
             ("52040", None, None)]

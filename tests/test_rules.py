@@ -51,7 +51,8 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
         "MIGCardHasNoInstances", "MIGModeChangePending", "GPUExporterNotInHostPIDNamespace",
         "GPUProcessOutsideAllocation", "GPUAllocatedButUnused",
         "GPUProcessOutsideSlurmAllocation", "GPUSlurmAllocationUnused",
-        *CARD_HEALTH_ALERTS,
+        *CARD_HEALTH_ALERTS, "GPUCardLost", "GPUCardRecoveryActionUnknown", "GPUPCIeLinkWidthDegraded",
+        "GPUXidsNotSeen",
     ])
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     assert by_name["EngineHoldsNoGPUMemory"]["for"] == "2m"
@@ -64,8 +65,13 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
     assert by_name["GPUSlurmAllocationUnused"]["for"] == "30m"
     # Issue 26: a reset or a replacement within 15 minutes, ECC within 20, an XID within 10 (the
     # first event too: no for), heat and the power brake within 30, power capping within 3 hours.
-    for name in ("GPUCardNeedsReset", "GPUCardNeedsRecovery", "GPUCardNeedsReplacement", "GPUPowerBrakeSlowdown"):
+    for name in ("GPUCardNeedsReset", "GPUCardNeedsRecovery", "GPUCardNeedsReplacement", "GPUPowerBrakeSlowdown",
+                 "GPUCardLost", "GPUCardRecoveryActionUnknown"):
         assert by_name[name]["for"] == "5m", name
+    # Issue 37: a narrow PCIe link for 15 minutes.
+    assert by_name["GPUPCIeLinkWidthDegraded"]["for"] == "15m"
+    # A node where no XID source is read: named after 30 minutes, as info.
+    assert by_name["GPUXidsNotSeen"]["for"] == "30m" and by_name["GPUXidsNotSeen"]["labels"]["severity"] == "info"
     for name in ("GPUThermalSlowdown", "GPUTemperatureMarginLow"):
         assert by_name[name]["for"] == "10m", name
     assert by_name["GPUPowerCapped"]["for"] == "1h"
@@ -78,6 +84,8 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
         "instance_card:mig_exporter_device_memory_used_bytes:sum",
         "instance_card:mig_exporter_device_memory_total_bytes:sum",
         "instance_card_work:mig_exporter_process_info:count",
+        "instance_card_work:mig_exporter_device_allocation_info:count",
+        "node:mig_exporter_cards:count",
         *CAPACITY_RECORDS,
     ]
     # Issues 27 and 36: these ten names are what other tools may rely on.
@@ -122,10 +130,13 @@ def test_every_alert_has_a_firing_and_a_quiet_case_and_every_record_a_value_chec
     assert records - checked == set(), "recording rules without a value check"
 
 
-SELECTOR = re.compile(r"(mig_exporter_[a-z_]+)(\{[^}]*\})?(\[\d+[mh]\])?")
+# Recorded series (`node:mig_exporter_cards:count`) are not inputs here: their rules hold
+# their own inputs through failed reads.
+SELECTOR = re.compile(r"(?<![:\w])(mig_exporter_[a-z_]+)(\{[^}]*\})?(\[\d+[mhd]\])?")
 # Counters and clock-event gauges are read over a window of their own: range functions
-# skip staleness markers, so a failed read is only a few missing samples.
-WINDOWED = r"(rate|increase|avg_over_time)\({name}(\{{[^}}]*\}})?\[\d+[mh]\]\)"
+# skip staleness markers, so a failed read is only a few missing samples. GPUCardLost
+# looks back further (last_over_time over a day) for the cards a node listed.
+WINDOWED = r"(rate|increase|avg_over_time|last_over_time)\({name}(\{{[^}}]*\}})?\[\d+[mhd]\]\)"
 HOLD = "[3m]"
 PROBE_GUARD = "and on (job, instance) last_over_time(mig_exporter_build_info[3m])"
 HELD_GATE = "unless on (job, instance) (mig_exporter_read_success == 1)"
@@ -169,7 +180,7 @@ def test_rules_over_device_card_and_process_series_count_the_exporters_own_serie
     """Probe targets export these families too, never build_info (docs/probe.md)."""
     families = re.compile(r"(?<!:)mig_exporter_(device|card|process)_")
     guarded = [r.get("alert") or r["record"] for r in _rules() if families.search(r["expr"])]
-    assert len(guarded) == 25
+    assert len(guarded) == 30
     for rule in _rules():
         if families.search(rule["expr"]):
             name = rule.get("alert") or rule["record"]
@@ -181,6 +192,12 @@ def test_rules_over_device_card_and_process_series_count_the_exporters_own_serie
                 assert words.count("mig_exporter_device_info[") == (
                     words.count(CAPACITY_REPORTING) + words.count(CAPACITY_SEEN)), name
                 assert CAPACITY_REPORTING in words, name
+            elif name == "node:mig_exporter_cards:count":
+                # Counted per node, without instance: the guard comes before the count.
+                assert f"{PROBE_GUARD}, " in _words(rule["expr"]), name
+            elif name == "GPUCardLost":
+                # A lost card's series carry the instance of an exporter pod that may be gone.
+                assert _words(rule["expr"]).endswith(PROBE_GUARD.replace("[3m]", "[1d]")), name
             else:
                 assert _words(rule["expr"]).endswith(PROBE_GUARD), name
 
@@ -215,6 +232,7 @@ CARD_HEALTH_ALERTS = [
 ]
 XID_ALERTS = ["GPUCriticalXID", "GPUMemoryErrorXID", "GPUApplicationXID"]
 WORK = "instance_card_work:mig_exporter_process_info:count"
+ALLOCATED = "instance_card_work:mig_exporter_device_allocation_info:count"
 
 
 def test_card_health_alerts_say_whose_work_is_hit():
@@ -223,11 +241,15 @@ def test_card_health_alerts_say_whose_work_is_hit():
     first event of a series fires (increase() would miss it), and are probe-guarded too."""
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     for name in CARD_HEALTH_ALERTS:
+        # Issue 37: the processes, else the allocations (the processes are often gone after a fault).
         assert WORK in by_name[name]["annotations"]["summary"], name
+        assert ALLOCATED in by_name[name]["annotations"]["summary"], name
         assert _words(by_name[name]["expr"]).endswith(PROBE_GUARD), name
     for name in XID_ALERTS:
         expr = _words(by_name[name]["expr"])
-        assert "last_over_time(mig_exporter_xid_last_seconds{" in expr and "> time() - 3600" in expr, name
+        assert "last_over_time(mig_exporter_xid_last_timestamp_seconds{" in expr and "> time() - 3600" in expr, name
+        # The last XID line's own process first.
+        assert "mig_exporter_xid_last_process_info{" in by_name[name]["annotations"]["summary"], name
         assert "mig_exporter_xid_errors_total" not in expr, name
     codes = [set(re.search(r'xid=~"([0-9|]+)"', by_name[n]["expr"]).group(1).split("|")) for n in XID_ALERTS]
     assert not set.intersection(*codes) and not codes[0] & codes[1] and not codes[1] & codes[2], "an XID in two tiers"
@@ -306,3 +328,26 @@ def test_the_prometheus_rule_groups_pass_promtool(tmp_path: Path):
     groups.write_text(yaml.safe_dump({"groups": yaml.safe_load(PROMETHEUS_RULE.read_text())["spec"]["groups"]}))
     result = _run("check", "rules", str(groups))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+RUNBOOK = "https://github.com/mig-exporter/mig-exporter/blob/main/docs/alerts.md#"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lowercase, punctuation dropped, spaces to '-'."""
+    anchors = set()
+    for line in markdown.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_every_alert_has_a_runbook_section():
+    """Issue 37: each alert links to its own section of docs/alerts.md, which exists."""
+    anchors = _anchors((REPO / "docs" / "alerts.md").read_text())
+    for rule in _rules():
+        if "alert" in rule:
+            url = rule["annotations"].get("runbook_url", "")
+            assert url == RUNBOOK + rule["alert"].lower(), rule["alert"]
+            assert rule["alert"].lower() in anchors, f"docs/alerts.md has no section for {rule['alert']}"

@@ -47,6 +47,26 @@ NVML_ONLY_LINES = tuple(f"{start}{family}" for family in NVML_ONLY_FAMILIES
                         for start in ("", "# HELP ", "# TYPE "))
 
 
+# Scenarios whose driver's nvml.h has no field for the driver's recovery advice: 535's header has
+# neither NVML_FI_DEV_RESET_STATUS nor _DRAIN_AND_RESET_STATUS (550.89's adds them, 570's
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; sources/nvml_header.py), so NVML reads recovery_action as
+# unknown, while nvidia-smi 535 shows gpu_reset_status by means of its own, not a public field id.
+NO_RECOVERY_FIELD = ("na-memory",)
+RECOVERY_LINES = tuple(f"{start}mig_exporter_card_recovery_action" for start in ("", "# HELP ", "# TYPE "))
+
+
+def as_nvml_reads(name: str) -> Snapshot:
+    """The nvidia-smi snapshot of scenario ``name`` as NVML can read it: without a recovery
+    action where the driver's header has no field for one (NO_RECOVERY_FIELD)."""
+    smi = scenario(name)
+    if name not in NO_RECOVERY_FIELD:
+        return smi
+    assert all(card.health.recovery_action is not None for card in smi.cards), "blank only what is known"
+    return dataclasses.replace(smi, cards=tuple(
+        dataclasses.replace(card, health=dataclasses.replace(card.health, recovery_action=None))
+        for card in smi.cards))
+
+
 def nvml_only_blanked(snapshot: Snapshot) -> Snapshot:
     """``snapshot`` with NVML_ONLY_HEALTH left unknown on every card, as the nvidia-smi path reads it.
     Every blanked value must be known first: a reading that vanished would pass unseen otherwise."""
@@ -62,7 +82,7 @@ def nvml_only_blanked(snapshot: Snapshot) -> Snapshot:
 @pytest.mark.parametrize("name", FIXTURE_SCENARIOS)
 def test_nvml_snapshot_equals_the_nvidia_smi_snapshot(fake_nvml_lib, name):
     fake = fake_nvml_lib(name)
-    assert nvml_only_blanked(NvmlSource().read()) == scenario(name)
+    assert nvml_only_blanked(NvmlSource().read()) == as_nvml_reads(name)
     assert fake.exceptions == []
 
 
@@ -93,6 +113,10 @@ def test_a_lost_card_and_a_card_without_mig_permission_are_marked_and_the_third_
     assert sample_value(families, "mig_exporter_card_read_success", {"card": "0"}) == 0
     assert sample_value(families, "mig_exporter_card_read_success", {"card": "1"}) == 0
     assert sample_value(families, "mig_exporter_card_read_success", {"card": "2"}) == 1
+    # Only the card the driver says is lost is (GPUCardLost pages for it, not for a refusal).
+    assert (lost.lost, denied.lost, healthy.lost) == (True, False, False)
+    assert [s.labels for f in families if f.name == "mig_exporter_card_lost" for s in f.samples] == [{"card": "0"}]
+    assert sample_value(families, "mig_exporter_card_lost", {"card": "0"}) == 1
     assert sample_value(families, "mig_exporter_read_success", {"source": "nvml"}) == 1
     assert sample_value(families, "mig_exporter_read_problems", {"source": "nvml"}) == 2
     assert sample_value(families, "mig_exporter_device_processes", {"index": "2"}) == 1
@@ -264,13 +288,15 @@ def test_concurrent_reads_share_one_read(fake_nvml_lib):
     del keep
 
 
-def without_volatile(text: str) -> str:
-    """Exposition minus the per-read duration and NVML_ONLY_LINES, with the source label made neutral
-    and the answer's own sample count (mig_exporter_scrape_series) less the NVML-only samples."""
-    skipped = ("mig_exporter_read_duration_seconds{", *NVML_ONLY_LINES)
+def without_volatile(text: str, also: tuple[str, ...] = ()) -> str:
+    """Exposition minus the per-read duration, NVML_ONLY_LINES and the lines starting with ``also``,
+    with the source label made neutral and the answer's own sample count (mig_exporter_scrape_series)
+    less the samples left out."""
+    skipped = ("mig_exporter_read_duration_seconds{", *NVML_ONLY_LINES, *also)
     lines = [line for line in text.splitlines() if not line.startswith(skipped)]
-    only_nvml = sum(1 for line in text.splitlines() if line.startswith(NVML_ONLY_FAMILIES))
-    lines = [f"mig_exporter_scrape_series {float(line.split()[1]) - only_nvml}"
+    counted = (*NVML_ONLY_FAMILIES, *(start for start in also if not start.startswith("#")))
+    left_out = sum(1 for line in text.splitlines() if line.startswith(counted))
+    lines = [f"mig_exporter_scrape_series {float(line.split()[1]) - left_out}"
              if line.startswith("mig_exporter_scrape_series ") else line for line in lines]
     return re.sub(r'source="[^"]+"', 'source="*"', "\n".join(lines))
 
@@ -287,7 +313,12 @@ def test_read_source_nvml_prints_the_same_series_as_the_nvidia_smi_path(fake_nvm
     assert 'mig_exporter_read_success{source="nvml"} 1.0' in via_nvml.stdout
     assert 'mig_exporter_read_success{source="nvidia-smi"} 1.0' in via_smi.stdout
     assert any(line.startswith(NVML_ONLY_FAMILIES) for line in via_nvml.stdout.splitlines())
-    assert without_volatile(via_nvml.stdout) == without_volatile(via_smi.stdout)
+    # Where NVML cannot read the recovery action (NO_RECOVERY_FIELD), its family is left out of
+    # both: NVML writes no sample of it, nvidia-smi one per card.
+    unread = RECOVERY_LINES if name in NO_RECOVERY_FIELD else ()
+    if unread:
+        assert not any(line.startswith(RECOVERY_LINES[0]) for line in via_nvml.stdout.splitlines())
+    assert without_volatile(via_nvml.stdout, unread) == without_volatile(via_smi.stdout, unread)
 
 
 def test_source_auto_takes_nvml_where_the_library_loads(fake_nvml_lib):
@@ -343,7 +374,7 @@ def test_a_hung_readiness_check_answers_at_its_deadline(fake_nvml_lib):
 def test_every_later_read_equals_the_nvidia_smi_snapshot_too(fake_nvml_lib, name):
     fake = fake_nvml_lib(name)
     source = NvmlSource()
-    assert [nvml_only_blanked(source.read()) for _ in range(3)] == [scenario(name)] * 3
+    assert [nvml_only_blanked(source.read()) for _ in range(3)] == [as_nvml_reads(name)] * 3
     assert fake.exceptions == []
 
 

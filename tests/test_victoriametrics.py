@@ -243,7 +243,8 @@ def synthetic_exposition(started: float, scrape: int) -> str:
     `first | value`, `eq $value 2.0`, `query` with `sortByLabel`, `range $i, $w`): card 0 in MIG mode,
     its instance 1000 nearly full with Slurm job 77's process on it but mapped to job 88, its
     instance 1001 holding 5 GB with no process listed and mapped to job 99; card 1 in MIG mode
-    with nothing carved and its mode change pending, in every health trouble, its XIDs recent. The
+    with nothing carved and its mode change pending, in every health trouble (unreadable, its PCIe
+    link narrowed, a recovery action unknown), its XIDs recent. The
     uncorrectable ECC counts step from 0 to 2 at ``scrape`` 3 of each scraper (an increase in the
     window whenever it starts to scrape)."""
     ecc = 0 if scrape < 3 else 2
@@ -290,9 +291,18 @@ def synthetic_exposition(started: float, scrape: int) -> str:
           for r in ("gpu_idle", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_power_cap")),
         'mig_exporter_card_power_limit_watts{card="1",limit="current"} 300',
         'mig_exporter_card_power_limit_watts{card="1",limit="default"} 400',
-        f'mig_exporter_xid_last_seconds{{card="1",index="1",xid="79"}} {xid_at}',
-        f'mig_exporter_xid_last_seconds{{card="0",index="1000",xid="94"}} {xid_at}',
-        f'mig_exporter_xid_last_seconds{{card="0",index="1001",xid="13"}} {xid_at}',
+        'mig_exporter_card_info{card="1",cuda_version="12.8",driver_version="570.172.08",name="NVIDIA H100 80GB HBM3",'
+        'pci_bus_id="00000000:2A:00.0",serial="1321723011541",uuid="GPU-00000000-0000-0000-0000-000000000001"} 1',
+        'mig_exporter_card_read_success{card="1"} 0',
+        'mig_exporter_card_lost{card="1"} 1',
+        'mig_exporter_xid_source_readable{source="kmsg"} 0',
+        'mig_exporter_card_unrepairable_memory{card="1"} 1',
+        'mig_exporter_card_health_reason{card="1",reason="recovery_action_unknown",state="warning"} 1',
+        'mig_exporter_card_pcie_link_width_lanes{card="1",kind="current"} 4',
+        'mig_exporter_card_pcie_link_width_lanes{card="1",kind="max"} 16',
+        f'mig_exporter_xid_last_timestamp_seconds{{card="1",index="1",xid="79"}} {xid_at}',
+        f'mig_exporter_xid_last_timestamp_seconds{{card="0",index="1000",xid="94"}} {xid_at}',
+        f'mig_exporter_xid_last_timestamp_seconds{{card="0",index="1001",xid="13"}} {xid_at}',
         "# TYPE mig_exporter_card_ecc_errors_total counter",
         f'mig_exporter_card_ecc_errors_total{{card="1",memory="dram",scope="volatile",type="uncorrectable"}} {ecc}',
         "# TYPE mig_exporter_device_ecc_errors_total counter",

@@ -18,6 +18,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from conftest import SAMPLES
 from fake_nvml import (
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_NO_PERMISSION,
@@ -29,13 +30,14 @@ from fake_nvml import (
 from fake_nvml_c import SCENARIO_VARIABLE, SONAME, xid_lines
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.sources.demo import DemoSource
+from mig_exporter.sources.kmsg import KmsgReader
 from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.sources.xid import NO_PERMISSION_REASON, XidListener, XidWatch, xid_watch_status
 from test_cli import cli_env, serving
 from test_fake_libnvml import PACKAGE_ROOT, _layouts
 
 Install = Callable[[FakeNvmlScenario | str], FakeNvml]
-XID_FAMILIES = ("mig_exporter_xid_errors", "mig_exporter_xid_last_seconds")
+XID_FAMILIES = ("mig_exporter_xid_errors", "mig_exporter_xid_last_timestamp_seconds")
 
 
 def two_cards() -> FakeNvmlScenario:
@@ -109,7 +111,7 @@ def test_an_xid_on_a_whole_card_is_on_its_index_and_one_on_a_mig_instance_on_the
     after = time.time()
 
     assert counts(scraper) == {("0", "0", "79"): 1, ("1", "1102", "43"): 2, ("1", "1101", "43"): 1}
-    last = {k[1:]: v for k, v in samples.items() if k[0] == "mig_exporter_xid_last_seconds"}
+    last = {k[1:]: v for k, v in samples.items() if k[0] == "mig_exporter_xid_last_timestamp_seconds"}
     assert set(last) == {("0", "0", "79"), ("1", "1102", "43"), ("1", "1101", "43")}
     assert all(before <= v <= after for v in last.values())
     assert fake.exceptions == []
@@ -165,16 +167,15 @@ def test_an_event_on_a_gpu_instance_alone_is_on_its_one_compute_instance(
     assert counts(scraper) == {("1", "1100", "31"): 1, ("1", "1", "31"): 1}
 
 
-def test_the_nvidia_smi_path_has_no_xid_family(fake_nvml_lib: Install, listen: Callable[..., XidListener]) -> None:
-    fake = fake_nvml_lib(two_cards())
-    listener = listen()
+def test_the_nvidia_smi_path_has_the_kernel_logs_xids_and_no_nvml_events(tmp_path: Path) -> None:
+    # serve starts no listener there (cli.py); the kernel's log is read on every path (test_kmsg.py).
     scraper = Scraper(DemoSource())  # not NVML: the demo, as nvidia-smi
-    scraper.xids = listener
-    watched(listener, 2)
-    fake.emit_xid(0, 79)
-    eventually(lambda: fake.called("nvmlEventSetWait_v2") >= 2)
+    scraper.kmsg = KmsgReader(str(SAMPLES / "demo-kmsg.txt"))
 
-    assert not [f for f in scraper.families() if f.name in XID_FAMILIES]
+    assert counts(scraper) == {("0", "1000", "94"): 1, ("1", "1", "13"): 2, ("1", "1", "79"): 1}
+    families = {f.name: f for f in scraper.families()}
+    assert [(s.labels, s.value) for s in families["mig_exporter_xid_source_readable"].samples] == [
+        ({"source": "kmsg"}, 1)]
 
 
 # -- what it survives -----------------------------------------------------------------------------
@@ -319,7 +320,8 @@ def test_serve_over_the_c_library_counts_a_queued_xid(fake_libnvml_env: Callable
     env = cli_env(**{k: v for k, v in env.items() if not k.startswith("MIG_EXPORTER_")})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
 
-    with serving("--source", "nvml", "--web.listen-address", "127.0.0.1:0", env=env) as server:
+    with serving("--source", "nvml", "--web.listen-address", "127.0.0.1:0", "--collector.xid.kmsg", "",
+                 env=env) as server:
         deadline = time.monotonic() + 15
         while True:
             status, body = server.get("/metrics")
@@ -329,7 +331,7 @@ def test_serve_over_the_c_library_counts_a_queued_xid(fake_libnvml_env: Callable
             time.sleep(0.1)
         assert status == 200
         assert 'mig_exporter_xid_errors_total{card="1",index="1",xid="79"} 1.0' in body
-        assert 'mig_exporter_xid_last_seconds{card="1",index="1",xid="79"}' in body
+        assert 'mig_exporter_xid_last_timestamp_seconds{card="1",index="1",xid="79"}' in body
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=10) == 0
     assert any("watching XID events on 2 card(s)" in line for line in server.log), server.log

@@ -26,6 +26,13 @@ exports no build info, so a node read both ways is counted once. The engines
 panels use the EngineHoldsNoGPUMemory alert's own expression, read from
 deploy/prometheus/alerts.yml when this runs. tests/test_grafana.py draws every
 table and stat with Grafana's own code (docs/dashboards.md).
+
+The health dashboard's card table lists, in one cell each, a card's reasons
+(mig_exporter_card_health_reason) and the work on it: a group-by on that one
+query's frame (a transformation's ``filter``), before the merge. Its XID table
+reads each XID's last time, not increase() of its counter: a counter born at 1
+never increases, so a one-off XID would show as 0. The XID codes read as their
+meanings from src/mig_exporter/model/xids.py (NVIDIA's catalogue).
 """
 
 from __future__ import annotations
@@ -37,6 +44,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+try:
+    from mig_exporter.model.xids import XIDS
+except ImportError:  # run from a checkout without the package installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from mig_exporter.model.xids import XIDS
 
 HERE = Path(__file__).resolve().parent
 ALERTS = HERE.parent.parent / "deploy" / "prometheus" / "alerts.yml"
@@ -453,6 +466,35 @@ def per_card(expr: str) -> str:
     return f"max by (job, instance, card) ({expr})"
 
 
+def work_on_cards(sel: str) -> str:
+    """The work on each card as a person names it, one series per (card, work), its value the
+    number of processes: ``pod NAMESPACE/POD``, else ``Slurm job ID``, else the systemd unit, else
+    ``process NAME``, as the instance_card_work:mig_exporter_process_info:count rule of
+    deploy/prometheus/alerts.yml names it (written out here, so the dashboard needs no rule
+    loaded); and a device with no process on it, by the pod or job it is allocated to
+    (mig_exporter_device_allocation_info, which has no card label: the card is device_info's)."""
+    processes = (
+        'label_replace(label_replace(label_replace(label_replace(label_join('
+        f'mig_exporter_process_info{{{sel}}}, "pod_path", "/", "namespace", "pod"), '
+        '"work", "process $1", "process_name", "(.*)"), "work", "$1", "systemd_unit", "(.+)"), '
+        '"work", "Slurm job $1", "slurm_job", "(.+)"), "work", "pod $1", "pod_path", "(.+/.+)")')
+    allocated = (
+        'label_replace(label_replace(label_join('
+        f'(mig_exporter_device_allocation_info{{{SEL}}} unless on (job, instance, index) '
+        f'mig_exporter_process_info{{{sel}}}) * on (job, instance, index) group_left (card) '
+        f'mig_exporter_device_info{{{sel}}}, "pod_path", "/", "namespace", "pod"), '
+        '"work", "Slurm job $1", "slurm_job", "(.+)"), "work", "pod $1", "pod_path", "(.+/.+)")')
+    return f"count by (job, instance, card, work) ({processes} or {allocated})"
+
+
+def listed(ref: str, label: str) -> dict[str, Any]:
+    """A transformation making the answer to query ``ref`` one row a card, its ``label``s (each
+    a series of its own) listed in one cell: merge would give each a row of its own."""
+    return {"id": "groupBy", "filter": {"id": "byRefId", "options": ref}, "options": {"fields": {
+        "job": {"operation": "groupby"}, "instance": {"operation": "groupby"}, "card": {"operation": "groupby"},
+        label: {"operation": "aggregate", "aggregations": ["uniqueValues"]}}}}
+
+
 def card_health_table() -> dict:
     sel = CARD_SEL
     volatile = 'scope="volatile", type="uncorrectable"'
@@ -472,20 +514,27 @@ def card_health_table() -> dict:
         ("I", per_card(f"mig_exporter_card_row_remap_pending{{{sel}}}")),
         ("J", per_card(f"mig_exporter_card_recovery_action{{{sel}}}")),
         # Milliseconds: what Grafana's time units read.
-        ("K", per_card(f"mig_exporter_xid_last_seconds{{{sel}}}") + " * 1000"),
+        ("K", per_card(f"mig_exporter_xid_last_timestamp_seconds{{{sel}}}") + " * 1000"),
+        # Why (each reason's code, docs/metrics.md) and whose work: one series per reason and per work.
+        ("L", f"max by (job, instance, card, reason) (mig_exporter_card_health_reason{{{sel}}})"),
+        ("M", work_on_cards(sel)),
     ]
     panel = table("Card health", [target(expr, ref=ref, instant=True, fmt="table") for ref, expr in queries], {
-        "instance": "Node", "card": "Card", "name": "Product", "Value #B": "State", "Value #C": "Temperature",
+        "instance": "Node", "card": "Card", "name": "Product", "Value #B": "State",
+        "reason (uniqueValues)": "Why", "work (uniqueValues)": "Work", "Value #C": "Temperature",
         "Value #D": "Margin", "Value #E": "Power", "Value #F": "Power limit", "Value #G": "Uncorrectable ECC",
         "Value #H": "Remapped rows", "Value #I": "Remap pending", "Value #J": "Recovery action",
         "Value #K": "Last XID"},
         {"Value #C": "celsius", "Value #D": "celsius", "Value #E": "watt", "Value #F": "watt",
          "Value #G": "none", "Value #H": "none", "Value #K": "dateTimeFromNow"},
         description="Each card's worst state by the rules of docs/metrics.md (\"Card health states\"), as the landing "
-                    "page and doctor grade it; doctor and the page also say why. Uncorrectable ECC: errors since "
-                    "the driver loaded. A card in MIG mode reports no remapped rows (blank): its XIDs 63, 64, 94 "
-                    "and 95, its recovery action and its instances' SRAM errors still cover it. Last XID: NVML "
-                    "only (--source nvml); the column is absent on nvidia-smi.")
+                    "page and doctor grade it, and why: each reason's code (mig_exporter_card_health_reason). Work: "
+                    "the pods, Slurm jobs, systemd units (else processes) on the card, and the pods or jobs its "
+                    "idle devices are allocated to: whose work a reset stops. Uncorrectable ECC: errors since the "
+                    "driver loaded. A card in MIG mode reports no remapped rows (blank): its XIDs 63, 64, 94 and "
+                    "95, its recovery action and its instances' SRAM errors still cover it. Last XID: from the "
+                    "kernel's log or NVML's events (docs/xids.md).")
+    panel["transformations"][:0] = [listed("L", "reason"), listed("M", "work")]
     overrides = panel["fieldConfig"]["overrides"]
     overrides.append({"matcher": {"id": "byName", "options": "Value #B"}, "properties": [
         {"id": "mappings", "value": mappings(HEALTH_STATE_TEXT)},
@@ -495,6 +544,51 @@ def card_health_table() -> dict:
     overrides.append({"matcher": {"id": "byName", "options": "Value #J"}, "properties": [
         {"id": "mappings", "value": mappings({k: (v, None if k == 0 else "red")
                                               for k, v in RECOVERY_ACTION_TEXT.items()})}]})
+    return panel
+
+
+def per_xid(expr: str, sel: str) -> str:
+    """``expr`` (one series per card, device index and XID) with the device's name joined in; an
+    XID on a card in MIG mode that names no instance has no device_info of its index: there the
+    device is the card."""
+    return (f"({with_device(expr, sel)}) or label_replace(({expr}) unless on (job, instance, index) "
+            f'mig_exporter_device_info{{{sel}}}, "device", "$1", "card", "(.*)")')
+
+
+# The XID column: each code as "code: meaning" (src/mig_exporter/model/xids.py, NVIDIA's catalogue).
+XID_TEXT = {code: (f"{code}: {entry.meaning}", {"critical": "red", "warning": "orange"}.get(entry.severity))
+            for code, entry in XIDS.items()}
+
+
+def xid_table() -> dict[str, Any]:
+    """One row per (card, device, XID) seen: when it was last seen (from its timestamp, so a
+    one-off XID, whose counter is born at 1 and never increases, shows), how many, and who ran
+    on the device then (the last XID line's pid, its process, pod or job)."""
+    sel = CARD_SEL
+    keys = "job, instance, card, index, xid"
+    who = f"{keys}, pid, process_name, namespace, pod, slurm_job, systemd_unit"
+    queries = [
+        # Milliseconds: what Grafana's time units read.
+        ("A", per_xid(f"max by ({keys}) (mig_exporter_xid_last_timestamp_seconds{{{sel}}}) * 1000", sel)),
+        ("B", per_xid(f"max by ({keys}) (mig_exporter_xid_errors_total{{{sel}}})", sel)),
+        ("C", per_xid(f"max by ({who}) (mig_exporter_xid_last_process_info{{{sel}}})", sel)),
+    ]
+    panel = table("XID errors", [target(expr, ref=ref, instant=True, fmt="table") for ref, expr in queries], {
+        "instance": "Node", "card": "Card", "device": "Device", "xid": "XID", "Value #A": "Last seen",
+        "Value #B": "Count", "pid": "PID", "process_name": "Process", "namespace": "Namespace", "pod": "Pod",
+        "slurm_job": "Slurm job", "systemd_unit": "Unit"},
+        {"Value #A": "dateTimeFromNow", "Value #B": "none"}, sort_by="Value #A",
+        description="Each XID the driver reported, by card, device and code, with its meaning (NVIDIA's XID "
+                    "catalogue, docs/alerts.md), when it was last seen, how many since the exporter started, and "
+                    "the process the last one named (pid, pod, Slurm job or unit; blank where the line named "
+                    "none). 63 and 64: row remapping; 94 and 95: contained and uncontained memory errors, which "
+                    "cover a card in MIG mode that cannot report its remapped rows. From the kernel's log "
+                    "(/dev/kmsg) or NVML's events (docs/xids.md).")
+    # The code as a number, so that its value mapping gives its meaning.
+    panel["transformations"].insert(1, {"id": "convertFieldType", "options": {"conversions": [
+        {"targetField": "xid", "destinationType": "number"}], "fields": {}}})
+    panel["fieldConfig"]["overrides"].append({"matcher": {"id": "byName", "options": "xid"}, "properties": [
+        {"id": "mappings", "value": mappings(XID_TEXT)}, {"id": "custom.align", "value": "left"}]})
     return panel
 
 
@@ -550,11 +644,15 @@ def heat_and_power(lay: Layout) -> None:
         "none", description="1 while the driver holds the clocks down for the reason (sampled at each scrape). "
                             "hw_slowdown, hw_thermal_slowdown, sw_thermal_slowdown and hw_power_brake_slowdown make "
                             "the card's health a warning; gpu_idle and sw_power_cap are normal."), 12, 8)
+    # Each reason that ever held the clocks down since the driver loaded (its counter above 0), at
+    # its share of the time now: a reason at 0 % is one that did, and does no longer.
     lay.add(timeseries("Time held down by clock event reason", [
-        target(f"rate(mig_exporter_card_clock_event_seconds_total{{{sel}}}[$__rate_interval]) > 0",
+        target(f"rate(mig_exporter_card_clock_event_seconds_total{{{sel}}}[$__rate_interval]) "
+               f"and mig_exporter_card_clock_event_seconds_total{{{sel}}} > 0",
                "{{instance}} card {{card}} {{reason}}")],
         "percentunit", description="The share of time the clocks were held down for the reason, from the driver's "
-                                   "own counters (575+): a 3 s throttle between two scrapes shows here."), 12, 8)
+                                   "own counters (575+): a 3 s throttle between two scrapes shows here. Only the "
+                                   "reasons that held them down since the driver loaded."), 12, 8)
 
 
 def wear(lay: Layout) -> None:
@@ -567,23 +665,18 @@ def wear(lay: Layout) -> None:
     ], "none", description="Volatile ECC counts above 0: the card's (which hold its MIG instances'), and each MIG "
                            "instance's own SRAM errors. An uncorrectable one makes the card's health a warning."),
         12, 8)
-    lay.add(timeseries("XID errors", [
-        target(f"sum by (job, instance, card, xid) (increase(mig_exporter_xid_errors_total{{{sel}}}"
-               f"[$__rate_interval]))", "{{instance}} card {{card}} XID {{xid}}")],
-        "none", description="XID errors the driver reported, by card and code (NVML only: --source nvml). 63 and "
-                            "64: row remapping; 94 and 95: contained and uncontained memory errors, which cover a "
-                            "card in MIG mode that cannot report its remapped rows."), 12, 8)
+    lay.add(xid_table(), 12, 8)
     lay.add(timeseries("Remapped rows", [
         target(f"mig_exporter_card_remapped_rows{{{sel}}}", "{{instance}} card {{card}} {{type}}", "A"),
         target(f"mig_exporter_card_row_remap_pending{{{sel}}}", "{{instance}} card {{card}} pending", "B"),
         target(f"mig_exporter_card_row_remap_failure{{{sel}}}", "{{instance}} card {{card}} failure", "C"),
     ], "none", description="Rows remapped by the error that caused it; pending 1: the card needs a reset; "
-                           "failure 1: it needs replacing. Absent for a card in MIG mode (docs/metrics.md)."), 8, 8)
+                           "failure 1: it needs replacing. Absent for a card in MIG mode (docs/metrics.md)."), 6, 8)
     lay.add(timeseries("Row remap availability (banks)", [
         target(f"mig_exporter_card_row_remap_availability_banks{{{sel}}}",
                "{{instance}} card {{card}} {{availability}}")],
         "none", description="Memory banks by the spare rows they have left; a bank at none makes the card's health a "
-                            "warning."), 8, 8)
+                            "warning."), 6, 8)
     lay.add(timeseries("Retired pages and recovery action", [
         target(f"mig_exporter_card_retired_pages{{{sel}}}", "{{instance}} card {{card}} retired {{cause}}", "A"),
         target(f"mig_exporter_card_retired_pages_pending{{{sel}}}", "{{instance}} card {{card}} retirement pending",
@@ -591,7 +684,18 @@ def wear(lay: Layout) -> None:
         target(f"mig_exporter_card_recovery_action{{{sel}}}", "{{instance}} card {{card}} recovery action", "C"),
     ], "none", description="Pages retired (pre-Ampere cards) and a retirement waiting for a reset; the driver's "
                            "recovery action: 0 none, 1 GPU reset, 2 node reboot, 3 drain P2P, 4 drain and reset, 5 "
-                           "recover the IMEX domain, 6 bus reset, 7 system reboot."), 8, 8)
+                           "recover the IMEX domain, 6 bus reset, 7 system reboot."), 6, 8)
+    lay.add(dashed(timeseries("PCIe link", [
+        target(f'mig_exporter_card_pcie_link_width_lanes{{{sel}, kind="current"}}',
+               "{{instance}} card {{card}} lanes", "A"),
+        target(f'mig_exporter_card_pcie_link_width_lanes{{{sel}, kind="max"}}',
+               "{{instance}} card {{card}} lanes max", "B"),
+        target(f'mig_exporter_card_pcie_link_generation{{{sel}, kind="current"}}',
+               "{{instance}} card {{card}} generation", "C"),
+    ], "none", description="The link's width in lanes against the most the card and host allow (dashed), and its "
+                           "generation. Fewer lanes than max is a link that trained narrow (a riser, a badly seated "
+                           "card) and makes the card's health a warning; a lower generation is an idle link saving "
+                           "power."), "B"), 6, 8)
 
 
 def health() -> dict:

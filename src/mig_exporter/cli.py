@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
+from importlib import resources
 from typing import Any
 
 import click
@@ -58,7 +59,9 @@ from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.auto import AutoSource
 from mig_exporter.sources.base import Source
 from mig_exporter.sources.command import kill_running, reaping
-from mig_exporter.sources.demo import DemoProcs, DemoSource
+from mig_exporter.sources.demo import DEMO_BOOT_SECONDS, DemoProcs, DemoSource
+from mig_exporter.sources.kmsg import DEFAULT_PATH as DEFAULT_KMSG
+from mig_exporter.sources.kmsg import KmsgReader, kmsg_status
 from mig_exporter.sources.nvidia_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.sources.xid import XidListener
@@ -223,6 +226,29 @@ def _make_scraper(source: Source, engines: EngineReader, *, proc_root: str, host
                    process_series=process_series)
 
 
+def _xid_kmsg_option() -> Callable[..., Any]:
+    return click.option(
+        "--collector.xid.kmsg", "xid_kmsg", default=DEFAULT_KMSG, show_default=True, metavar="PATH",
+        envvar=_env("COLLECTOR_XID_KMSG"), show_envvar=True,
+        help="The kernel's log, for the driver's XID lines: read from its oldest record, then at each scrape its "
+             "new ones (XIDs since boot, with their MIG instance and pid; CAP_SYSLOG where "
+             "kernel.dmesg_restrict=1); empty to turn it off. docs/xids.md.")
+
+
+def _make_kmsg_reader(path: str, demo: bool) -> KmsgReader | None:
+    """The kernel log's XID reader (``None``: turned off); the demo's is its bundled sample, on
+    the demo machine's clock."""
+    if demo:
+        path = str(resources.files("mig_exporter").joinpath("samples").joinpath("demo-kmsg.txt"))
+        reader = KmsgReader(path, boot=lambda: DEMO_BOOT_SECONDS)
+    elif not path:
+        return None
+    else:
+        reader = KmsgReader(path)
+    log.info("reading %s at each scrape", reader.describe())
+    return reader
+
+
 def _make_engine_reader(settings: EngineSettings, proc_root: str, demo: bool) -> EngineReader:
     """Which processes are engines, read from /proc or the demo's processes."""
     reader = EngineReader(settings, DemoProcs() if demo else ProcfsSource(proc_root))
@@ -362,15 +388,16 @@ def _load_config(path: str) -> Config:
                    "bcrypt). Re-read when it or its certificates change. docs/security.md.")
 @click.option("--collector.xid/--no-collector.xid", "xid", default=True, show_default=True,
               envvar=_env("COLLECTOR_XID"), show_envvar=True,
-              help="Count the XID errors the driver reports (NVML events, waited for in a thread of their own) "
-                   "into mig_exporter_xid_errors_total, with --source nvml or auto. The XIDs of MIG instances "
-                   "need root (docs/metrics.md); the nvidia-smi path has none.")
+              help="Count the XID errors the driver reports into mig_exporter_xid_errors_total: the kernel "
+                   "log's lines (--collector.xid.kmsg) on every read path, and NVML's events (waited for in a "
+                   "thread of their own) with --source nvml or auto. docs/xids.md.")
+@_xid_kmsg_option()
 @_process_series_option()
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
           config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
           pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
           listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
-          web_config_file: str | None, xid: bool, process_series: ProcessSeries) -> None:
+          web_config_file: str | None, xid: bool, xid_kmsg: str, process_series: ProcessSeries) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
@@ -382,7 +409,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
         slurm_job_map_dir=slurm_job_map_dir, listen_address=listen_address, timeout_offset=timeout_offset,
         max_concurrent=max_concurrent, max_connections=max_connections, web_config_file=web_config_file, xid=xid,
-        process_series=process_series,
+        xid_kmsg=xid_kmsg, process_series=process_series,
     )
     _run(server)
 
@@ -390,7 +417,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
 def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: str | None, proc_root: str,
                  host_passwd: str | None, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
                  slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
-                 max_connections: int, web_config_file: str | None, xid: bool = True,
+                 max_connections: int, web_config_file: str | None, xid: bool = True, xid_kmsg: str = DEFAULT_KMSG,
                  process_series: ProcessSeries = ALL_PROCESSES) -> ExporterServer:
     """The server serve runs, listening and assembled from serve's options (``source`` as
     ``_chosen_source`` names it): the source and the scrape with its readers, the probe targets,
@@ -415,8 +442,10 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
                             slurm_job_map_dir=slurm_job_map_dir, demo=demo, process_series=process_series)
     if process_series != ALL_PROCESSES:
         log.info("per-process series: %s (--collector.processes)", process_series)
-    if xid and source in ("nvml", "auto"):  # XIDs are NVML's events: the nvidia-smi path has none
+    if xid and source in ("nvml", "auto"):  # NVML's events: the nvidia-smi path has none
         scraper.xids = XidListener()
+    if xid:  # the kernel's lines: on every read path
+        scraper.kmsg = _make_kmsg_reader(xid_kmsg, demo)
     # /metrics: the scrape's families, then the counters about probes.
     exporter = Exporter(scraper, *([prober] if prober is not None else []), timeout_s=timeout)
     try:
@@ -506,11 +535,12 @@ def _one_read_options(func: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), default=None,
               envvar=_env("OUTPUT"), show_envvar=True,
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
+@_xid_kmsg_option()
 @_process_series_option()
 def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
          config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
          pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
-         output: str | None, process_series: ProcessSeries) -> None:
+         output: str | None, xid_kmsg: str, process_series: ProcessSeries) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     setup_logging(log_level, log_format)
     demo = _is_demo(source, demo)
@@ -523,6 +553,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
     scraper = _make_scraper(chosen, engines, proc_root=proc_root, host_passwd=host_passwd, kubernetes=kubernetes,
                             pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
                             slurm_job_map_dir=slurm_job_map_dir, demo=demo, process_series=process_series)
+    scraper.kmsg = _make_kmsg_reader(xid_kmsg, demo)  # the XIDs since boot: a one-shot read has them too
     with _reaping(), _signals_kill_commands():
         # serve's answer to a scrape without a header, text format: the same exporter and encoder.
         text, _content_type = Exporter(scraper, timeout_s=timeout).answer(Deadline.after(timeout)).encoded(None, False)
@@ -685,10 +716,11 @@ def fleet(prometheus_url: str, device_class: str | None, devices: bool, output_f
               help="The /proc that tells whether the host's PIDs are seen (without them no device counts free).")
 @_kubernetes_options
 @_slurm_options
+@_xid_kmsg_option()
 @_with_options(_log_options("warning"))
 def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format: str, demo: bool, proc_root: str,
            kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
-           log_level: str, log_format: str) -> None:
+           xid_kmsg: str, log_level: str, log_format: str) -> None:
     """Read through NVML and nvidia-smi, show each card, and say what is wrong. Each device's
     state counts the allocations to pods and Slurm jobs, read as status reads them.
 
@@ -715,7 +747,10 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     scraper = Scraper(source, pods=_make_pod_reader(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo),
                       job_map=_make_job_map(slurm_job_map_dir))
     host, problems = _doctor_host(scraper, shown_snapshot((nvml_read, smi_read)), host_pids, timeout)
-    report = diagnose(nvml_read, smi_read, slow_threshold_s=slow_threshold, host=host, allocation_problems=problems)
+    kmsg = _make_kmsg_reader(xid_kmsg, demo)  # the demo's is its bundled sample
+    kmsg_reads = kmsg_status(kmsg.path if kmsg is not None else "")
+    report = diagnose(nvml_read, smi_read, slow_threshold_s=slow_threshold, host=host, allocation_problems=problems,
+                      kmsg=kmsg_reads)
     if output_format == "json":
         click.echo(json.dumps(as_json(report), indent=2))
     else:

@@ -10,11 +10,13 @@ does the reading. Every finding names its fix, and has a severity:
 - ``warning``: worth fixing, but the exporter reads right (one path of two is
   unavailable, nvidia-smi is slow, a MIG mode change waits for a reset).
 
-Each card's health is graded by ``model/health.py`` (the rules of
-``mig_exporter_card_health``): a card that needs a reset or replacing is an
-error, a warning state a warning, each with the grade's reasons. Notes are
-what cannot be seen, not problems: a card in MIG mode cannot report its
-remapped rows, and XIDs cannot be watched without NVML's events.
+Each card's health is its grade, made once when the snapshot was built
+(``Card.verdict``, by ``model/health.py``'s rules of ``mig_exporter_card_health``):
+a card that needs a reset or replacing is an error, a warning state a warning,
+each with the grade's reasons. Notes are what cannot be seen, not problems: a
+card in MIG mode cannot report its remapped rows, XIDs cannot be watched
+without NVML's events, and a value one path gives and the other does not
+cannot be compared (only values both give are: one that differs is an error).
 
 The exit code (``Report.exit_code``), for readiness gates and scripts:
 0 when at least one path reads and there is no error; 1 when there is an
@@ -27,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,7 @@ from mig_exporter.model.capacity import (
     device_states,
     summary,
 )
-from mig_exporter.model.health import CardHealth, EccCount, Verdict, grade, instance_uncorrectable
+from mig_exporter.model.health import CardHealth, EccCount, Verdict
 from mig_exporter.model.snapshot import MIB, Card, Device, Snapshot
 
 log = logging.getLogger(__name__)
@@ -79,11 +81,13 @@ EXIT_UNREADABLE = 2
 EXIT_CARD_HEALTH = 3
 # The findings of a card that needs someone: a reset, or a new card.
 HEALTH_EXIT_CODES = ("card-needs-reset", "card-needs-replacing")
-NO_XIDS_WITHOUT_NVML = "no XID family: nvidia-smi gives none; use --source nvml"
+NO_XIDS_WITHOUT_NVML = "no XIDs: the kernel's log is not read and nvidia-smi gives none"
+NO_NVML_EVENTS = "NVML is not read: nvidia-smi gives no XID events"
 # What still covers a card in MIG mode that cannot report its remapped rows.
 MIG_REMAP_COVER = ("XIDs 63 and 64 (row remapping) and 94 and 95 (contained and uncontained memory errors; "
-                   "NVML only: --source nvml), the recovery action (mig_exporter_card_recovery_action) and its "
-                   "instances' own SRAM errors (mig_exporter_device_ecc_errors_total)")
+                   "from the kernel's log, and NVML's events), the recovery action "
+                   "(mig_exporter_card_recovery_action) and its instances' own SRAM errors "
+                   "(mig_exporter_device_ecc_errors_total)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,8 @@ class Report:
     # What cannot be seen (severity NOTE): remapped rows of a card in MIG mode, XIDs.
     notes: tuple[Finding, ...] = field(default=())
     xids: XidWatch | None = None
+    # Whether the kernel's log (/dev/kmsg, the XID lines since boot) reads, and why not; None: not asked.
+    kmsg: tuple[bool, str | None] | None = None
     # What decides a device's state beyond the read, as status has it: the PID namespace, and
     # the allocations to pods and Slurm jobs of the snapshot shown.
     host: HostView = GPU_ONLY
@@ -174,12 +180,14 @@ def diagnose(
     xids: XidWatch | None = None,
     host: HostView = GPU_ONLY,
     allocation_problems: Iterable[str] = (),
+    kmsg: tuple[bool, str | None] | None = None,
 ) -> Report:
     """The findings of one read of each path. ``nvml`` is None where it was not
     read (``doctor --demo``, whose sample is nvidia-smi's output). ``xids``: the
     XID watcher's answer; asked of it (``xid_watch``) when NVML reads and none is given.
     ``host``: what decides the devices' states beyond the read (``host_view``), and
-    ``allocation_problems`` what reading its allocations found.
+    ``allocation_problems`` what reading its allocations found. ``kmsg``: whether the kernel's
+    log reads (``sources/kmsg.py``'s ``kmsg_status``), and why not.
 
     A path that fails while the other reads is a warning: the exporter reads
     through the other (``--source auto``). Both failing is the exit code's 2."""
@@ -223,51 +231,70 @@ def diagnose(
         findings.extend(_allocation_findings(snapshot, host, tuple(allocation_problems)))
         notes.extend(_remap_notes(snapshot))
     xids = (xids if xids is not None else xid_watch()) if nvml is not None and nvml.ok else None
-    notes.extend(_xid_notes(xids))
+    notes.extend(_xid_notes(xids, kmsg))
     if nvml is not None and nvml.snapshot is not None and smi.snapshot is not None:
-        differences = compare(nvml.snapshot, smi.snapshot)
-        if differences:
+        compared = compare_paths(nvml.snapshot, smi.snapshot)
+        if compared.differences:
             findings.append(Finding(
-                "paths-disagree",
-                "NVML and nvidia-smi disagree: " + "; ".join(differences[:10])
-                + (f"; and {len(differences) - 10} more" if len(differences) > 10 else ""),
+                "paths-disagree", "NVML and nvidia-smi disagree: " + _some(compared.differences),
                 "run doctor again (a change between the two reads shows once); if it persists, the "
                 "libnvidia-ml the exporter loads and the nvidia-smi it runs come from different drivers",
             ))
-    return Report(readings, tuple(findings), tuple(notes), xids, host)
+        if compared.one_path_only:
+            notes.append(Finding(
+                "one-path-only", "values one path gives and the other does not, not compared: "
+                + _some(compared.one_path_only),
+                "nothing to do: each path reads what its driver interface offers (docs/metrics.md, "
+                "\"Where the paths differ\"); the exporter exports what the path it reads gives", NOTE))
+    return Report(readings, tuple(findings), tuple(notes), xids, kmsg, host)
 
 
-def _xid_notes(xids: XidWatch | None) -> Iterable[Finding]:
-    """Why XIDs cannot be watched: no NVML (``xids`` None), or the watcher's reason."""
-    if xids is None:
+def _some(lines: Sequence[str], most: int = 10) -> str:
+    """The first ``most`` lines, and how many more."""
+    return "; ".join(lines[:most]) + (f"; and {len(lines) - most} more" if len(lines) > most else "")
+
+
+def _xid_notes(xids: XidWatch | None, kmsg: tuple[bool, str | None] | None = None) -> Iterable[Finding]:
+    """Why XIDs are not seen: the kernel's log unreadable (the one source of XIDs since boot, and
+    of their pids), and NVML's events not watched (none without NVML, or the watcher's reason)."""
+    kmsg_reads = kmsg is not None and kmsg[0]
+    if kmsg is not None and not kmsg[0]:
+        yield Finding("xids-kmsg-unreadable", f"the kernel's log cannot be read: {kmsg[1] or 'no reason given'}",
+                      "mount the host's /dev/kmsg; in Kubernetes the container must be allowed to open it "
+                      "(securityContext.privileged: true) and hold CAP_SYSLOG where kernel.dmesg_restrict=1; "
+                      "until then XIDs since boot and their pids are not seen (docs/xids.md)", NOTE)
+    if xids is None and not kmsg_reads:
         yield Finding("xids-not-watched", NO_XIDS_WITHOUT_NVML,
-                      "run the exporter with --source nvml (or auto, where NVML loads) to export "
-                      "mig_exporter_xid_errors_total", NOTE)
-    elif not xids.watching:
-        yield Finding("xids-not-watched", f"XIDs cannot be watched: {xids.reason or 'no reason given'}",
+                      "read the kernel's log (--collector.xid.kmsg) or run the exporter with --source nvml (or "
+                      "auto, where NVML loads) to export mig_exporter_xid_errors_total", NOTE)
+    elif xids is not None and not xids.watching:
+        yield Finding("xids-not-watched", f"NVML's XID events cannot be watched: {xids.reason or 'no reason given'}",
+                      "the kernel's log gives the XIDs where it reads" if kmsg_reads else
                       "the alerts on XIDs (docs/alerts.md) see nothing from this node", NOTE)
 
 
 def verdicts(snapshot: Snapshot) -> dict[int, Verdict]:
-    """Each readable card's grade, its MIG instances' own uncorrectable ECC errors counted
-    as mig_exporter_card_health counts them. An unreadable card has none: unknown, not ok."""
-    by_card: dict[int, int] = {}
-    for d in snapshot.devices:
-        by_card[d.card] = by_card.get(d.card, 0) + instance_uncorrectable(d.ecc_errors)
-    return {c.index: grade(c.health, by_card.get(c.index, 0)) for c in snapshot.cards if c.error is None}
+    """Each readable card's grade, as the snapshot made it (``Card.verdict``: the one the
+    families and the page show). An unreadable card has none: unknown, not ok."""
+    return {c.index: c.verdict for c in snapshot.cards if c.verdict is not None}
 
 
-# A warning reason's first words, and what to do about it.
-_WARNING_FIXES = (
-    ("uncorrectable ECC", "watch the card: an uncorrectable error is often followed by a pending row remap or "
-                          "page retirement (a reset), or XIDs 48, 63, 64, 94, 95"),
-    ("SRAM errors passed", "the card's SRAM is wearing out: plan to replace it"),
-    ("clocks held down", "check the card's cooling, airflow and power delivery: the hardware slows it down"),
-    ("from its thermal limit", "check the card's cooling and airflow: it is close to slowing down"),
-    ("a memory bank has no spare rows", "the next failing row in that bank cannot be remapped: plan to replace "
-                                        "the card"),
-    ("the driver advises", "follow the driver's advice (nvidia-smi -q shows the recovery action)"),
-)
+_COOLING = "check the card's cooling, airflow and power delivery: the hardware slows it down"
+# A warning reason's code (Verdict.codes), and what to do about it.
+_WARNING_FIXES = {
+    "ecc_uncorrectable": "watch the card: an uncorrectable error is often followed by a pending row remap or "
+                         "page retirement (a reset), or XIDs 48, 63, 64, 94, 95",
+    "ecc_sram_threshold": "the card's SRAM is wearing out: plan to replace it",
+    **dict.fromkeys(("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown"),
+                    _COOLING),
+    "temperature_margin": "check the card's cooling and airflow: it is close to slowing down",
+    "row_remap_exhausted": "the next failing row in that bank cannot be remapped: plan to replace the card",
+    "recovery_action": "follow the driver's advice (nvidia-smi -q shows the recovery action)",
+    "recovery_action_unknown": "read the driver's advice as nvidia-smi -q shows it (GPU Recovery Action) and the "
+                               "NVIDIA docs for it; treat it as a reset until known",
+    "pcie_link_width": "the link trained to a quarter of the card's lanes or fewer: reseat the card, check its "
+                       "riser or slot, and the lanes again after a reboot (nvidia-smi -q -d PCI -i <card>)",
+}
 
 
 def _health_findings(snapshot: Snapshot) -> Iterable[Finding]:
@@ -275,18 +302,24 @@ def _health_findings(snapshot: Snapshot) -> Iterable[Finding]:
     for index, found in verdicts(snapshot).items():
         label = f"card {index} ({names[index]})"
         why = "; ".join(found.reasons)
+        # Each warning reason's fix, after the reset's or the replacement's where there is one.
+        fixes = "; ".join(dict.fromkeys(_WARNING_FIXES[code].replace("<card>", str(index)) for code in found.codes
+                                        if code in _WARNING_FIXES))
         if found.state == "replace":
-            yield Finding("card-needs-replacing", f"{label} needs replacing: {why}",
-                          "drain the card and have it replaced (RMA): a failed row remap means a memory bank has no "
-                          f"spare row left (nvidia-smi -q -d ROW_REMAPPER -i {index})")
+            yield Finding("card-needs-replacing", f"{label} needs replacing: {why}", _then(
+                "drain the card and have it replaced (RMA): its memory has failed beyond repair "
+                f"(nvidia-smi -q -d ROW_REMAPPER,ECC -i {index})", fixes))
         elif found.state == "reset":
-            yield Finding("card-needs-reset", f"{label} needs a reset: {why}",
-                          f"drain its workloads and reset it when idle (nvidia-smi -r -i {index}), or reboot the "
-                          "node; on Kubernetes cordon and drain the node first")
+            yield Finding("card-needs-reset", f"{label} needs a reset: {why}", _then(
+                f"drain its workloads and reset it when idle (nvidia-smi -r -i {index}), or reboot the "
+                "node; on Kubernetes cordon and drain the node first", fixes))
         elif found.state == "warning":
-            fixes = [fix for start, fix in _WARNING_FIXES if any(start in r for r in found.reasons)]
-            yield Finding("card-health-warning", f"{label}: {why}", "; ".join(dict.fromkeys(fixes)) or
-                          "watch the card (mig_exporter_card_health)", WARNING)
+            yield Finding("card-health-warning", f"{label}: {why}",
+                          fixes or "watch the card (mig_exporter_card_health)", WARNING)
+
+
+def _then(fix: str, more: str) -> str:
+    return f"{fix}; then: {more}" if more else fix
 
 
 def remapped_rows_unknown(card: Card) -> bool:
@@ -426,99 +459,131 @@ def _allocation_findings(snapshot: Snapshot, host: HostView, problems: tuple[str
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """Two snapshots of one node compared: ``differences``, values both give that differ (an
+    error: ``paths-disagree``); ``one_path_only``, values one gives and the other does not
+    (a note: an NVML field nvidia-smi does not print, a threshold the XML writes and NVML does
+    not give, an instance's SRAM count one path reports as 0 and the other leaves out)."""
+
+    differences: tuple[str, ...] = ()
+    one_path_only: tuple[str, ...] = ()
+
+
+class _Lines:
+    """The lines of a comparison as it is made; ``names``: the two paths, in order."""
+
+    def __init__(self, names: tuple[str, str]) -> None:
+        self.names = names
+        self.differences: list[str] = []
+        self.one_path_only: list[str] = []
+
+    def value(self, what: str, a: Any, b: Any, tolerance: int | None = None,
+              shown: Callable[[Any], str] = repr) -> None:
+        """Compare a value where both give one; say which path alone gives it otherwise."""
+        if a is None and b is None:
+            return
+        if a is None or b is None:
+            self.one_path_only.append(f"{what} ({self.names[0] if b is None else self.names[1]} only)")
+        elif a != b if tolerance is None else abs(a - b) > tolerance:
+            self.differences.append(f"{what}: {shown(a)} vs {shown(b)}")
+
+    def pairs(self, what: str, a: Iterable[tuple[Any, Any]], b: Iterable[tuple[Any, Any]]) -> None:
+        """``(name, value)`` pairs (or ECC counts by key) compared name by name."""
+        by_a, by_b = dict(a), dict(b)
+        for key in sorted(set(by_a) | set(by_b), key=str):
+            name = " ".join(key) if isinstance(key, tuple) else str(key)
+            self.value(f"{what} {name}", by_a.get(key), by_b.get(key))
+
+
 def compare(a: Snapshot, b: Snapshot) -> list[str]:
-    """Differences between two snapshots of the same node, one line each."""
-    out: list[str] = []
+    """The values both snapshots of the same node give and differ on, one line each."""
+    return list(compare_paths(a, b).differences)
+
+
+def compare_paths(a: Snapshot, b: Snapshot, names: tuple[str, str] = ("NVML", "nvidia-smi")) -> Comparison:
+    """Two snapshots of the same node (``names``: the paths that read them) compared value by
+    value: a card, device or process one path sees and the other does not is a difference; a
+    value one path gives and the other does not is not (``Comparison.one_path_only``)."""
+    out = _Lines(names)
     a_cards = {c.index: c for c in a.cards}
     b_cards = {c.index: c for c in b.cards}
     for index in sorted(set(a_cards) | set(b_cards)):
         ca, cb = a_cards.get(index), b_cards.get(index)
         if ca is None or cb is None:
-            out.append(f"card {index} seen by one path only")
+            out.differences.append(f"card {index} seen by one path only")
             continue
-        for attr in ("uuid", "mig_current", "mig_pending", "mig_instances"):
-            if getattr(ca, attr) != getattr(cb, attr):
-                out.append(f"card {index} {attr}: {getattr(ca, attr)!r} vs {getattr(cb, attr)!r}")
-        out.extend(f"card {index} {line}" for line in _health_differences(ca.health, cb.health))
+        for attr in ("uuid", "serial", "mig_current", "mig_pending", "mig_instances"):
+            out.value(f"card {index} {attr}", getattr(ca, attr), getattr(cb, attr))
+        _health_differences(out, f"card {index}", ca.health, cb.health)
     a_devices = {d.index: d for d in a.devices}
     b_devices = {d.index: d for d in b.devices}
-    names = {i: _device_name(d) for i, d in (*b_devices.items(), *a_devices.items())}
+    names_of = {i: _device_name(d) for i, d in (*b_devices.items(), *a_devices.items())}
     for index in sorted(set(a_devices) | set(b_devices)):
         da, db = a_devices.get(index), b_devices.get(index)
         if da is None or db is None:
-            out.append(f"device {names[index]} seen by one path only")
+            out.differences.append(f"device {names_of[index]} seen by one path only")
             continue
-        out.extend(_device_differences(da, db))
-    a_procs = {(p.device_index, p.pid): p for p in a.processes}
-    b_procs = {(p.device_index, p.pid): p for p in b.processes}
+        _device_differences(out, da, db)
+    # Processes only where both paths list them (a path the driver refuses the list gives none).
+    listed = {i for i in set(a_devices) & set(b_devices)
+              if a_devices[i].processes_known and b_devices[i].processes_known}
+    a_procs = {(p.device_index, p.pid): p for p in a.processes if p.device_index in listed}
+    b_procs = {(p.device_index, p.pid): p for p in b.processes if p.device_index in listed}
     for key in sorted(set(a_procs) ^ set(b_procs)):
-        out.append(f"process {key[1]} on device {names.get(key[0], key[0])} seen by one path only")
+        out.differences.append(f"process {key[1]} on device {names_of.get(key[0], key[0])} seen by one path only")
     for key in sorted(set(a_procs) & set(b_procs)):
         pa, pb = a_procs[key], b_procs[key]
-        if pa.type != pb.type:
-            out.append(f"process {key[1]} type: {pa.type} vs {pb.type}")
-        if not _close(pa.used_bytes, pb.used_bytes, _USED_TOLERANCE_BYTES):
-            out.append(f"process {key[1]} memory: {_mib(pa.used_bytes)} vs {_mib(pb.used_bytes)}")
-    return out
+        out.value(f"process {key[1]} type", pa.type or None, pb.type or None, shown=str)
+        out.value(f"process {key[1]} memory", pa.used_bytes, pb.used_bytes, _USED_TOLERANCE_BYTES, _mib)
+    return Comparison(tuple(out.differences), tuple(out.one_path_only))
 
 
-# Health readings that move between two reads a moment apart: not compared.
+# Health readings that move between two reads a moment apart: not compared. (An idle link
+# drops its PCIe generation to save power, and takes it up again under load.)
 _HEALTH_MOVING = frozenset({
     "memory_temperature_celsius", "temperature_margin_celsius", "clock_events_active", "clock_event_seconds",
-    "performance_state", "clocks", "fan_speed_ratio", "pcie_replays"})
-# What one path alone gives (docs/metrics.md, "Where the paths differ"): not a disagreement.
+    "performance_state", "clocks", "fan_speed_ratio", "pcie_replays", "pcie_link_generation_current"})
+# What one path alone gives (docs/metrics.md, "Where the paths differ"): not even a note.
 HEALTH_NVML_ONLY = frozenset({"energy_joules"})
 
 
-def _health_differences(a: CardHealth, b: CardHealth) -> list[str]:
-    """The card's health readings the two paths should give alike and do not; ECC counters one
-    line each (``ecc volatile dram uncorrectable: 1 vs 0``)."""
-    out = []
+def _health_differences(out: _Lines, card: str, a: CardHealth, b: CardHealth) -> None:
+    """The card's health readings, as ``_Lines.value`` compares them; pairs and ECC counters
+    name by name (``card 0 ecc volatile dram uncorrectable: 1 vs 0``)."""
     for f in dataclasses.fields(CardHealth):
         if f.name in _HEALTH_MOVING or f.name in HEALTH_NVML_ONLY:
             continue
         va, vb = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "recovery_action_unknown":
+            # Each path words an advice it does not know its own way (a string, NVML's number):
+            # both having one is agreement.
+            va, vb = va and "an action this exporter does not know", vb and "an action this exporter does not know"
         if f.name == "ecc_errors":
-            out.extend(_ecc_differences("ecc", va, vb))
+            out.pairs(f"{card} ecc", _ecc_counts(va), _ecc_counts(vb))
         elif isinstance(va, tuple) and isinstance(vb, tuple):
-            if dict(va) != dict(vb):
-                out.append(f"{f.name}: {dict(va)!r} vs {dict(vb)!r}")
-        elif va != vb:
-            out.append(f"{f.name}: {va!r} vs {vb!r}")
-    return out
+            out.pairs(f"{card} {f.name}", va, vb)
+        else:
+            out.value(f"{card} {f.name}", va, vb)
 
 
-def _ecc_differences(what: str, a: tuple[EccCount, ...], b: tuple[EccCount, ...]) -> list[str]:
-    counts_a = {(e.scope, e.memory, e.type): e.errors for e in a}
-    counts_b = {(e.scope, e.memory, e.type): e.errors for e in b}
-    return [f"{what} {' '.join(key)}: {counts_a.get(key, 'none')} vs {counts_b.get(key, 'none')}"
-            for key in sorted(set(counts_a) | set(counts_b)) if counts_a.get(key) != counts_b.get(key)]
+def _ecc_counts(counts: tuple[EccCount, ...]) -> list[tuple[tuple[str, str, str], int]]:
+    return [((e.scope, e.memory, e.type), e.errors) for e in counts]
 
 
-def _device_differences(a: Device, b: Device) -> list[str]:
-    out = []
-    name = _device_name(a)
+def _device_differences(out: _Lines, a: Device, b: Device) -> None:
+    name = f"device {_device_name(a)}"
     for attr in ("uuid", "profile", "gpu_instance_id", "compute_instance_id", "device_class"):
-        if getattr(a, attr) != getattr(b, attr):
-            out.append(f"device {name} {attr}: {getattr(a, attr)!r} vs {getattr(b, attr)!r}")
-    if not _close(a.memory.total_bytes, b.memory.total_bytes, _TOTAL_TOLERANCE_BYTES):
-        out.append(f"device {name} memory total: {_mib(a.memory.total_bytes)} vs {_mib(b.memory.total_bytes)}")
-    if not _close(a.memory.used_bytes, b.memory.used_bytes, _USED_TOLERANCE_BYTES):
-        out.append(f"device {name} memory used: {_mib(a.memory.used_bytes)} vs {_mib(b.memory.used_bytes)}")
-    out.extend(f"device {name} {line}" for line in _ecc_differences("ecc", a.ecc_errors, b.ecc_errors))
-    return out
+        out.value(f"{name} {attr}", getattr(a, attr), getattr(b, attr))
+    out.value(f"{name} memory total", a.memory.total_bytes, b.memory.total_bytes, _TOTAL_TOLERANCE_BYTES, _mib)
+    out.value(f"{name} memory used", a.memory.used_bytes, b.memory.used_bytes, _USED_TOLERANCE_BYTES, _mib)
+    out.pairs(f"{name} ecc", _ecc_counts(a.ecc_errors), _ecc_counts(b.ecc_errors))
 
 
 def _device_name(d: Device) -> str:
     """``1/mig2 (1102)``: the name people read, and the placement index the
     metrics carry; a whole card is just its index."""
     return f"{d.display_name} ({d.index})" if d.is_mig else d.display_name
-
-
-def _close(a: int | None, b: int | None, tolerance: int) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return abs(a - b) <= tolerance
 
 
 def _mib(value: int | None) -> str:
@@ -599,7 +664,7 @@ def _health_json(snapshot: Snapshot, card: Card) -> dict[str, Any] | None:
     found = verdicts(snapshot).get(card.index)
     if found is None:
         return None
-    return {"state": found.state, "label": found.label, "reasons": list(found.reasons),
+    return {"state": found.state, "label": found.label, "reasons": list(found.reasons), "codes": list(found.codes),
             "remapped_rows_reported": not remapped_rows_unknown(card)}
 
 
@@ -642,6 +707,7 @@ def as_json(report: Report) -> dict[str, Any]:
         ],
         "notes": [{"code": f.code, "message": f.message, "detail": f.fix} for f in report.notes],
         "xids": {"watching": xids.watching, "cards": xids.cards, "reason": xids.reason} if xids is not None
-        else {"watching": False, "cards": 0, "reason": NO_XIDS_WITHOUT_NVML},
+        else {"watching": False, "cards": 0, "reason": NO_NVML_EVENTS},
+        "kmsg": None if report.kmsg is None else {"readable": report.kmsg[0], "reason": report.kmsg[1]},
         "exit_code": report.exit_code,
     }

@@ -127,6 +127,8 @@ struct health {
     int has_retired; struct pages retired[NVML_PAGE_RETIREMENT_CAUSE_COUNT];
     int has_retired_pending; unsigned int retired_pending;
     int has_repair; unsigned int repair_channel, repair_tpc;
+    int has_unrepairable; unsigned int unrepairable;
+    int has_link; unsigned int link[4]; /* current generation, max generation, current width, max width */
 };
 
 struct fake_dev {
@@ -140,6 +142,7 @@ struct fake_dev {
     int has_power; unsigned int power_mw;
     int has_util; unsigned int util_gpu, util_memory;
     unsigned int max_mig;
+    char serial[64]; int has_serial; /* nvmlDeviceGetSerial: the card's, on its MIG handles too */
     unsigned int gi, ci;
     struct health health;   /* a card's */
     int has_sram_unc; unsigned long long sram_unc; /* a MIG device's own volatile uncorrectable SRAM errors */
@@ -155,7 +158,7 @@ struct pname { unsigned int pid; char *name; };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int loaded, init_count, init_error, r535;
-static char driver_version[80];
+static char driver_version[80], nvml_version[80];
 static int cuda_version;
 static struct fake_dev *devs;
 static int ndevs, ncards, *card_dev;
@@ -298,6 +301,16 @@ static int health_line(struct fake_dev *d, char **tok, int n) {
     } else if (!strcmp(k, "repair") && n == 3) {
         NUMBERS(1, 2, v);
         h->has_repair = 1; h->repair_channel = (unsigned int)v[0]; h->repair_tpc = (unsigned int)v[1];
+    } else if (!strcmp(k, "unrepairable") && n == 2) {
+        NUMBERS(1, 1, v);
+        h->has_unrepairable = 1; h->unrepairable = (unsigned int)v[0];
+    } else if (!strcmp(k, "pcie_link") && n == 5) {
+        NUMBERS(1, 4, v);
+        h->has_link = 1;
+        for (int i = 0; i < 4; i++) h->link[i] = (unsigned int)v[i];
+    } else if (!strcmp(k, "serial") && n == 2) {
+        copy(d->serial, sizeof d->serial, tok[1]);
+        d->has_serial = 1;
     } else if (!strcmp(k, "sram_unc")) {
         return -1; /* a MIG device's */
     } else {
@@ -329,6 +342,7 @@ static int load(const char *path) {
         const char *k = tok[0];
         struct fake_dev *d = cur >= 0 ? &devs[cur] : NULL;
         if (!strcmp(k, "driver") && n == 2) copy(driver_version, sizeof driver_version, tok[1]);
+        else if (!strcmp(k, "nvml_version") && n == 2) copy(nvml_version, sizeof nvml_version, tok[1]);
         else if (!strcmp(k, "cuda") && n == 2) cuda_version = atoi(tok[1]);
         else if (!strcmp(k, "init_error") && n == 2) init_error = atoi(tok[1]);
         else if (!strcmp(k, "r535_struct_mismatch") && n == 1) r535 = 1;
@@ -522,6 +536,11 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t code) {
 EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
     int rc = system_call("nvmlSystemGetDriverVersion");
     return rc ? rc : write_string(version, length, driver_version);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
+    int rc = system_call("nvmlSystemGetNVMLVersion");
+    return rc ? rc : write_string(version, length, nvml_version);
 }
 
 EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) {
@@ -927,6 +946,35 @@ EXPORT nvmlReturn_t nvmlDeviceGetRepairStatus(nvmlDevice_t device, nvmlRepairSta
 /* ---- other readings: nvitop-exporter's; every card answers the same H100-like values and a MIG
  * handle NOT_SUPPORTED, as in the Python fake ---- */
 
+/* nvml.h (590+): nvmlUnrepairableMemory_v1_t, version NVML_STRUCT_VERSION(UnrepairableMemory, 1). */
+typedef struct { unsigned int version, unrepairableMemory; } nvmlUnrepairableMemory_v1_t;
+#define nvmlUnrepairableMemory_v1 ((unsigned int)(sizeof(nvmlUnrepairableMemory_v1_t) | (1 << 24)))
+
+EXPORT nvmlReturn_t nvmlDeviceGetUnrepairableMemoryFlag_v1(nvmlDevice_t device, nvmlUnrepairableMemory_v1_t *status) {
+    HEALTH("nvmlDeviceGetUnrepairableMemoryFlag_v1", device);
+    if (!h->has_unrepairable) return NVML_ERROR_NOT_SUPPORTED;
+    if (!status) return NVML_ERROR_INVALID_ARGUMENT;
+    if (status->version != nvmlUnrepairableMemory_v1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    status->unrepairableMemory = h->unrepairable;
+    return NVML_SUCCESS;
+}
+
+#define LINK(Name, i) \
+    EXPORT nvmlReturn_t nvmlDeviceGet##Name(nvmlDevice_t device, unsigned int *value) { \
+        HEALTH("nvmlDeviceGet" #Name, device); \
+        return given_uint(h->has_link, value, h->link[i]); \
+    }
+LINK(CurrPcieLinkGeneration, 0)
+LINK(MaxPcieLinkGeneration, 1)
+LINK(CurrPcieLinkWidth, 2)
+LINK(MaxPcieLinkWidth, 3)
+
+EXPORT nvmlReturn_t nvmlDeviceGetSerial(nvmlDevice_t device, char *serial, unsigned int length) {
+    DEVICE("nvmlDeviceGetSerial", device);
+    const struct fake_dev *card = card_of(d);
+    return card->has_serial ? write_string(serial, length, card->serial) : NVML_ERROR_NOT_SUPPORTED;
+}
+
 EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_v1_t *temperature) {
     DEVICE("nvmlDeviceGetTemperatureV", device);
     if (!temperature) return NVML_ERROR_INVALID_ARGUMENT;
@@ -1223,6 +1271,8 @@ EXPORT long fakeNvmlLayout(const char *what) {
     LAYOUT(nvmlProcessUtilizationSample_t, timeStamp) LAYOUT(nvmlProcessUtilizationSample_t, smUtil)
     LAYOUT(nvmlProcessUtilizationSample_t, memUtil) LAYOUT(nvmlProcessUtilizationSample_t, encUtil)
     LAYOUT(nvmlProcessUtilizationSample_t, decUtil)
+    SIZE(nvmlUnrepairableMemory_v1_t) LAYOUT(nvmlUnrepairableMemory_v1_t, version)
+    LAYOUT(nvmlUnrepairableMemory_v1_t, unrepairableMemory)
     SIZE(nvmlEventData_t) LAYOUT(nvmlEventData_t, device) LAYOUT(nvmlEventData_t, eventType) /* XID events' */
     LAYOUT(nvmlEventData_t, eventData) LAYOUT(nvmlEventData_t, gpuInstanceId) LAYOUT(nvmlEventData_t, computeInstanceId)
     if (!strcmp(what, "nvmlMemory_v2")) return (long)nvmlMemory_v2;

@@ -163,12 +163,20 @@ def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: Owner
 def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
     info = GaugeMetricFamily(
         "mig_exporter_card_info",
-        "A physical card, with its identity and the driver it runs under.",
-        labels=["card", "uuid", "name", "pci_bus_id", "driver_version", "cuda_version"],
+        "A physical card, with its identity (serial: the board's, as an RMA asks) and the driver it runs under.",
+        labels=["card", "uuid", "name", "pci_bus_id", "serial", "driver_version", "cuda_version"],
     )
     ok = GaugeMetricFamily(
         "mig_exporter_card_read_success",
         "1 when the card's section of the read could be read, 0 when it failed (see the log).",
+        labels=["card"],
+    )
+    # Only 1, only while it holds: the nvidia-smi path cannot tell a lost card from another
+    # failure, so a 0 would claim what no read knows.
+    lost = GaugeMetricFamily(
+        "mig_exporter_card_lost",
+        "1 while the card's read fails because the driver says it is lost (NVML's GPU_IS_LOST: it fell off "
+        "the bus); absent otherwise.",
         labels=["card"],
     )
     mig_mode = GaugeMetricFamily(
@@ -195,11 +203,13 @@ def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
     for c in snapshot.cards:
         card = str(c.index)
         info.add_metric(
-            [card, c.uuid or "", c.name or "", c.pci_bus_id or "", snapshot.driver_version or "",
+            [card, c.uuid or "", c.name or "", c.pci_bus_id or "", c.serial or "", snapshot.driver_version or "",
              snapshot.cuda_version or ""],
             1,
         )
         ok.add_metric([card], 0 if c.error else 1)
+        if c.lost:
+            lost.add_metric([card], 1)
         for state, value in (("current", c.mig_current), ("pending", c.mig_pending)):
             if value is not None:
                 mig_mode.add_metric([card, state], 1 if value else 0)
@@ -212,7 +222,7 @@ def _card_families(snapshot: Snapshot) -> Iterator[Metric]:
         ):
             if reading is not None:
                 family.add_metric([card], reading)
-    yield from (info, ok, mig_mode, instances, temperature, power, utilization)
+    yield from (info, ok, *([lost] if lost.samples else []), mig_mode, instances, temperature, power, utilization)
 
 
 def engine_families(reading: EngineReading, process_series: ProcessSeries = ALL_PROCESSES) -> Iterator[Metric]:

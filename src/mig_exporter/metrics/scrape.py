@@ -53,14 +53,16 @@ from mig_exporter.metrics.families import (
     read_families,
     snapshot_families,
 )
-from mig_exporter.metrics.health_families import xid_families
 from mig_exporter.metrics.process_series import ALL_PROCESSES, ProcessSeries
+from mig_exporter.metrics.xid_families import xid_families
 from mig_exporter.model.capacity import HostView, host_view
 from mig_exporter.model.readings import EngineReading, OwnerReading, PodReading, SlurmJobMapReading
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.sources.base import Source, read_telling_start
+from mig_exporter.sources.xid import XidBook
 
 if TYPE_CHECKING:
+    from mig_exporter.sources.kmsg import KmsgReader
     from mig_exporter.sources.xid import XidListener
 
 log = logging.getLogger("mig_exporter")
@@ -126,8 +128,11 @@ class Scraper:
         self.pods = pods
         self.job_map = job_map
         self.owners = owners
-        # serve's XID listener (sources/xid.py): what it has seen joins each successful NVML read.
+        # The XIDs (docs/xids.md): serve's NVML listener (sources/xid.py), and the kernel's log
+        # (sources/kmsg.py), read at each scrape; the book merges them and joins each successful read.
         self.xids: XidListener | None = None
+        self.kmsg: KmsgReader | None = None
+        self._xid_book = XidBook()
         self._lock = threading.Lock()
         self._errors_total = 0
         self._known_problems: dict[str, frozenset[str]] = {}
@@ -174,6 +179,7 @@ class Scraper:
         owners = self._owners(snapshot, deadline, identities, listing)
         pods = self._pods(snapshot, deadline, identities, kubelet)
         job_map = self._job_map(snapshot, deadline)
+        self._read_kmsg()
         duration = time.monotonic() - started
         self._log_problems(snapshot.problems)
         if engines is not None:
@@ -193,6 +199,32 @@ class Scraper:
         elsewhere (doctor's), read by ``deadline`` as a scrape reads them after its GPUs
         (``None`` for what is not watched); ``host_view`` makes their allocations a HostView."""
         return self._pods(snapshot, deadline), self._job_map(snapshot, deadline)
+
+    def _read_kmsg(self) -> None:
+        """The kernel log's records new since the last scrape (bounded: sources/kmsg.py)."""
+        if self.kmsg is None:
+            return
+        try:
+            self.kmsg.read()
+        except Exception as e:  # a bug here costs the XIDs' newest lines, not the scrape
+            self._log_bug("reading XIDs from the kernel log failed unexpectedly", e)
+
+    def _xid_families(self, outcome: ReadOutcome) -> Iterator[Metric]:
+        """The XIDs of both sources, merged (sources/xid.py's XidBook), and whether each is read."""
+        readable: dict[str, bool] = {}
+        if self.kmsg is not None:
+            kmsg_readable, _why = self.kmsg.status()
+            if kmsg_readable is not None:
+                readable["kmsg"] = kmsg_readable
+        status = getattr(self.xids, "status", None)  # a listener's; a test's stand-in may have none
+        if status is not None:
+            readable["nvml_events"] = status().watching
+        seen = []
+        if outcome.snapshot is not None:
+            seen = self._xid_book.seen(outcome.snapshot, self.kmsg.tallies() if self.kmsg is not None else (),
+                                       self.xids.seen(outcome.snapshot) if self.xids is not None else (),
+                                       outcome.pods, outcome.owners)
+        yield from xid_families(seen, readable, self.kmsg.dropped() if self.kmsg is not None else None)
 
     def _job_map(self, snapshot: Snapshot, deadline: Deadline | None) -> SlurmJobMapReading | None:
         if self.job_map is None:
@@ -432,8 +464,8 @@ class Scraper:
                 yield from owner_families(outcome.owners, outcome.snapshot)
             yield from allocation_families(outcome.pods, outcome.job_map)
             yield from device_state_families(outcome.snapshot, outcome.host)
-            if self.xids is not None and self.source.name == "nvml":  # none on the nvidia-smi path
-                yield from xid_families(self.xids.seen(outcome.snapshot))
+        if self.xids is not None or self.kmsg is not None:  # on both read paths
+            yield from self._xid_families(outcome)
         if outcome.engines is not None:
             yield from engine_families(outcome.engines, self.process_series)
         yield from read_families(

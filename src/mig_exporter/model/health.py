@@ -95,7 +95,18 @@ class CardHealth:
     retired_pages_pending: bool | None = None
     repair_pending: tuple[tuple[str, bool], ...] = ()
     recovery_action: int | None = None
+    # The driver's advice as it gave it where this exporter does not know it (an unrecognised
+    # string in the XML; a number NVML's header for the driver in use does not define).
+    recovery_action_unknown: str | None = None
+    # Memory the card can no longer repair (590+: nvidia-smi's unrepairable_memory, NVML's
+    # nvmlDeviceGetUnrepairableMemoryFlag_v1): the card needs replacing.
+    unrepairable_memory: bool | None = None
     pcie_replays: int | None = None
+    # The PCIe link: generation and width (lanes) now, and the most this card and host allow.
+    pcie_link_generation_current: int | None = None
+    pcie_link_generation_max: int | None = None
+    pcie_link_width_current: int | None = None
+    pcie_link_width_max: int | None = None
 
     def active(self, reason: str) -> bool:
         return dict(self.clock_events_active).get(reason, False)
@@ -112,6 +123,11 @@ HEALTH_STATES = ("ok", "warning", "reset", "replace")
 SLOWDOWN_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")
 # A margin under this to the thermal limit (T.Limit) is a warning (the alert's threshold too).
 MARGIN_WARNING_CELSIUS = 5.0
+# A link at a quarter of its lanes or fewer is degraded (the x1-of-x16 L4 in
+# tests/fixtures/nvidia-smi-real/). Half is not: the real captures show healthy cards wired x8 in
+# an x16 slot's place (T4, A10G, laptop GPUs), and NVML's maximum is the card's, not the slot's.
+# GPUPCIeLinkDegraded also fires on a link narrower than it ran in the last day.
+PCIE_DEGRADED_SHARE = 4
 # Recovery actions that need the card (or more) reset before work can go on: a reset mark.
 _RESET_ACTIONS = {
     RecoveryAction.GPU_RESET: "the driver advises a GPU reset",
@@ -120,6 +136,8 @@ _RESET_ACTIONS = {
     RecoveryAction.BUS_RESET: "the driver advises a bus reset",
     RecoveryAction.SYSTEM_REBOOT: "the driver advises a system reboot",
 }
+_KNOWN_ACTIONS = frozenset(int(a) for a in RecoveryAction)
+UNKNOWN_ACTION = "the driver advises an action this exporter does not know"
 _WARNING_ACTIONS = {
     RecoveryAction.DRAIN_P2P: "the driver advises draining peer-to-peer traffic",
     RecoveryAction.RECOVER_IMEX_DOMAIN: "the driver advises recovering the IMEX domain",
@@ -127,10 +145,14 @@ _WARNING_ACTIONS = {
 
 
 class Verdict(NamedTuple):
-    """A card's grade: its worst state and every reason for a state above ok."""
+    """A card's grade: its worst state and every reason for a state above ok, worst first;
+    ``codes`` names each reason for a label (``mig_exporter_card_health_reason``) and ``states``
+    gives each reason's own state, both in the order of ``reasons``."""
 
     state: str
     reasons: tuple[str, ...]
+    codes: tuple[str, ...] = ()
+    states: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -143,39 +165,53 @@ def grade(health: CardHealth, instance_uncorrectable: int = 0) -> Verdict:
     ``mig_exporter_card_health``. ``instance_uncorrectable``: volatile uncorrectable ECC
     errors its MIG instances report on their own, counted where the card gives no volatile
     uncorrectable count of its own (which holds theirs)."""
-    found: dict[str, list[str]] = {state: [] for state in HEALTH_STATES}
+    found: dict[str, list[tuple[str, str]]] = {state: [] for state in HEALTH_STATES}
+
+    def add(state: str, code: str, text: str) -> None:
+        found[state].append((code, text))
+
     if health.row_remap_failure:
-        found["replace"].append("row remapping failed: the card has no spare rows left for a failing bank")
+        add("replace", "row_remap_failure", "row remapping failed: the card has no spare rows left for a failing bank")
+    if health.unrepairable_memory:
+        add("replace", "unrepairable_memory", "the driver reports memory it cannot repair")
     if health.row_remap_pending:
-        found["reset"].append("a row remap is pending: reset the card to apply it")
+        add("reset", "row_remap_pending", "a row remap is pending: reset the card to apply it")
     if health.retired_pages_pending:
-        found["reset"].append("a page retirement is pending: reset the card to apply it")
+        add("reset", "retired_pages_pending", "a page retirement is pending: reset the card to apply it")
     for unit, pending in health.repair_pending:
         if pending:
-            found["reset"].append(f"a {unit} repair is pending: reset the card to apply it")
+            add("reset", f"{unit}_repair_pending", f"a {unit} repair is pending: reset the card to apply it")
     action = health.recovery_action
     if action is not None and action in _RESET_ACTIONS:
-        found["reset"].append(_RESET_ACTIONS[RecoveryAction(action)])
+        add("reset", "recovery_action", _RESET_ACTIONS[RecoveryAction(action)])
     elif action is not None and action in _WARNING_ACTIONS:
-        found["warning"].append(_WARNING_ACTIONS[RecoveryAction(action)])
+        add("warning", "recovery_action", _WARNING_ACTIONS[RecoveryAction(action)])
+    elif health.recovery_action_unknown is not None or (action is not None and action not in _KNOWN_ACTIONS):
+        # Never ok: an advice not understood may be a reset or a reboot (NVML's enum grew twice).
+        add("warning", "recovery_action_unknown", UNKNOWN_ACTION)
     # The card's own count holds its instances' errors; theirs stand in where it gives none.
     card_counts = [e.errors for e in health.ecc_errors if e.scope == "volatile" and e.type == "uncorrectable"]
     uncorrectable = sum(card_counts) if card_counts else instance_uncorrectable
     if uncorrectable:
-        found["warning"].append(f"{uncorrectable} uncorrectable ECC error(s) since the driver loaded")
+        add("warning", "ecc_uncorrectable", f"{uncorrectable} uncorrectable ECC error(s) since the driver loaded")
     if health.ecc_sram_threshold_exceeded:
-        found["warning"].append("SRAM errors passed the driver's threshold")
+        add("warning", "ecc_sram_threshold", "SRAM errors passed the driver's threshold")
     for reason in SLOWDOWN_REASONS:
         if health.active(reason):
-            found["warning"].append(f"clocks held down: {reason.replace('_', ' ')}")
+            add("warning", reason, f"clocks held down: {reason.replace('_', ' ')}")
     margin = health.temperature_margin_celsius
     if margin is not None and margin < MARGIN_WARNING_CELSIUS:
-        found["warning"].append(f"{margin:g} °C from its thermal limit")
+        add("warning", "temperature_margin", f"{margin:g} °C from its thermal limit")
     if dict(health.row_remap_availability_banks).get("none", 0) > 0:
-        found["warning"].append("a memory bank has no spare rows left to remap")
+        add("warning", "row_remap_exhausted", "a memory bank has no spare rows left to remap")
+    width, widest = health.pcie_link_width_current, health.pcie_link_width_max
+    if width is not None and widest is not None and 0 < width * PCIE_DEGRADED_SHARE <= widest:
+        # Width, never generation: an idle link drops its generation to save power, not its lanes.
+        add("warning", "pcie_link_width", f"PCIe link at x{width} of x{widest}")
     worst = next((state for state in reversed(HEALTH_STATES) if found[state]), "ok")
-    reasons = tuple(r for state in reversed(HEALTH_STATES) for r in found[state])
-    return Verdict(worst, reasons)
+    ordered = [(state, code, text) for state in reversed(HEALTH_STATES) for code, text in found[state]]
+    return Verdict(worst, tuple(text for _, _, text in ordered), tuple(code for _, code, _ in ordered),
+                   tuple(state for state, _, _ in ordered))
 
 
 def instance_uncorrectable(errors: tuple[EccCount, ...]) -> int:
@@ -184,12 +220,22 @@ def instance_uncorrectable(errors: tuple[EccCount, ...]) -> int:
 
 
 class XidSeen(NamedTuple):
-    """An XID error code seen on a card since the exporter started: ``index`` is the MIG
-    instance's placement index when the event named its GPU and compute instance, else the
-    card's; ``last_seconds`` when it was last seen, seconds since the epoch."""
+    """An XID error code seen on a card (since boot where the kernel's log is read, else
+    since the exporter started: sources/xid.py): ``device_index`` is the MIG instance's
+    placement index when the XID named its GPU and compute instance, else the card's;
+    ``last_seconds`` when it was last seen, seconds since the epoch. ``last_pid`` is the pid
+    the last kernel line named (``None``: unknown, or NVML's event alone), and who that
+    process was, as found while it lived (``None`` where not known)."""
 
     card: int
     device_index: int
     xid: int
     seen: int  # how many times
     last_seconds: float
+    last_pid: int | None = None
+    process_name: str | None = None
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
+    slurm_job: str | None = None
+    systemd_unit: str | None = None

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 from mig_exporter.model.device_class import card_class, mig_device_class
+from mig_exporter.model.health import grade, instance_uncorrectable
 from mig_exporter.model.snapshot import (
     Card,
     CardReading,
@@ -91,7 +92,8 @@ def place(
             card_devices, card_processes, card_problems = _place_card(reading, klass, in_mig)
         if reading.index not in now:  # a repeated index (garbage): the first kept; equal inputs place alike
             now[reading.index] = (key, (card_devices, card_processes, card_problems))
-        cards.append(_card_from_reading(reading, klass, in_mig))  # its readings are new at every read
+        # Its readings are new at every read; its grade is made here, once, with its instances' own ECC counts.
+        cards.append(_card_from_reading(reading, klass, in_mig, card_devices))
         devices.extend(card_devices)
         processes.extend(card_processes)
         found.extend(card_problems)
@@ -117,7 +119,9 @@ def _place_card(r: CardReading, klass: str | None, in_mig: bool) -> _Placed:
     return _place_mig_instances(r, klass)
 
 
-def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool) -> Card:
+def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool, devices: list[Device]) -> Card:
+    verdict = None if r.error is not None else grade(
+        r.health, sum(instance_uncorrectable(d.ecc_errors) for d in devices))
     return Card(
         index=r.index,
         uuid=r.uuid,
@@ -133,8 +137,11 @@ def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool) -> Card:
         # N/A on the card; never export a stale or zero value there.
         utilization_ratio=None if r.mig_current else r.utilization_ratio,
         error=r.error,
+        lost=r.lost,
         health=r.health,
         aggregate_denied=r.aggregate_denied,
+        serial=r.serial,
+        verdict=verdict,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from mig_exporter.model.health import NO_HEALTH, CardHealth, EccCount
+from mig_exporter.model.health import NO_HEALTH, CardHealth, EccCount, Verdict
 
 MIB = 1024 * 1024
 
@@ -108,6 +108,7 @@ class CardReading:
     uuid: str | None = None
     name: str | None = None
     pci_bus_id: str | None = None
+    serial: str | None = None
     mig_current: bool | None = None
     mig_pending: bool | None = None
     temperature_celsius: float | None = None
@@ -117,6 +118,9 @@ class CardReading:
     instances: tuple[MigInstance, ...] = ()
     processes: tuple[ProcessReading, ...] = ()
     error: str | None = None
+    # True when the read failed because the card is gone (NVML's GPU_IS_LOST): it fell off the
+    # bus, and no read sees it again before a reset or a reboot.
+    lost: bool = False
     health: CardHealth = NO_HEALTH
     # False when the driver did not list the card's processes (N/A, no list it can give):
     # its devices are then neither free nor in use, but unknown.
@@ -148,10 +152,15 @@ class Card:
     power_draw_watts: float | None
     utilization_ratio: float | None
     error: str | None = None
+    lost: bool = False  # CardReading.lost
     health: CardHealth = NO_HEALTH
     # The driver refused the card's aggregate readings (``CardReading.aggregate_denied``):
     # in MIG mode, the MIG instances this container cannot open, and the processes, are hidden.
     aggregate_denied: bool = False
+    serial: str | None = None
+    # The card's grade (model/health.py ``grade``), made once when the snapshot is built and
+    # read by the families, the landing page and doctor; ``None`` where the card was not read.
+    verdict: Verdict | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """Read a card's health from its ``<gpu>`` element of ``nvidia-smi -q -x``: heat, clocks,
-power limits and memory wear, into ``CardHealth``; and a MIG device's own ECC counts.
+power limits, memory wear, its PCIe link and the driver's advice, into ``CardHealth``; and a
+MIG device's own ECC counts.
 
 Pure, like the rest of the parse: the element in, values out. Each field is found by the
 elements present, never by the driver or DTD version: the same reading was written under
@@ -43,6 +44,8 @@ class Values(Protocol):
 
     def choice(self, raw: str | None, path: str, table: Mapping[str, _T]) -> _T | None: ...
 
+    def known_text(self, raw: str | None) -> str | None: ...
+
 
 class Lookup(Protocol):
     """A ``<gpu>`` element, or ``query_xml._Children`` of it (the paths read here are short)."""
@@ -54,8 +57,12 @@ _ACTIVE = {"active": True, "not active": False}
 _YES = {"yes": True, "no": False}
 _ENABLED = {"enabled": True, "disabled": False}
 _PSTATES = {f"p{n}": n for n in range(16)}
-# nvidia-smi's words for NVML's recovery actions (the NVIDIA docs' and the driver's XID 154
-# messages'); the corpus holds only "None".
+# nvidia-smi's words for NVML's recovery actions (nvmlDeviceGpuRecoveryAction_t). "None",
+# "Reset", "Reboot", "Drain P2P" and "Drain and Reset" are the words NVIDIA's "Error Recovery
+# and Response Flags" page gives each action (docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt),
+# and "None" and "Reset" are what real -q outputs show (the corpus holds only "None"). The
+# longer forms and the enum's own names ("GPU_RESET") are read too: the words were never
+# fixed in a DTD, and an action not understood is graded a warning, never ok.
 _RECOVERY = {
     "none": RecoveryAction.NONE,
     "reset": RecoveryAction.GPU_RESET,
@@ -69,7 +76,10 @@ _RECOVERY = {
     "recover imex domain": RecoveryAction.RECOVER_IMEX_DOMAIN,
     "bus reset": RecoveryAction.BUS_RESET,
     "system reboot": RecoveryAction.SYSTEM_REBOOT,
+    **{action.name.lower(): action for action in RecoveryAction},
 }
+# An action this exporter does not know is kept as the driver wrote it, this long at most.
+_MOST_ACTION_CHARS = 64
 
 # Absolute thresholds only: the T.Limit forms (gpu_temp_*_tlimit_threshold, "-7 C") are
 # offsets from the limit, not temperatures.
@@ -124,6 +134,19 @@ _PATHS = {prefix: {tag: f"{prefix}/{tag}" for tag in (*(t for _, _, t in _SRAM_D
                            for bit in ("", "/single_bit", "/double_bit")),
                          *(f"mig_device/ecc_error_count/{tag}" for tag, _ in _MIG_SCOPES))}
 _REPAIRS = (("channel", "channel_repair_pending"), ("tpc", "tpc_repair_pending"))
+# The PCIe link (pci/pci_gpu_link_info), as nvmlDeviceGetCurrPcieLinkGeneration/Width and
+# nvmlDeviceGetMaxPcieLinkGeneration/Width give it. max_link_gen is the most this card and its
+# host allow together, not the card's own: 535+ writes the two apart as max_device_link_gen and
+# max_host_link_gen, and the RTX PRO 6000 capture shows 5 and 4 beside a max_link_gen of 4.
+# NVML's docs say the same of the width; yet the laptop captures (RTX 3060 Laptop, RTX A5000
+# Laptop, chips wired x8) write 8x of 16x. Widths are written "16x"; N/A on a vGPU guest.
+_LINK = "pci/pci_gpu_link_info"
+_LINK_TAGS = (
+    ("pcie_gen/current_link_gen", ""),
+    ("pcie_gen/max_link_gen", ""),
+    ("link_widths/current_link_width", "x"),
+    ("link_widths/max_link_width", "x"),
+)
 
 
 def read_health(card: Lookup, values: Values) -> CardHealth:
@@ -133,6 +156,8 @@ def read_health(card: Lookup, values: Values) -> CardHealth:
     ecc = _ecc(card.find("ecc_errors"), values)
     rows = _remapped_rows(card.find("remapped_rows"), values)
     retired = _retired_pages(card.find("retired_pages"), values)
+    action, unknown_action = _recovery_action(card, values)
+    link = _pcie_link(card.find(_LINK), values)
     return CardHealth(
         memory_temperature_celsius=values.number_of(temperature.get("memory_temp"), "temperature/memory_temp", "c"),
         temperature_thresholds_celsius=_thresholds(temperature, values),
@@ -157,8 +182,14 @@ def read_health(card: Lookup, values: Values) -> CardHealth:
         retired_pages_double_bit=retired.double_bit,
         retired_pages_pending=retired.pending,
         repair_pending=ecc.repair_pending,
-        recovery_action=_recovery_action(card, values),
+        recovery_action=action,
+        recovery_action_unknown=unknown_action,
+        unrepairable_memory=ecc.unrepairable_memory,
         pcie_replays=values.count_of(_text(card.find("pci/replay_counter")), "pci/replay_counter"),
+        pcie_link_generation_current=link[0],
+        pcie_link_generation_max=link[1],
+        pcie_link_width_current=link[2],
+        pcie_link_width_max=link[3],
     )
 
 
@@ -262,10 +293,13 @@ class _Ecc(NamedTuple):
     counts: tuple[EccCount, ...] = ()
     sram_threshold_exceeded: bool | None = None
     repair_pending: tuple[tuple[str, bool], ...] = ()
+    unrepairable_memory: bool | None = None
 
 
 def _ecc(block: etree._Element | None, values: Values) -> _Ecc:
-    """``ecc_errors``: its counts by scope, 570+'s SRAM threshold flag and 590+'s pending repairs."""
+    """``ecc_errors``: its counts by scope, 570+'s SRAM threshold flag, 590+'s pending repairs
+    and 590+'s ``unrepairable_memory`` (Yes/No, as the repairs; NVML's
+    nvmlDeviceGetUnrepairableMemoryFlag_v1; N/A on a card without it)."""
     if block is None:
         return _Ecc()
     parts = _children(block)
@@ -289,7 +323,9 @@ def _ecc(block: etree._Element | None, values: Values) -> _Ecc:
         pending = None if el is None else values.choice(el.text, f"ecc_errors/{tag}", _YES)
         if pending is not None:
             repairs.append((unit, pending))
-    return _Ecc(tuple(counts), threshold, tuple(repairs))
+    unrepairable = _text(parts.get("unrepairable_memory"))
+    return _Ecc(tuple(counts), threshold, tuple(repairs),
+                values.choice(unrepairable, "ecc_errors/unrepairable_memory", _YES))
 
 
 def _sram_dram(texts: Mapping[str, str | None], scope: str, prefix: str, values: Values) -> list[EccCount]:
@@ -374,23 +410,39 @@ def _retired_pages(block: etree._Element | None, values: Values) -> _Retired:
     return _Retired(counts[0], counts[1], pending)
 
 
-def _recovery_action(card: Lookup, values: Values) -> int | None:
-    """``gpu_recovery_action`` (570+), else what ``gpu_reset_status`` says: a reset required
+def _recovery_action(card: Lookup, values: Values) -> tuple[int | None, str | None]:
+    """The action and, where nvidia-smi wrote one this exporter does not know, its text:
+    ``gpu_recovery_action`` (570+), else what ``gpu_reset_status`` says: a reset required
     (GPU reset), a drain and reset recommended (drain and reset), neither (none)."""
     action = card.find("gpu_recovery_action")
     if action is not None:
-        known = values.choice(action.text, "gpu_recovery_action", _RECOVERY)
-        return None if known is None else int(known)
+        raw = (action.text or "").strip()
+        # N/A, Not Supported, deprecated, an error: no advice read. A bare "Unknown" is advice
+        # (an action without a word in this nvidia-smi), not understood.
+        text = raw if raw.lower() == "unknown" else values.known_text(raw)
+        if text is None:
+            return None, None
+        known = _RECOVERY.get(text.lower())
+        if known is None:
+            return None, " ".join(text.split())[:_MOST_ACTION_CHARS]
+        return int(known), None
     status = _texts(card.find("gpu_reset_status"))
     reset = values.choice(status.get("reset_required"), "gpu_reset_status/reset_required", _YES)
     drain = values.choice(status.get("drain_and_reset_recommended"),
                           "gpu_reset_status/drain_and_reset_recommended", _YES)
     if drain:
-        return int(RecoveryAction.DRAIN_AND_RESET)
+        return int(RecoveryAction.DRAIN_AND_RESET), None
     if reset:
-        return int(RecoveryAction.GPU_RESET)
+        return int(RecoveryAction.GPU_RESET), None
     # A "No" beside a flag the card does not have (N/A, deprecated) still says no action.
-    return int(RecoveryAction.NONE) if False in (reset, drain) else None
+    return (int(RecoveryAction.NONE) if False in (reset, drain) else None), None
+
+
+def _pcie_link(block: etree._Element | None, values: Values) -> tuple[int | None, ...]:
+    """Generation now and at most, then width now and at most (``None`` where N/A)."""
+    if block is None:
+        return (None,) * len(_LINK_TAGS)
+    return tuple(values.count_of(_text(block.find(tag)), f"{_LINK}/{tag}", unit) for tag, unit in _LINK_TAGS)
 
 
 def _children(el: etree._Element) -> dict[str, etree._Element]:

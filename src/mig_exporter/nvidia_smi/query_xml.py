@@ -626,6 +626,7 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
         uuid=_text(card, "uuid"),
         name=_text(card, "product_name"),
         pci_bus_id=_text(card, "pci/pci_bus_id") or _attr(gpu, "id"),
+        serial=_serial(card),
         mig_current=mig_current,
         mig_pending=mig_pending,
         temperature_celsius=values.number(card, "temperature/gpu_temp", "c"),
@@ -638,6 +639,16 @@ def _read_card(index: int, gpu: etree._Element, sections: _Sections | None, prob
         health=read_health(card, values),
         aggregate_denied=_denied(card, "fb_memory_usage"),
     )
+
+
+# A board serial is 13 digits; anything longer is cut here, before it becomes a label.
+_MOST_SERIAL_CHARS = 64
+
+
+def _serial(card: _Lookup) -> str | None:
+    """``<serial>``, the board's serial number (nvmlDeviceGetSerial); N/A on most GeForce cards."""
+    serial = _text(card, "serial")
+    return None if serial is None else serial[:_MOST_SERIAL_CHARS]
 
 
 def _read_instances(gpu: etree._Element, sections: _Sections | None, values: _Values) -> list[MigInstance]:
@@ -875,6 +886,10 @@ class _Values:
         if value is None:
             self.problems.append(f"{path}: unreadable value {text[:60]!r}")
         return value
+
+    def known_text(self, raw: str | None) -> str | None:
+        """An element's trimmed text, or ``None`` for an unknown marker (N/A, Not Supported, ...)."""
+        return _known(raw)
 
     def first_number(self, el: _Lookup, paths: tuple[str, ...], unit: str) -> float | None:
         for path in paths:

@@ -3,9 +3,16 @@
 A newcomer without a GPU sees real series: an A100 in MIG mode with three
 instances and their processes, and a whole A100 with a Vulkan (type G)
 llama-server on it. The outputs are hand-written in the exact form of
-``nvidia-smi -q -x`` and ``nvidia-smi -L``. Beside them, the host's
-processes (``samples/demo-proc.json``, /proc's own file contents) show the
-engine metrics, including a llama-server that runs on the CPU.
+``nvidia-smi -q -x`` and ``nvidia-smi -L`` of a 575 driver (whose XML has the
+clock-event counters). The whole A100 is the sick card, so that every health
+view has something to show: a pending row remap and an uncorrectable DRAM error
+(needs reset), 8.4 s of a power brake since the driver loaded (not held now: a
+static sample whose brake held would have a counter that never moves), its PCIe
+link trained at x4 of x16, and a T.Limit margin; the MIG card's 0/mig0 counts an
+uncorrectable SRAM error of its own, and its clocks idle (gpu_idle). Its kernel log (``samples/demo-kmsg.txt``,
+on the clock of ``DEMO_BOOT_SECONDS``) has XIDs 13, 79 and 94 with their pids.
+Beside them, the host's processes (``samples/demo-proc.json``, /proc's own file
+contents) show the engine metrics, including a llama-server that runs on the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +25,12 @@ from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.procfs import PidNamespace, ProcTable, parse_process
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
+
+# When the demo's machine booted, as its kernel log (samples/demo-kmsg.txt) counts: 5 minutes
+# before demo.xml's <timestamp>, so its XIDs came in the minutes before the sample was taken.
+# Fixed, not this machine's boot: the demo's XID times are the same on every machine and in
+# every process (read --demo and serve --demo give the same bytes).
+DEMO_BOOT_SECONDS = 1718114557.0 - 300.0  # Tue Jun 11 14:02:37 2024 UTC, less 5 minutes
 
 
 def sample_bytes(name: str) -> bytes:

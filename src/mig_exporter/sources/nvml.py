@@ -5,6 +5,7 @@ placement rules, so a dashboard cannot tell which path fed it except by the
 ``source`` label. What each value matches in nvidia-smi:
 
 - cards: ``nvmlDeviceGetCount`` / ``GetHandleByIndex`` (``nvidia-smi -L`` order);
+- the board serial: ``GetSerial`` (``serial``), once per card until NVML is initialised again;
 - MIG mode: ``GetMigMode`` (``mig_mode/current_mig``, ``pending_mig``);
 - instances: ``GetMaxMigDeviceCount`` and ``GetMigDeviceHandleByIndex`` over
   every slot, skipping empty ones (``mig_devices/mig_device``); profile from the
@@ -63,6 +64,7 @@ _NAME_BUFFER_BYTES = 1024  # what pynvml's nvmlSystemGetProcessName allocates
 # What pynvml's nvmlDeviceGetName and GetUUID allocate.
 _NAME_BYTES = pynvml.NVML_DEVICE_NAME_V2_BUFFER_SIZE
 _UUID_BYTES = pynvml.NVML_DEVICE_UUID_V2_BUFFER_SIZE
+_SERIAL_BYTES = pynvml.NVML_DEVICE_SERIAL_BUFFER_SIZE  # what pynvml's nvmlDeviceGetSerial allocates
 _UNKNOWN_MEMORY = pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value  # pynvml makes it None
 _USED = operator.itemgetter(1)
 _MEMORY_V2 = ("total", "reserved", "free", "used")
@@ -96,6 +98,9 @@ class NvmlSource:
         self._readings: dict[tuple[_Row, str], ProcessReading] = {}
         self._placement = PlacementMemo()  # each card as the last read placed it (model/placement.py)
         self._health = HealthReader(self.nvml)
+        # The board serial of each card (by UUID), asked once per initialisation: fixed per board.
+        self._serials: dict[object, str | None] = {}
+        self._serials_generation = -1
 
     def ready(self) -> tuple[bool, str]:
         def late() -> tuple[bool, str]:
@@ -171,7 +176,8 @@ class NvmlSource:
         except NvmlCallError as e:
             if e.code in (pynvml.NVML_ERROR_UNINITIALIZED, pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
                 raise
-            return CardReading(index=index, error=f"{error_name(e.code)} in {e.function}", **identity)
+            return CardReading(index=index, error=f"{error_name(e.code)} in {e.function}",
+                               lost=e.code == pynvml.NVML_ERROR_GPU_IS_LOST, **identity)
 
     def _read_card_values(self, index: int, identity: dict[str, Any],
                           problems: list[str]) -> tuple[dict[str, Any], list[_Row]]:
@@ -179,6 +185,7 @@ class NvmlSource:
         handle = nv.call(pynvml.nvmlDeviceGetHandleByIndex, index)
         identity["uuid"] = _text(nv.text("nvmlDeviceGetUUID", handle, _UUID_BYTES))
         identity["name"] = _text(nv.text("nvmlDeviceGetName", handle, _NAME_BYTES))
+        identity["serial"] = self._serial(identity["uuid"] or index, handle)
         identity["pci_bus_id"] = _text(getattr(nv.optional(pynvml.nvmlDeviceGetPciInfo, handle), "busId", None))
         mode = nv.optional(pynvml.nvmlDeviceGetMigMode, handle)
         identity["mig_current"] = mig_current = None if mode is None else bool(mode[0])
@@ -223,6 +230,22 @@ class NvmlSource:
             health=health,
             **identity,
         ), processes
+
+    def _serial(self, key: object, handle: Any) -> str | None:
+        """``nvmlDeviceGetSerial`` (nvidia-smi's ``serial``), kept until NVML is initialised again;
+        a card without one (GeForce answers NOT_SUPPORTED) is not asked again either."""
+        if self._serials_generation != self.nvml.generation:
+            self._serials, self._serials_generation = {}, self.nvml.generation
+        if key not in self._serials:
+            try:
+                self._serials[key] = _text(self.nvml.text("nvmlDeviceGetSerial", handle, _SERIAL_BYTES))
+            except NvmlCallError as e:
+                if e.card_gone:
+                    raise
+                if not e.unsupported:
+                    return None  # failed this time: asked again at the next read
+                self._serials[key] = None
+        return self._serials[key]
 
     def _instance(self, card: CardKey, mig_index: int, mig_handle: Any) -> MigInstance:
         nv = self.nvml

@@ -1,6 +1,7 @@
-"""XID errors as the driver reports them through NVML's events: the one reading not made at
-scrape time. An XID is an event, not a value to read (``nvidia-smi`` shows none; the kernel log's
-``NVRM: Xid (PCI:0000:19:00): 43, pid=..., ...`` lines are the same events).
+"""XID errors as the driver reports them through NVML's events, and ``XidBook``, which merges
+them with the kernel log's ``NVRM: Xid (PCI:0000:19:00): 43, pid=..., ...`` lines (the same
+errors, read by sources/kmsg.py) so that each counts once (docs/xids.md). An XID is an event,
+not a value to read: ``nvidia-smi`` shows none.
 
 One daemon thread (``XidListener``) initialises NVML through the gateway, creates an event set
 (``nvmlEventSetCreate``), registers ``nvmlEventTypeXidCriticalError`` on every card that supports
@@ -26,6 +27,7 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import pynvml
@@ -33,7 +35,10 @@ import pynvml
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.ratelog import RateLimitedLog
 from mig_exporter.model.health import XidSeen
+from mig_exporter.model.readings import OwnerReading, PodReading
 from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.model.xid_line import pci_key
+from mig_exporter.sources.kmsg import KmsgTally
 from mig_exporter.sources.nvml_gateway import Nvml, NvmlCallError, NvmlUnavailable, error_name
 
 log = logging.getLogger("mig_exporter")
@@ -166,6 +171,21 @@ def xid_watch_status(nvml: Nvml | None = None) -> XidWatch:
             nv.shutdown()
 
 
+def instance_places(snapshot: Snapshot) -> dict[tuple[int, int, int], int]:
+    """(card, GPU instance, compute instance) -> the MIG device's placement index; an XID on
+    a GPU instance alone (compute instance ``NO_INSTANCE``) is on its one compute instance."""
+    places: dict[tuple[int, int, int], int] = {}
+    on_instance: dict[tuple[int, int], list[int]] = {}
+    for d in snapshot.devices:
+        if d.gpu_instance_id is not None and d.compute_instance_id is not None:
+            places[(d.card, d.gpu_instance_id, d.compute_instance_id)] = d.index
+            on_instance.setdefault((d.card, d.gpu_instance_id), []).append(d.index)
+    for (card, gi), indexes in on_instance.items():
+        if len(indexes) == 1:
+            places[(card, gi, NO_INSTANCE)] = indexes[0]
+    return places
+
+
 class XidListener:
     """Counts XID events in a daemon thread (``start``/``stop``); ``seen(snapshot)`` places them."""
 
@@ -221,15 +241,7 @@ class XidListener:
 
     def seen(self, snapshot: Snapshot) -> list[XidSeen]:
         """Every XID seen so far, the ones since the last call placed through ``snapshot``."""
-        places: dict[tuple[int, int, int], int] = {}
-        on_instance: dict[tuple[int, int], list[int]] = {}
-        for d in snapshot.devices:
-            if d.gpu_instance_id is not None and d.compute_instance_id is not None:
-                places[(d.card, d.gpu_instance_id, d.compute_instance_id)] = d.index
-                on_instance.setdefault((d.card, d.gpu_instance_id), []).append(d.index)
-        for (card, gi), indexes in on_instance.items():
-            if len(indexes) == 1:  # an event on the GPU instance alone: its one compute instance
-                places[(card, gi, NO_INSTANCE)] = indexes[0]
+        places = instance_places(snapshot)
         with self._lock:
             self._placements.update(places)
             for (card, gi, ci, xid), (count, last) in self._pending.items():
@@ -354,3 +366,123 @@ class XidListener:
                         watch.reason)
         elif watch.reason is None and (before.reason is not None or before.cards != watch.cards):
             log.info("watching XID events on %d card(s)", watch.cards)
+
+
+# Scrapes a line naming a MIG instance no snapshot has had waits for one to have it.
+INSTANCE_WAITS = 3
+
+
+class _Who(NamedTuple):
+    """The process a kernel line named, and who it was (found while it lived)."""
+
+    pid: int
+    process_name: str | None
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
+    slurm_job: str | None = None
+    systemd_unit: str | None = None
+
+    @property
+    def found(self) -> bool:
+        return any((self.pod, self.slurm_job, self.systemd_unit))
+
+
+class XidBook:
+    """The XIDs of both sources, placed and merged (docs/xids.md): the kernel's lines (a
+    ``KmsgReader``'s tallies, since boot) and NVML's events (``XidListener.seen``, since the
+    exporter started), each counted once.
+
+    The merge, per card, placement index and XID: ``lines logged before the exporter started
+    + max(lines logged since, NVML events since)``. An event and its line count once; an
+    event without a line (the log not readable, a record overwritten) counts; a line without
+    an event counts. It never goes down, as a counter must not, whichever source is read first.
+
+    Lines are placed as NVML's events are: each scrape places the lines new since the last one
+    by their PCI address (the card of that address in a snapshot, remembered) and GPU and
+    compute instance ids, on the instance the newest snapshot that had it placed; once placed,
+    a count stays where it is (an instance destroyed or renumbered since moves nothing, and a
+    reconfiguration's new lines go to the new instance). A line whose card no snapshot has named
+    yet waits; one whose instance no snapshot has had waits ``INSTANCE_WAITS`` scrapes (a read
+    that missed the instance), then counts on the card (an instance destroyed before the
+    exporter saw it). The last line's pid is attributed to its pod,
+    container, Slurm job and systemd unit from the scrape's readings of the GPU processes
+    while the process lives, and kept once found (a fatal XID ends the process soon after)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cards: dict[tuple[int, int, int], int] = {}  # PCI address -> card index
+        self._places: dict[tuple[int, int, int], int] = {}  # (card, gi, ci) -> placement index
+        self._assigned: dict[tuple[Any, ...], tuple[int, int]] = {}  # tally key -> (before, since) placed
+        self._waits: dict[tuple[Any, ...], int] = {}  # tally key -> scrapes waited for its instance
+        # (card, index, xid) -> [before, since, last, pid, name]: the lines placed so far.
+        self._totals: dict[tuple[int, int, int], list[Any]] = {}
+        self._who: dict[tuple[int, int, int], _Who] = {}  # (card, index, xid) -> the last line's process
+
+    def seen(self, snapshot: Snapshot, lines: Iterable[KmsgTally] = (), events: Iterable[XidSeen] = (),
+             pods: PodReading | None = None, owners: OwnerReading | None = None) -> list[XidSeen]:
+        with self._lock:
+            for card in snapshot.cards:
+                address = pci_key(card.pci_bus_id)
+                if address is not None:
+                    self._cards[address] = card.index
+            self._places.update(instance_places(snapshot))
+            for line in lines:
+                tally = line[:4]
+                before, since = self._assigned.get(tally, (0, 0))
+                if (line.before, line.since) == (before, since):
+                    continue  # nothing new on this tally since the last scrape
+                place = self._place(line)
+                if place is None:
+                    continue
+                entry = self._totals.setdefault((*place, line.xid), [0, 0, float("-inf"), None, None])
+                entry[0] += line.before - before
+                entry[1] += line.since - since
+                self._assigned[tally] = (line.before, line.since)
+                if line.last_seconds >= entry[2]:
+                    entry[2:] = [line.last_seconds, line.pid, line.process_name]
+            merged = self._totals
+            events_by_key = {(e.card, e.device_index, e.xid): e for e in events}
+            seen = []
+            for key in sorted(merged.keys() | events_by_key.keys()):
+                before, since, last, pid, name = merged.get(key, (0, 0, float("-inf"), None, None))
+                event = events_by_key.get(key)
+                count = before + max(since, event.seen if event is not None else 0)
+                last = max(last, event.last_seconds if event is not None else float("-inf"))
+                who = self._attribute(key, pid, name, snapshot, pods, owners) if pid is not None else None
+                seen.append(XidSeen(*key, count, last, *(who or (None,))))
+            return seen
+
+    def _place(self, line: KmsgTally) -> tuple[int, int] | None:
+        """Where the line's new counts go now: (card, placement index); ``None``: wait."""
+        card = self._cards.get(line.pci)
+        if card is None:  # no snapshot has named the card yet (or the card is gone): wait
+            return None
+        gi = line.gpu_instance_id
+        if gi is None:
+            return card, card
+        ci = line.compute_instance_id if line.compute_instance_id is not None else NO_INSTANCE
+        index = self._places.get((card, gi, ci))
+        if index is not None:
+            return card, index
+        tally = line[:4]
+        waited = self._waits.get(tally, 0)
+        if waited < INSTANCE_WAITS:
+            self._waits[tally] = waited + 1
+            return None
+        return card, card
+
+    def _attribute(self, key: tuple[int, int, int], pid: int, name: str | None, snapshot: Snapshot,
+                   pods: PodReading | None, owners: OwnerReading | None) -> _Who:
+        known = self._who.get(key)
+        if known is not None and known.pid == pid and known.found:
+            return known
+        if name is None:  # the driver's line without a name: the GPU list's, if it lists the pid
+            name = next((p.name for p in snapshot.processes if p.pid == pid), None)
+        pod = pods.processes.get(pid) if pods is not None else None
+        owner = owners.processes.get(pid) if owners is not None else None
+        who = _Who(pid, name, pod.namespace if pod else None, pod.pod if pod else None,
+                   pod.container if pod else None, owner.slurm_job if owner else None,
+                   owner.systemd_unit if owner else None)
+        self._who[key] = who
+        return who

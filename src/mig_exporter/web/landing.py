@@ -11,11 +11,16 @@ Per card: its mode (MIG on or off, and a pending change), its product name,
 then one row per GPU instance (MIG) or one for the whole card, with a bar
 sized by the memory total (one scale for the page) and filled to the used
 memory, the display name (``1/mig2``), the profile, used/total in MiB and the
-top processes. Under its heading, the card's health mark (ok, warning, needs
-reset, replace: ``model/health.py``'s grade, the rules of
-``mig_exporter_card_health``) with every reason; a card that could not be read
-has none, its health being unknown. Compute instances of one GPU instance share its memory: they
-are one row, naming each of their devices, not several full bars. Above the
+top processes, each with the pod, else the Slurm job, else the systemd unit it
+runs in. Under its heading, the card's identity (UUID, PCI address, board
+serial: what a ticket to the vendor or a cabling check asks for) and its health
+mark (ok, warning, needs reset, replace: ``Card.verdict``, the grade made once
+per read by ``model/placement.py``, as ``mig_exporter_card_health`` has it) with
+every reason; a card that could not be read has none, its health being unknown.
+A MIG instance with volatile uncorrectable ECC errors of its own is marked on
+its row: that is the work the error hit. Compute instances of one GPU instance
+share its memory: they are one row, naming each of their devices, not several
+full bars. The page names the node (its host name) it describes. Above the
 cards, the inference engines on no GPU's process list (running on the CPU),
 counted as EngineHoldsNoGPUMemory counts them.
 """
@@ -23,14 +28,15 @@ counted as EngineHoldsNoGPUMemory counts them.
 from __future__ import annotations
 
 import html
+import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from mig_exporter.metrics.scrape import ReadOutcome
 from mig_exporter.model.capacity import count_by_class
-from mig_exporter.model.health import Verdict, grade, instance_uncorrectable
-from mig_exporter.model.readings import EngineReading, ProcessPod
+from mig_exporter.model.health import Verdict, instance_uncorrectable
+from mig_exporter.model.readings import EngineReading, ProcessOwner, ProcessPod
 from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process
 
 BAR_WIDTH = 360  # px: the widest row on the page (the largest card) spans this
@@ -80,10 +86,14 @@ def rows(devices: Iterable[Device], processes: Sequence[Process]) -> list[Row]:
     return out
 
 
-def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks | None = None) -> str:
-    """The whole page for one read."""
+def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks | None = None,
+         node: str | None = None) -> str:
+    """The whole page for one read. ``node``: the name of the node it describes; this host's
+    name (``socket.gethostname()``) when not given."""
+    node = socket.gethostname() if node is None else node
     parts = [_HEAD.format(bar_col=BAR_WIDTH + 16),
-             f"<header>\n<h1>mig-exporter {_e(version)}</h1>\n"
+             f"<header>\n<h1>mig-exporter {_e(version)} <span class=\"node\">on node "
+             f"<strong>{_e(_short(node))}</strong></span></h1>\n"
              "<p>NVIDIA GPU memory per card, per MIG instance and per process, read at every scrape "
              "(and at every load of this page).</p>\n"
              f"<p class=\"source\">Source: {_e(source)}</p>\n{_links()}</header>\n<main>\n"]
@@ -100,9 +110,10 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
         card_rows = {index: rows(devices, snapshot.processes) for index, devices in by_card.items()}
         # One scale for the page: the card with the most memory in its rows spans BAR_WIDTH.
         scale_bytes = max((sum(r.memory.total_bytes or 0 for r in rs) for rs in card_rows.values()), default=0)
-        pods = outcome.pods.processes if outcome.pods is not None else {}
+        work = _work(outcome.pods.processes if outcome.pods is not None else {},
+                     outcome.owners.processes if outcome.owners is not None else {})
         for index in sorted(card_rows):
-            parts.append(_card(index, cards.get(index), card_rows[index], scale_bytes, pods))
+            parts.append(_card(index, cards.get(index), card_rows[index], scale_bytes, work))
         if not card_rows:
             parts.append("<p class=\"empty\">The driver lists no cards.</p>\n")
     if outcome.problems:
@@ -181,12 +192,27 @@ def _mode(card: Card) -> str:
     return current
 
 
-def verdict(card: Card | None, devices: Iterable[Device]) -> Verdict | None:
-    """The card's grade, its MIG instances' own uncorrectable ECC errors counted as
-    mig_exporter_card_health counts them; None when the card is unknown or unreadable."""
-    if card is None or card.error is not None:
-        return None
-    return grade(card.health, sum(instance_uncorrectable(d.ecc_errors) for d in devices))
+def _work(pods: dict[int, ProcessPod], owners: dict[int, ProcessOwner]) -> dict[int, tuple[str, str]]:
+    """Each process's work as (kind, name), by pid: its pod (namespace/pod), else its Slurm
+    job, else its systemd unit, as the metrics' process labels name them; pids in none left out."""
+    out: dict[int, tuple[str, str]] = {}
+    for pid, owner in owners.items():
+        if owner.slurm_job:
+            out[pid] = ("job", f"job {owner.slurm_job}")
+        elif owner.systemd_unit:
+            out[pid] = ("unit", owner.systemd_unit)
+    for pid, pod in pods.items():
+        if pod.pod:
+            out[pid] = ("pod", f"{pod.namespace}/{pod.pod}")
+    return out
+
+
+def _identity(card: Card) -> str:
+    """The card's UUID, PCI address and board serial, those the driver gave."""
+    items = " ".join(f"<span class=\"{cls}\">{label} <code>{_e(_short(value))}</code></span>"
+                    for cls, label, value in (("uuid", "UUID", card.uuid), ("pci", "PCI", card.pci_bus_id),
+                                              ("serial", "serial", card.serial)) if value)
+    return f"<p class=\"identity\">{items}</p>\n" if items else ""
 
 
 def _health(found: Verdict | None) -> str:
@@ -198,11 +224,15 @@ def _health(found: Verdict | None) -> str:
             f"<span class=\"mark\">{_e(found.label)}</span>{listed}</div>\n")
 
 
-def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int, pods: dict[int, ProcessPod]) -> str:
+def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int,
+          work: dict[int, tuple[str, str]]) -> str:
     name = card.name if card is not None and card.name else "unknown card"
     head = (f"<section class=\"card\" id=\"card-{index}\">\n<h2><span class=\"index\">GPU {index}</span> "
             f"<span class=\"product\">{_e(name)}</span>{' ' + _mode(card) if card is not None else ''}</h2>\n")
-    head += _health(verdict(card, (d for r in card_rows for d in r.devices)))
+    if card is not None:
+        head += _identity(card)
+        # The read's grade; an unreadable card has none (its health is unknown, not ok).
+        head += _health(card.verdict if card.error is None else None)
     notes = []
     if card is not None and card.error:
         notes.append(f"<p class=\"card-error\">This card could not be read: {_e(_short(card.error))}</p>\n")
@@ -210,7 +240,7 @@ def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int,
         notes.append("<p class=\"empty\">MIG is on and nothing is carved: no MIG instances.</p>\n")
     table = ""
     if card_rows:
-        body = "".join(_row(r, scale_bytes, pods) for r in card_rows)
+        body = "".join(_row(r, scale_bytes, work) for r in card_rows)
         table = ("<table class=\"devices\">\n<colgroup><col class=\"c-name\"><col class=\"c-profile\">"
                  "<col class=\"c-bar\"><col class=\"c-used\"><col class=\"c-processes\"></colgroup>\n"
                  "<thead><tr><th>Device</th><th>Profile</th><th>Memory</th>"
@@ -218,7 +248,17 @@ def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int,
     return head + "".join(notes) + table + "</section>\n"
 
 
-def _row(row: Row, scale_bytes: int, pods: dict[int, ProcessPod]) -> str:
+def _ecc_mark(devices: Iterable[Device]) -> str:
+    """The MIG instance's own volatile uncorrectable ECC errors: the work on it was hit."""
+    errors = sum(instance_uncorrectable(d.ecc_errors) for d in devices if d.is_mig)
+    if not errors:
+        return ""
+    return (f"<div class=\"ecc\" data-errors=\"{errors}\" title=\"volatile uncorrectable ECC errors this MIG "
+            f"instance counts on its own: the work on it read bad memory\">{errors} uncorrectable ECC "
+            f"error{'s' if errors != 1 else ''}</div>")
+
+
+def _row(row: Row, scale_bytes: int, work: dict[int, tuple[str, str]]) -> str:
     names = [d.display_name for d in row.devices]
     profiles = [d.profile or "" for d in row.devices]
     shown_profiles = "<br>".join(_e(p) for p in profiles if p) or ("whole card" if not row.devices[0].is_mig else "")
@@ -231,12 +271,13 @@ def _row(row: Row, scale_bytes: int, pods: dict[int, ProcessPod]) -> str:
                   else f"{_mib(memory.used_bytes)} / {_mib(memory.total_bytes)} MiB")
     if memory.used_bytes is not None and memory.total_bytes:
         used_total += f" <span class=\"ratio\">({100 * memory.used_bytes / memory.total_bytes:.0f}%)</span>"
-    return (f"<tr class=\"device\" data-devices=\"{_e(' '.join(names))}\">"
-            f"<td class=\"name\">{'<br>'.join(_e(n) for n in names)}</td>"
+    ecc = _ecc_mark(row.devices)
+    return (f"<tr class=\"device{' ecc-error' if ecc else ''}\" data-devices=\"{_e(' '.join(names))}\">"
+            f"<td class=\"name\">{'<br>'.join(_e(n) for n in names)}{ecc}</td>"
             f"<td class=\"profile\">{shown_profiles}</td>"
             f"<td class=\"bar\">{_bar(row, names, scale_bytes)}{shared}</td>"
             f"<td class=\"used-total\">{used_total}</td>"
-            f"<td class=\"processes\">{_processes(row, pods)}</td></tr>\n")
+            f"<td class=\"processes\">{_processes(row, work)}</td></tr>\n")
 
 
 def _bar(row: Row, names: list[str], scale_bytes: int) -> str:
@@ -259,7 +300,7 @@ def _bar(row: Row, names: list[str], scale_bytes: int) -> str:
             f"height=\"{BAR_HEIGHT - 1}\" rx=\"3\" fill=\"{fill}\" data-mib=\"{_mib(used)}\"/></svg>")
 
 
-def _processes(row: Row, pods: dict[int, ProcessPod]) -> str:
+def _processes(row: Row, work: dict[int, tuple[str, str]]) -> str:
     if not row.processes:
         return "<span class=\"none\">none</span>"
     ranked = sorted(row.processes, key=lambda p: (-(p.used_bytes if p.used_bytes is not None else -1), p.pid))
@@ -267,11 +308,11 @@ def _processes(row: Row, pods: dict[int, ProcessPod]) -> str:
     items = []
     for p in ranked[:TOP_PROCESSES]:
         where = f" <span class=\"on\">on {_e(names[p.device_index])}</span>" if row.shared else ""
-        pod = pods.get(p.pid)
-        in_pod = f" <span class=\"pod\">{_e(pod.namespace)}/{_e(pod.pod)}</span>" if pod is not None and pod.pod else ""
+        kind, name = work.get(p.pid, ("", ""))
+        of = f" <span class=\"{kind}\">{_e(_short(name))}</span>" if name else ""
         held = "N/A" if p.used_bytes is None else f"{p.used_bytes // MIB} MiB"
         items.append(f"<li><span class=\"pid\">{p.pid}</span> <span class=\"pname\">{_e(p.name)}</span> "
-                     f"<span class=\"pmem\">{held}</span>{where}{in_pod}</li>")
+                     f"<span class=\"pmem\">{held}</span>{where}{of}</li>")
     if len(ranked) > TOP_PROCESSES:
         items.append(f"<li class=\"more\">+{len(ranked) - TOP_PROCESSES} more</li>")
     return "<ul>" + "".join(items) + "</ul>"
@@ -315,7 +356,12 @@ svg.bar {{ display: block; }}
 .processes ul {{ list-style: none; margin: 0; padding: 0; }}
 .processes li {{ white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }}
 .pid {{ font-family: ui-monospace, monospace; color: #52606d; }} .pmem {{ font-weight: 600; }}
-.on, .pod, .more, .none, .unknown, .empty {{ color: #616e7c; }}
+.on, .pod, .job, .unit, .more, .none, .unknown, .empty {{ color: #616e7c; }}
+h1 .node {{ font-weight: normal; }} .node strong {{ font-family: ui-monospace, monospace; }}
+.identity {{ margin: 0 0 6px; color: #52606d; font-size: 12px; }} .identity span {{ margin-right: 14px; }}
+tr.ecc-error td.name {{ color: #8a1c1c; }}
+.ecc {{ font-size: 11px; font-weight: 600; color: #8a1c1c; background: #fde8e8; border-radius: 6px; padding: 1px 6px;
+  margin-top: 3px; display: block; white-space: normal; line-height: 1.25; font-family: system-ui, sans-serif; }}
 .problems li {{ color: #8a1c1c; }}
 .health {{ margin: 0 0 8px; display: flex; align-items: baseline; gap: 10px; }}
 .health .mark {{ font-size: 12px; font-weight: 700; padding: 2px 10px; border-radius: 10px; white-space: nowrap;

@@ -232,6 +232,11 @@ NVIDIA_MIG_MONITOR_DEVICES. securityContext is merged over it.
 {{- $capabilities := dict "drop" (list "ALL") -}}
 {{- if .Values.migMonitor.enabled }}{{ $_ := set $capabilities "add" (list "SYS_ADMIN") }}{{ end -}}
 {{- $context := dict "allowPrivilegeEscalation" false "readOnlyRootFilesystem" true "capabilities" $capabilities -}}
+{{- /* The one standard way a container may open /dev/kmsg (c 1:11): runtimes leave it out of a
+container's devices, and no pod field grants one device (docs/xids.md). */ -}}
+{{- if and .Values.xidKmsg.enabled .Values.xidKmsg.privileged }}
+{{- $_ := set $context "privileged" true }}{{ $_ := set $context "allowPrivilegeEscalation" true }}
+{{- end -}}
 {{- include "mig-exporter.merged" (list $context .Values.securityContext) -}}
 {{- end }}
 
