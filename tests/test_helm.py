@@ -671,7 +671,7 @@ def test_no_render_sets_the_mig_monitor_variable_without_sys_admin(mig_monitor, 
 
 def test_mig_monitor_adds_the_variable_and_sys_admin_together():
     only = container(render({"migMonitor": {"enabled": True}}))
-    assert only["env"][2] == MIG_VARIABLE
+    assert only["env"][3] == MIG_VARIABLE  # after the node name
     assert only["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     assert only["securityContext"]["readOnlyRootFilesystem"] is True
 
@@ -978,3 +978,10 @@ def test_the_kernel_log_is_mounted_by_default_and_read_only_with_privileged_aske
     off = container(render({"xidKmsg": {"enabled": False, "privileged": True}}))
     assert "--collector.xid.kmsg=" in off["args"]
     assert all(m["name"] != "kmsg" for m in off["volumeMounts"]) and "privileged" not in off["securityContext"]
+
+
+def test_the_landing_page_names_the_node_not_the_pod():
+    """A pod's host name is the pod's: the chart gives serve the node's, from the downward API."""
+    env = {e["name"]: e for e in container(render())["env"]}
+    assert env["MIG_EXPORTER_WEB_NODE_NAME"] == {
+        "name": "MIG_EXPORTER_WEB_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}

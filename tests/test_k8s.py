@@ -92,10 +92,11 @@ def test_the_daemonset_has_what_a_gpu_node_needs():
     assert container["args"][0] == "serve"
     assert "--proc.root=/host/proc" in container["args"]
     assert "--config.file=/etc/mig-exporter/config.yaml" in container["args"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     # No NVIDIA_MIG_MONITOR_DEVICES: the runtime hook refuses it without CAP_SYS_ADMIN
     # (components/mig-monitor adds both).
-    assert env == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility"}
+    assert env == {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "utility",
+                   "MIG_EXPORTER_WEB_NODE_NAME": None}  # from spec.nodeName: the page names the node
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
     assert security["capabilities"] == {"drop": ["ALL"]}

@@ -13,6 +13,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -603,6 +604,21 @@ def test_the_page_names_its_node_and_each_card_by_uuid_pci_address_and_serial():
                             node="<n>"))
     assert root.find("p", "identity").text == "UUID <GPU-x> PCI 00000000:07:00.0"
     assert root.find("span", "node").text == "on node <n>"
+
+
+
+def test_serve_names_the_node_it_is_given_not_the_pod_s_host_name(tmp_path):
+    """In a pod the host name is the pod's: serve takes the node's from --web.node-name (the chart
+    sets MIG_EXPORTER_WEB_NODE_NAME from spec.nodeName), and the page names it."""
+    from test_prometheus import exporter
+
+    env_named = dict(os.environ, MIG_EXPORTER_WEB_NODE_NAME="gpu-node-7")
+    with exporter(None, tmp_path, "--web.node-name", "gpu-node-9") as exp:
+        _, _, page = get(f"http://{exp.address}/")
+    assert dom(page).find("span", "node").text == "on node gpu-node-9"
+    process = subprocess.run([sys.executable, "-m", "mig_exporter", "serve", "--help"], env=env_named,
+                             capture_output=True, text=True, timeout=60)
+    assert "MIG_EXPORTER_WEB_NODE_NAME" in process.stdout
 
 
 def test_the_mig_instance_with_an_uncorrectable_ecc_error_is_marked_on_its_row():

@@ -393,11 +393,16 @@ def _load_config(path: str) -> Config:
                    "thread of their own) with --source nvml or auto. docs/xids.md.")
 @_xid_kmsg_option()
 @_process_series_option()
+@click.option("--web.node-name", "node_name", metavar="NAME", default=None, envvar=_env("WEB_NODE_NAME"),
+              show_envvar=True,
+              help="The node the landing page (/) names; default: this host's name. In a pod, whose host name "
+                   "is the pod's, give the node's (the chart sets it from spec.nodeName).")
 def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
           config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
           pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
           listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
-          web_config_file: str | None, xid: bool, xid_kmsg: str, process_series: ProcessSeries) -> None:
+          web_config_file: str | None, xid: bool, xid_kmsg: str, process_series: ProcessSeries,
+          node_name: str | None) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
@@ -409,7 +414,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
         slurm_job_map_dir=slurm_job_map_dir, listen_address=listen_address, timeout_offset=timeout_offset,
         max_concurrent=max_concurrent, max_connections=max_connections, web_config_file=web_config_file, xid=xid,
-        xid_kmsg=xid_kmsg, process_series=process_series,
+        xid_kmsg=xid_kmsg, process_series=process_series, node_name=node_name or None,
     )
     _run(server)
 
@@ -418,7 +423,7 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
                  host_passwd: str | None, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
                  slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
                  max_connections: int, web_config_file: str | None, xid: bool = True, xid_kmsg: str = DEFAULT_KMSG,
-                 process_series: ProcessSeries = ALL_PROCESSES) -> ExporterServer:
+                 process_series: ProcessSeries = ALL_PROCESSES, node_name: str | None = None) -> ExporterServer:
     """The server serve runs, listening and assembled from serve's options (``source`` as
     ``_chosen_source`` names it): the source and the scrape with its readers, the probe targets,
     the one exporter that composes their metrics, the web config. A bad option or file is a
@@ -450,7 +455,7 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
     exporter = Exporter(scraper, *([prober] if prober is not None else []), timeout_s=timeout)
     try:
         server = ExporterServer(address, exporter, timeout_offset_s=timeout_offset, prober=prober, web=web,
-                                limits=Limits(max_connections=max_connections))
+                                limits=Limits(max_connections=max_connections), node_name=node_name)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {listen_address}: {e.strerror or e}") from None
     if scraper.xids is not None:

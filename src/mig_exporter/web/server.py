@@ -94,11 +94,14 @@ class ExporterServer:
         prober: Prober | None = None,
         web: WebSettings | None = None,
         limits: Limits | None = None,
+        node_name: str | None = None,
     ) -> None:
         """``exporter`` answers ``/metrics`` and ``/``, within its ``timeout_s`` or Prometheus'
         scrape timeout less ``timeout_offset_s``; ``prober`` answers ``/probe`` and
-        ``/-/reload`` (its counters are the exporter's to serve)."""
+        ``/-/reload`` (its counters are the exporter's to serve); ``node_name`` names the node on
+        ``/`` (this host's name where ``None``)."""
         self.exporter = exporter
+        self.node_name = node_name
         self.prober = prober
         self.web = web
         self.tls = web is not None and web.config.tls is not None
@@ -368,7 +371,7 @@ class _Handler(BaseHTTPRequestHandler):
             config = prober.config
             probes = landing.ProbeLinks(config.source, tuple(config.probe_targets), prober.max_concurrent)
         page = landing.page(answer.outcome, version=__version__, source=self.server.exporter.source.describe(),
-                            probes=probes)
+                            probes=probes, node=self.server.node_name)
         # No script may run on the page; a web config's own policy, if it sets one, wins.
         configured = {name.lower() for name in self._extra_headers}
         headers = {name: value for name, value in (("Content-Security-Policy", landing.CONTENT_SECURITY_POLICY),
