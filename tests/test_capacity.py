@@ -115,7 +115,7 @@ def test_status_doctor_and_the_landing_page_count_the_free_3g_instance(fake_nvid
             urllib.request.urlopen(f"http://{exp.address}/", timeout=10) as response:
         page = response.read().decode()
     assert (f'<li data-class="{THREE_G}" data-devices="1" data-free="1" data-unknown="0">'
-            f'1 {TIMES} {THREE_G} (1 free)</li>') in page
+            f'<bdi>1 {TIMES} {THREE_G} (1 free)</bdi></li>') in page
 
 
 def test_memory_held_with_no_process_is_unknown_in_status_doctor_and_the_landing_page(fake_nvidia_smi, tmp_path):
@@ -139,7 +139,7 @@ def test_memory_held_with_no_process_is_unknown_in_status_doctor_and_the_landing
     with exporter(Path(smi), tmp_path, "--no-kubernetes", "--proc.root", proc) as exp, \
             urllib.request.urlopen(f"http://{exp.address}/", timeout=10) as response:
         page = response.read().decode()
-    assert f'data-free="0" data-unknown="1">1 {TIMES} {THREE_G} (unknown)</li>' in page
+    assert f'data-free="0" data-unknown="1"><bdi>1 {TIMES} {THREE_G} (unknown)</bdi></li>' in page
 
 
 def test_without_the_hosts_pids_no_device_is_free_in_status_or_doctor(fake_nvidia_smi, tmp_path):

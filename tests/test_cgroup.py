@@ -172,3 +172,53 @@ def test_a_slurmd_in_a_pod_gives_the_container_the_pod_and_the_job():
     path = (f"/kubepods.slice/kubepods-pod{UID.replace('-', '_')}.slice/cri-containerd-{container}.scope"
             "/system.slice/slurmstepd.scope/job_99/step_0/user/task_0")
     assert parse_cgroup(f"0::{path}\n".encode()) == CgroupIdentity(container, UID, "99", "0", None)
+
+
+_CID = "e" * 64
+_UID_ = UID.replace("-", "_")
+
+
+@pytest.mark.parametrize("path", [
+    # cgroup v2, a user's delegated tree, the cgroupfs and the systemd drivers' names
+    f"/user.slice/user-1000.slice/user@1000.service/app.slice/kubepods/burstable/pod{UID}/{_CID}",
+    f"/user.slice/user-1000.slice/user@1000.service/kubepods.slice/kubepods-burstable.slice/"
+    f"kubepods-burstable-pod{_UID_}.slice/cri-containerd-{_CID}.scope",
+    f"/user.slice/user-1000.slice/user@1000.service/app.slice/docker-{_CID}.scope",
+    f"/user.slice/user-1000.slice/user@1000.service/docker/{_CID}",
+    # a service given its own subtree (Delegate=yes), and a pod component outside any kubelet tree
+    f"/system.slice/build.service/kubepods/burstable/pod{UID}/{_CID}",
+    f"/system.slice/pod{UID}/{_CID}",
+])
+def test_a_process_in_a_user_s_delegated_cgroup_tree_gets_no_pod(path):
+    """Anyone given a subtree may name its cgroups after another's pod and
+    container, and would borrow its pod's name and labels."""
+    found = parse_path(path)
+    assert (found.container_id, found.pod_uid) == (None, None)
+    # cgroup v1: every controller's line says the same
+    v1 = "".join(f"{n}:{c}:{path}\n" for n, c in [(9, "memory"), (4, "cpu,cpuacct"), (1, "name=systemd")])
+    found = parse_cgroup(v1.encode())
+    assert (found.container_id, found.pod_uid) == (None, None)
+
+
+def test_a_delegated_tree_s_process_is_its_user_s_unit_or_nothing():
+    """Under names the kubelet uses, no unit either (a unit there would be a container's);
+    elsewhere, the user's own unit, named with its manager."""
+    path = f"/user.slice/user-1000.slice/user@1000.service/app.slice/kubepods/burstable/pod{UID}/{_CID}"
+    assert parse_cgroup(f"0::{path}\n".encode()) == CgroupIdentity()
+    scope = f"/user.slice/user-1000.slice/user@1000.service/app.slice/docker-{_CID}.scope"
+    assert parse_cgroup(f"0::{scope}\n".encode()).systemd_unit == f"user@1000.service/docker-{_CID}.scope"
+
+
+def test_a_kind_node_s_pods_seen_from_the_host_count():
+    """A node in a container: the kubelet's tree starts right inside the node's container."""
+    node = "a" * 64
+    path = (f"/system.slice/docker-{node}.scope/kubelet.slice/kubelet-kubepods.slice/"
+            f"kubelet-kubepods-besteffort.slice/kubelet-kubepods-besteffort-pod{_UID_}.slice/"
+            f"cri-containerd-{_CID}.scope")
+    assert parse_path(path) == CgroupIdentity(_CID, UID)
+
+
+def test_a_pod_s_subtree_cannot_hold_another_container():
+    """Only the pod's own child is its container: a cgroup made below it names none."""
+    path = f"/kubepods/burstable/pod{UID}/{'b' * 64}/nested/{_CID}"
+    assert parse_path(path) == CgroupIdentity("b" * 64, UID)

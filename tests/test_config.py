@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,44 @@ def test_a_config_with_targets() -> None:
         config.probe_targets["new"] = config.probe_targets["host"]  # type: ignore[index]
 
 
-@pytest.mark.parametrize("text", ["", "# nothing yet\n", "probe_targets:\n", "probe_targets: {}\n"])
-def test_a_config_without_targets_is_valid(text: str) -> None:
+@pytest.mark.parametrize("text", ["{}\n", "# no probe targets on this node\n{}\n", "probe_targets: {}\n",
+                                  "engines: {}\n"])
+def test_a_config_without_targets_by_intent_is_valid(text: str) -> None:
     assert dict(parse_config(text).probe_targets) == {}
+
+
+EMPTY_FILE = ("the file is empty (or only comments): refused as probably half written; "
+              "a config with no settings by intent is {}")
+FULL = ("probe_targets:\n"
+        "  driver-root:\n"
+        "    command: [/run/nvidia/driver/usr/bin/nvidia-smi]\n"
+        "    timeout: 5s\n"
+        "engines:\n"
+        "  presets:\n"
+        "    vllm: false\n")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# nothing yet\n"])
+def test_an_empty_config_is_refused_as_probably_half_written(text: str) -> None:
+    # Applied, it was "0 probe targets": every probe answered 400 (issue 38).
+    assert errors_of(text) == [EMPTY_FILE]
+
+
+@pytest.mark.parametrize("lines, error", [
+    (1, "probe_targets: named with nothing under it: refused as probably cut short; write probe_targets: {} for none"),
+    (5, "engines: named with nothing under it: refused as probably cut short; write engines: {} for none"),
+    (6, "engines.presets: the file ends here with nothing after the colon: refused as probably cut short"),
+])
+def test_a_config_cut_at_a_line_boundary_is_refused(lines: int, error: str) -> None:
+    # Each of these is valid YAML that names more than it holds: the file as a writer left it
+    # half way, not a config anyone meant.
+    assert error in errors_of("".join(FULL.splitlines(keepends=True)[:lines]))
+
+
+def test_the_whole_file_is_still_accepted() -> None:
+    config = parse_config(FULL)
+    assert list(config.probe_targets) == ["driver-root"]
+    assert "vllm" not in config.engines.engines
 
 
 def test_every_error_is_reported_at_once() -> None:
@@ -165,6 +201,28 @@ def test_load_config_of_a_missing_file(tmp_path: Path) -> None:
     assert str(raised.value) == f"{tmp_path / 'missing.yml'}: cannot read: No such file or directory"
 
 
+def test_a_fifo_as_the_config_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    # Opened for reading, a FIFO blocks until someone writes: one reload held a server thread
+    # for ever, 80 of them the whole pool (issue 38). Without a writer this test would hang.
+    fifo = tmp_path / "mig.yml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError) as raised:
+        load_config(fifo)
+    assert raised.value.errors == (
+        "cannot read: a FIFO, not a regular file (a config file is read whole, once per reload)",)
+
+
+def test_a_directory_or_a_device_as_the_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_config(tmp_path)
+    assert raised.value.errors == (
+        "cannot read: a directory, not a regular file (a config file is read whole, once per reload)",)
+    with pytest.raises(ConfigError) as raised:
+        load_config("/dev/zero")
+    assert raised.value.errors == (
+        "cannot read: a device, not a regular file (a config file is read whole, once per reload)",)
+
+
 # --- YAML the config may not use: anchors and aliases, deep nesting, a huge file ----------------
 
 REFUSED = "anchors and aliases are not allowed in this file; write the value out in full"
@@ -196,8 +254,6 @@ def test_a_file_over_1_mib_is_refused_unread(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as raised:
         load_config(path)
     assert raised.value.errors == ("larger than 1 MiB; a config file is a few KB (is it the right file?)",)
-    with pytest.raises(ConfigError) as raised:
-        load_config("/dev/zero")  # endless: read no further than the limit
-    assert raised.value.errors == ("larger than 1 MiB; a config file is a few KB (is it the right file?)",)
+    # An endless device (/dev/zero) is refused before any read: not a regular file (below).
     path.write_text("# a comment\n" * 80_000 + "probe_targets:\n  a: {command: [nvidia-smi]}\n")  # 0.96 MB
     assert list(load_config(path).probe_targets) == ["a"]

@@ -26,7 +26,7 @@ SETTING = re.compile(rf"""
     (?:\ \(known:\ (?P<known>[^()]+)\))?     # the keys or values that are known
     """, re.X)
 YAML = re.compile(r"line \d+, column \d+: .+")
-WHOLE_FILE = re.compile(r"cannot read: .+|larger than 1 MiB; .+"
+WHOLE_FILE = re.compile(r"cannot read: .+|larger than 1 MiB; .+|the file is empty .+"
                         r"|the file must be a mapping of settings, not .+ \(known: .+\)")
 
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()

@@ -215,7 +215,7 @@ def test_config_file(tmp_path):
     path.write_text("engines:\n  presets:\n    ollama: false\n  rules:\n    - name: koboldcpp\n      exe: koboldcpp\n")
     assert load_config(path).engines.engines == ("koboldcpp", "llama.cpp", "vllm", "sglang", "tgi", "triton",
                                                  "tensorrt-llm")
-    path.write_text("")
+    path.write_text("{}\n")  # an empty file is refused as torn: {} says empty by intent
     assert load_config(path).engines == DEFAULT_SETTINGS
 
 

@@ -99,9 +99,10 @@ def test_the_answer_is_the_scrapes_families_then_the_other_collectors() -> None:
     source.release.set()
     answer = Exporter(Scraper(source), Counters()).answer(Deadline.after(5))
     names = [family.name for family in answer.families]
-    # Last, what the answer costs: its samples counted, the other collectors' included.
-    assert names[-2:] == ["mig_exporter_probes", "mig_exporter_scrape_series"]
-    assert "mig_exporter_read_success" in names[:-2]
+    # Last, what the answer costs: its samples counted, the other collectors' and the exporter's own
+    # count of clamped deadline headers included.
+    assert names[-3:] == ["mig_exporter_probes", "mig_exporter_scrape_timeout_clamped", "mig_exporter_scrape_series"]
+    assert "mig_exporter_read_success" in names[:-3]
     samples = sum(len(family.samples) for family in answer.families[:-1])
     assert answer.families[-1].samples[0].value == samples + 1
     assert answer.outcome is not None and answer.outcome.success
@@ -111,7 +112,7 @@ def test_callers_kept_past_their_deadline_get_one_failed_read_counted_once(monke
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
     source = Held()
     scraper = Scraper(source)
-    exporter = Exporter(scraper, Counters())
+    exporter = Exporter(scraper, Counters(), timeout_s=0.5)  # due with the scrape: it keeps them waiting
     answers: list[Answer] = []
     callers = [threading.Thread(target=lambda: answers.append(exporter.answer(Deadline.after(0.5))))
                for _ in range(3)]
@@ -142,7 +143,7 @@ def test_a_read_that_fails_after_its_callers_answered_late_is_counted_and_logged
     caplog.set_level(logging.INFO, logger="mig_exporter")
     source = Failing()
     scraper = Scraper(source)
-    answer = Exporter(scraper).answer(Deadline.after(0.2))
+    answer = Exporter(scraper, timeout_s=0.2).answer(Deadline.after(0.2))
     assert answer.outcome is not None and answer.outcome.error == "the scrape in flight did not finish within 0.2s"
     assert value(answer, ERRORS) == 1
     finished(source)
@@ -156,22 +157,55 @@ def test_a_read_that_fails_after_its_callers_answered_late_is_counted_and_logged
 
 def test_each_failed_answer_counts_once_the_late_one_and_the_runs_own() -> None:
     """Prometheus reads read_errors_total as the failed reads it was answered: a caller that
-    answered late and the one still waiting, which takes the read's own failure, are two."""
+    answered late, kept past the scrape's own deadline, and the one still waiting, which takes the
+    read's own failure, are two."""
     source = Failing()
     scraper = Scraper(source)
-    exporter = Exporter(scraper)
+    exporter = Exporter(scraper, timeout_s=0.2)
+    lates: list[Answer] = []
     answers: list[Answer] = []
-    starter = threading.Thread(target=lambda: answers.append(exporter.answer(Deadline.after(10))))
-    starter.start()
+    starter = threading.Thread(target=lambda: lates.append(exporter.answer(Deadline.after(0.2))))
+    starter.start()  # the scrape is due with it, at --timeout, and overruns
     while source.reads == 0:
         time.sleep(0.005)
-    late = exporter.answer(Deadline.after(0.2))  # joins, due sooner than the run: no grace
+    waiting = threading.Thread(target=lambda: answers.append(exporter.answer(Deadline.after(10))))
+    waiting.start()
+    while exporter.joined() == 0:
+        time.sleep(0.005)
+    starter.join(10)
+    (late,) = lates
     assert late.outcome is not None and late.outcome.error == "the scrape in flight did not finish within 0.2s"
     finished(source)
-    starter.join(10)
+    waiting.join(10)
     (own,) = answers
     assert own.outcome is not None and own.outcome.error == "NVML call failed: GPU is lost"
     assert (value(late, ERRORS), value(own, ERRORS), scraper.errors_total) == (1, 2, 2)
+
+
+def test_a_callers_short_deadline_neither_cuts_the_scrape_short_nor_counts_a_read_error(caplog) -> None:
+    """Issue 38: a client asking for 0.1s (the scrape-timeout header) used to give the shared scrape
+    its own deadline, failing every Prometheus that joined it, each failure counted in
+    read_errors_total and logged. The scrape runs under --timeout; that client answers its own
+    timeout alone, uncounted and not logged as a WARNING; the caller due later takes the read."""
+    caplog.set_level(logging.INFO, logger="mig_exporter")
+    source = Held()
+    scraper = Scraper(source)
+    exporter = Exporter(scraper, timeout_s=10)
+    hasty = exporter.answer(Deadline.after(0.1))  # starts the scrape, then gives up on it
+    answers: list[Answer] = []
+    prometheus = threading.Thread(target=lambda: answers.append(exporter.answer(Deadline.after(10))))
+    prometheus.start()
+    while exporter.joined() == 0:
+        time.sleep(0.005)
+    source.release.set()
+    prometheus.join(10)
+    (read,) = answers
+    assert hasty.outcome is not None and hasty.outcome.error == (
+        "this request's own deadline of 0.1s passed while the scrape went on within --timeout")
+    assert read.outcome is not None and read.outcome.success
+    assert source.reads == 1
+    assert (value(hasty, ERRORS), value(read, ERRORS), scraper.errors_total) == (0, 0, 0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_a_late_answer_carries_the_engine_reading_the_scrape_began_with(monkeypatch) -> None:
@@ -181,7 +215,7 @@ def test_a_late_answer_carries_the_engine_reading_the_scrape_began_with(monkeypa
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
     procs = CountedProcs()
     source = Held()
-    late = Exporter(Scraper(source, EngineReader(DEFAULT_SETTINGS, procs))).answer(Deadline.after(0.2))
+    late = Exporter(Scraper(source, EngineReader(DEFAULT_SETTINGS, procs)), timeout_s=0.2).answer(Deadline.after(0.2))
     finished(source)
     assert late.outcome is not None and late.outcome.error == "the scrape in flight did not finish within 0.2s"
     assert procs.reads == 1
@@ -200,7 +234,11 @@ def test_a_proc_reading_older_than_a_scrapes_budget_is_left_out_of_a_late_answer
     monkeypatch.setattr(flight, "JOIN_GRACE_S", 0.05)
     source = Held()
     exporter = Exporter(Scraper(source, EngineReader(DEFAULT_SETTINGS, DemoProcs())), timeout_s=0.05)
-    late = exporter.answer(Deadline.after(0.2))
+    starter = threading.Thread(target=lambda: exporter.answer(Deadline.after(0.05)))
+    starter.start()
+    starter.join(10)  # the scrape it started, and its /proc read, are past --timeout now
+    time.sleep(0.1)
+    late = exporter.answer(Deadline.after(0.1))  # joins the overdue scrape
     finished(source)
     names = {family.name for family in late.families}
     assert "mig_exporter_read_success" in names and "mig_exporter_engine_processes" not in names

@@ -201,6 +201,26 @@ def test_an_accept_header_prometheus_client_cannot_read_gets_the_text_format():
     assert content_type.startswith("text/plain") and b'instances{card="0"} 3.0\n' in body
 
 
+@pytest.mark.parametrize(("accept", "media_type"), [
+    # q=0 refuses a format (RFC 9110; expfmt.Negotiate, goautoneg): OpenMetrics refused is text.
+    ("application/openmetrics-text;q=0, text/plain;q=1", "text/plain"),
+    ("application/openmetrics-text;version=1.0.0;q=0", "text/plain"),
+    ("application/openmetrics-text; Q=0.0, text/plain", "text/plain"),
+    ("application/openmetrics-text;q=nonsense, text/plain", "text/plain"),
+    # The higher q wins, wherever it stands; among equals, prometheus_client's own preference.
+    ("text/plain;version=0.0.4;q=0.5,application/openmetrics-text;version=1.0.0;q=0.4", "text/plain"),
+    ("text/plain;q=0.3,application/openmetrics-text;version=1.0.0;q=0.5", "application/openmetrics-text"),
+    ("text/plain, application/openmetrics-text", "application/openmetrics-text"),
+    ("text/plain;q=0, application/openmetrics-text;q=0.1", "application/openmetrics-text"),
+])
+def test_accept_q_ranks_and_q_0_refuses_a_format(accept, media_type):
+    full = GaugeMetricFamily("mig_exporter_card_mig_instances", "Instances.", labels=["card"])
+    full.add_metric(["0"], 3)
+    body, content_type = render([full], accept)
+    assert content_type.split(";")[0] == media_type
+    assert body.endswith(b"# EOF\n") == (media_type == "application/openmetrics-text")
+
+
 # -- the families held as columns (GaugeColumns) --------------------------------------------------------------
 
 PROMETHEUS_ACCEPT = ACCEPT_HEADERS[1]

@@ -254,3 +254,16 @@ def test_a_real_card_with_a_pending_page_retirement_needs_a_reset_and_says_why()
     assert _samples(families, "mig_exporter_card_health_reason") == {
         (("card", "0"), ("reason", "retired_pages_pending"), ("state", "reset")): 1,
         (("card", "0"), ("reason", "ecc_uncorrectable"), ("state", "warning")): 1}
+
+
+def test_a_card_past_its_shutdown_threshold_grades_warning_without_a_margin():
+    """120 °C over a 92 °C shutdown threshold, and no T.Limit margin read: never ok."""
+    health = CardHealth(temperature_thresholds_celsius=(("shutdown", 92.0), ("slowdown", 89.0)))
+    verdict = grade(health, temperature_celsius=120.0)
+    assert (verdict.state, verdict.codes, verdict.reasons) == (
+        "warning", ("temperature_over_threshold",), ("120 °C, at or past its 92 °C shutdown threshold",))
+    assert grade(health, temperature_celsius=90.0).reasons == ("90 °C, at or past its 89 °C slowdown threshold",)
+    assert grade(health, temperature_celsius=88.0) == Verdict("ok", ())
+    # No thresholds or no temperature: nothing to hold it against.
+    assert grade(CardHealth(), temperature_celsius=120.0) == Verdict("ok", ())
+    assert grade(health) == Verdict("ok", ())

@@ -560,3 +560,25 @@ def test_no_function_is_60_lines_or_longer(path):
 def test_an_instance_ecc_value_outside_the_grammar_is_left_to_lxml(value):
     bent = _H100.replace(b"<sram_uncorrectable>0<", b"<sram_uncorrectable>" + value + b"<", 1)
     assert parse_query_xml(bent) == parse_query_xml(bent + NOT_PLAIN)
+
+
+@pytest.mark.parametrize("count", [b"1" + b"0" * 30, b"9" * 5000, b"12abc"])
+def test_an_ecc_count_that_cannot_be_read_grades_warning_never_ok(count):
+    """Left out of the counts, a count too large to read would read as no errors: the card
+    fails closed instead."""
+    data = (require_real_corpus() / "telegraf-tesla-t4-v11-drv515.xml").read_bytes()
+    old = b"<dram_uncorrectable>0</dram_uncorrectable>"
+    assert old in data
+    report = parse_query_xml(data.replace(old, b"<dram_uncorrectable>" + count + b"</dram_uncorrectable>", 1))
+    h = report.cards[0].health
+    assert h.ecc_unreadable is True
+    assert ("volatile", "dram", "uncorrectable") not in {(e.scope, e.memory, e.type) for e in h.ecc_errors}
+    assert len(report.problems) == 1 and "dram_uncorrectable" in report.problems[0]
+    verdict = grade(h)
+    assert (verdict.state, verdict.codes, verdict.reasons) == (
+        "warning", ("ecc_unreadable",), ("an ECC count could not be read",))
+
+
+def test_na_ecc_counts_are_not_unreadable():
+    h = _health("telegraf-rtx-3060-v12-drv570.xml")
+    assert h.ecc_unreadable is False and grade(h).state == "ok"

@@ -74,9 +74,9 @@ def test_a_file_listing_two_jobs_gives_two_allocations_and_bad_lines_a_problem()
                                    SlurmAllocation(1002, "777"))
     assert reading.read_success is True
     assert reading.problems == (
-        f"slurm job map file '{DEMO_MIG_1002}': 1 line(s) not starting with a numeric Slurm job id ($SLURM_JOB_ID), "
-        "first line 2",
-        "slurm job map file '7': names no device read (a card's index or a GPU-/MIG- UUID expected)",
+        "slurm job map: 1 file(s) name no device read (a card's index or a GPU-/MIG- UUID expected), first '7'",
+        "slurm job map: 1 file(s) with 1 line(s) not starting with a numeric Slurm job id ($SLURM_JOB_ID) of at "
+        f"most 64 digits, first '{DEMO_MIG_1002}' (1 line(s), first line 2)",
     )
 
 
@@ -135,8 +135,8 @@ def test_a_hostile_directory_gives_a_problem_per_bad_entry_and_keeps_the_rest(tm
         "slurm job map file '1001': a symbolic link, not followed",
         "slurm job map file 'GPU-dir': a directory, not a file",
         "slurm job map file 'fifo': not a regular file",
-        "slurm job map file '\\udcffname': names no device read (a card's index or a GPU-/MIG- UUID expected)",
-        "slurm job map file 'README': names no device read (a card's index or a GPU-/MIG- UUID expected)",
+        "slurm job map: 2 file(s) name no device read (a card's index or a GPU-/MIG- UUID expected), "
+        "first 'README'",
     ])
 
 
@@ -313,3 +313,25 @@ def test_the_flag_reads_from_its_environment_variable(fake_nvidia_smi, tmp_path)
     assert result.returncode == 0, result.stderr
     families = list(text_string_to_metric_families(result.stdout))
     assert sample_value(families, "mig_exporter_slurm_job_map_read_success") == 0
+
+
+def test_thousands_of_stray_files_are_one_problem_a_read_with_their_count():
+    """4096 files that are not job maps, and 4096 of bad lines: two lines for the log, not 8192."""
+    strays = [JobMapFile(f"stray-{n:04}", "1\n") for n in range(4096)]
+    bad = [JobMapFile("1", "x\n" * 3)] + [JobMapFile(DEMO_MIG_1002, "oops\n")] * 4095
+    reading = job_map_reading(DEMO, [*strays, *bad])
+    assert reading.problems == (
+        "slurm job map: 4096 file(s) name no device read (a card's index or a GPU-/MIG- UUID expected), "
+        "first 'stray-0000'",
+        "slurm job map: 4096 file(s) with 4098 line(s) not starting with a numeric Slurm job id ($SLURM_JOB_ID) of "
+        "at most 64 digits, first '1' (3 line(s), first line 1)",
+    )
+
+
+def test_a_job_id_longer_than_64_digits_is_refused():
+    reading = job_map_reading(DEMO, [JobMapFile("1", f"{'9' * 64}\n{'9' * 65}\n{'9' * 100_000}\n")])
+    assert reading.allocations == (SlurmAllocation(1, "9" * 64),)
+    assert reading.problems == (
+        "slurm job map: 1 file(s) with 2 line(s) not starting with a numeric Slurm job id ($SLURM_JOB_ID) of at "
+        "most 64 digits, first '1' (2 line(s), first line 2)",
+    )

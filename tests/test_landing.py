@@ -8,6 +8,7 @@ import base64
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import socket
@@ -222,7 +223,8 @@ def test_mode_pending_change_whole_cards_nothing_carved_and_unknown_memory():
     assert (row.devices, row.profile, row.used_total, row.processes) == (
         "0", "whole card", "5123 / 81920 MiB (6%)", ["900 /usr/bin/python3 5100 MiB"])
     assert row.total_width == landing.BAR_WIDTH - 1
-    assert "Read in 0.25s · driver 550.90.07 · CUDA 12.4 · 1 card, 1 device." in page
+    assert ("Read in 0.25s · driver <bdi>550.90.07</bdi> · CUDA <bdi>12.4</bdi> · 1 card, 1 device."
+            in page)
 
     cards, page = drawn("a100-mig-nothing-carved")
     assert cards["GPU 0 NVIDIA A100-SXM4-40GB MIG on"] == []
@@ -268,7 +270,7 @@ def test_engines_on_no_gpu_list_are_named_above_the_cards_as_the_alert_counts_th
     assert "Engines on no GPU's process list: running on the CPU" in text
     section = text.split('<section class="engines-cpu">')[1].split("</section>")[0]
     assert section.count("<li>") == 1
-    assert '<strong>llama.cpp</strong> <span class="pid">52040</span> llama-server' in section
+    assert '<strong><bdi>llama.cpp</bdi></strong> <span class="pid">52040</span> <bdi>llama-server</bdi>' in section
     # Where it cannot be known, nothing is claimed.
     assert "engines-cpu\"" not in page(placed=False) and "engines-cpu\"" not in page(host=False)
 
@@ -303,12 +305,14 @@ def test_a_failed_read_is_a_page_that_says_why_not_an_error(serve, fake_nvidia_s
 
 
 def test_a_hung_read_is_cut_at_the_deadline_metrics_would_have(serve, fake_nvidia_smi):
-    # Prometheus' header gives 2 s, less the 1 s offset: the page's read gets 1 s, as a scrape's.
+    # Prometheus' header gives 2 s, less the 1 s offset: the page answers at 1 s, as a scrape would;
+    # the read itself goes on under --timeout (issue 38: no request shortens a shared read).
     fake = smi(fake_nvidia_smi, "h100-mig-processes", mode="hang")
     url = serve(NvidiaSmiSource(str(fake), timeout_s=30), timeout_s=30, offset_s=1.0)
     status, _, page = get(url + "/", {"X-Prometheus-Scrape-Timeout-Seconds": "2"})
     assert status == 200
-    assert dom(page).find("p", "read").text.endswith("nvidia-smi -q -x: timed out after 1.0s; process group killed")
+    assert dom(page).find("p", "read").text.endswith(
+        "this request's own deadline of 1.0s passed while the scrape went on within --timeout")
 
 
 def test_head_answers_the_headers_alone(serve):
@@ -371,8 +375,8 @@ def test_probe_targets_are_still_linked():
     probes = landing.ProbeLinks("mig.yml", ("gpu-a", "driver.root_1", "a&b=<c>"), 4)
     page = landing.page(ReadOutcome(None, 0.1, "x"), version="0.1.0", source="x", probes=probes)
     assert 'href="/probe?target=gpu-a"' in page and 'href="/probe?target=driver.root_1"' in page
-    assert 'href="/probe?target=a%26b%3D%3Cc%3E">/probe?target=a&amp;b=&lt;c&gt;</a>' in page
-    assert "Probe targets from mig.yml (at most 4 probes at once)" in page
+    assert 'href="/probe?target=a%26b%3D%3Cc%3E">/probe?target=<bdi>a&amp;b=&lt;c&gt;</bdi></a>' in page
+    assert "Probe targets from <bdi>mig.yml</bdi> (at most 4 probes at once)" in page
 
 
 # --- a real browser -----------------------------------------------------------------------------
@@ -580,6 +584,21 @@ def test_a_health_reason_is_escaped():
     page = landing.page(ReadOutcome(graded(dataclasses.replace(snapshot, cards=(odd,))), 0.1), version="0",
                         source="x")
     assert "<b>" not in page and "a &lt;b&gt;tpc&lt;/b&gt; repair is pending" in page
+
+
+def test_each_name_on_the_page_is_isolated_so_an_rlo_turns_only_itself():
+    """A process named ``\\u202egnp.exe`` (RLO) would, left in the page's own bidi run, turn the
+    text after it (its memory, the next process) around: each name stands in a <bdi>."""
+    from conftest import scenario
+
+    snapshot = scenario("h100-mig-processes")
+    named = dataclasses.replace(snapshot, processes=tuple(
+        p._replace(name="\u202egnp.exe") for p in snapshot.processes))
+    page = landing.page(ReadOutcome(named, 0.1), version="0", source="x", node="node\u202e")
+    assert page.count('<span class="pname"><bdi>\u202egnp.exe</bdi></span>') == 3
+    assert "<strong><bdi>node\u202e</bdi></strong>" in page
+    # No RLO outside a <bdi>: strip every isolated name and none is left.
+    assert "\u202e" not in re.sub(r"<bdi>.*?</bdi>", "", page)
 
 
 # --- which node, which card, whose work ----------------------------------------------------------

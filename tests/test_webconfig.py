@@ -542,7 +542,7 @@ def test_an_unexpected_error_in_a_reload_keeps_the_config_in_force(tmp_path, cap
     web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
     settings = WebSettings(str(web), check_interval_s=0)
 
-    def broken(path):
+    def broken(path, **options):
         raise RuntimeError("a bug\nin two lines")
 
     monkeypatch.setattr(mig_exporter.web.webconfig, "load_web_config", broken)
@@ -555,3 +555,37 @@ def test_an_unexpected_error_in_a_reload_keeps_the_config_in_force(tmp_path, cap
         f"reloading {web} failed; kept the web config in force: unexpected error: RuntimeError: a bug in two lines"
     ]
     assert failures[0].exc_info is None
+
+
+# --- a torn web config (issue 38) ----------------------------------------------------------------
+
+def test_a_reload_into_an_empty_web_config_keeps_auth_in_force(tmp_path, caplog):
+    # An empty file is a valid web config: no auth. Caught half written on a reload, it served
+    # without basic auth; refused, the users in force stay. "{}" says "no settings" by intent.
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
+    settings = WebSettings(str(web), check_interval_s=0)
+    web.write_text("")
+    assert settings.current().users == ("alice",)
+    failures = [r.getMessage() for r in caplog.records if "reloading" in r.getMessage()]
+    assert failures == [f"reloading {web} failed; kept the web config in force: the file is empty (or only "
+                        "comments): refused as probably half written; a config with no settings by intent is {}"]
+    web.write_text("{}\n")
+    assert settings.current().users == ()
+
+
+def test_a_web_config_section_cut_short_is_refused(tmp_path):
+    assert errors_of("basic_auth_users:\n") == [
+        "basic_auth_users: named with nothing under it: refused as probably cut short; "
+        "write basic_auth_users: {} for none"]
+    assert errors_of("http_server_config:\n  headers:\n") == [
+        "http_server_config.headers: the file ends here with nothing after the colon: refused as probably cut short"]
+
+
+def test_a_fifo_as_the_web_config_is_refused_without_waiting_for_a_writer(tmp_path):
+    web = tmp_path / "web.yml"
+    os.mkfifo(web)
+    with pytest.raises(ConfigError) as raised:
+        load_web_config(web)
+    assert raised.value.errors == (
+        "cannot read: a FIFO, not a regular file (a config file is read whole, once per reload)",)

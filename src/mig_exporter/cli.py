@@ -477,7 +477,7 @@ def _run(server: ExporterServer) -> None:
             return
         log.info("received SIGHUP, reloading %s", prober.config_file)
         # Off the signal handler: reloading takes locks the interrupted code may hold.
-        threading.Thread(target=prober.reload, name="reload", daemon=True).start()
+        threading.Thread(target=prober.request_reload, args=(0,), name="reload", daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -643,7 +643,7 @@ class _UnknownClass(click.ClickException):
 @click.option("--output", "output_format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="A table for a person, or JSON for scripts.")
 @click.option("--timeout", type=click.FloatRange(min=0.1, max=600), default=10.0, show_default=True,
-              help="Seconds each query may take.")
+              help="Seconds the whole exchange with the Prometheus may take (all its queries together).")
 @click.option("--prometheus.basic-auth-user", "basic_auth_user", metavar="USER", default=None,
               envvar=_env("PROMETHEUS_BASIC_AUTH_USER"), show_envvar=True,
               help="Basic auth user; the password comes from --prometheus.password-file, else from the environment "

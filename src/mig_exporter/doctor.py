@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mig_exporter.core.errors import ReadError
+from mig_exporter.core.visible import shown, visible
 from mig_exporter.model.capacity import (
     EMPTY_DEVICE_MARGIN_BYTES,
     GPU_ONLY,
@@ -282,6 +283,10 @@ def verdicts(snapshot: Snapshot) -> dict[int, Verdict]:
 _COOLING = "check the card's cooling, airflow and power delivery: the hardware slows it down"
 # A warning reason's code (Verdict.codes), and what to do about it.
 _WARNING_FIXES = {
+    "temperature_over_threshold": "check the card's cooling and airflow now: it is at or past its own slowdown or "
+                                  "shutdown temperature",
+    "ecc_unreadable": "read the card's ECC counts with nvidia-smi -q -d ECC: one could not be read, so errors may be "
+                      "hidden; check the driver and the card",
     "ecc_uncorrectable": "watch the card: an uncorrectable error is often followed by a pending row remap or "
                          "page retirement (a reset), or XIDs 48, 63, 64, 94, 95",
     "ecc_sram_threshold": "the card's SRAM is wearing out: plan to replace it",
@@ -591,6 +596,10 @@ def _mib(value: int | None) -> str:
 
 
 def render_text(report: Report) -> str:
+    """The report for a terminal. Names in it came from outside (a process's, a card's, a
+    finding's quoted value): each line is made visible whole (core/visible.py), so a control,
+    line separator or bidi character in a name is shown as an escape, never obeyed, and the only
+    line breaks are the report's own."""
     lines = []
     for r in report.readings:
         if r.snapshot is not None:
@@ -621,7 +630,7 @@ def render_text(report: Report) -> str:
         lines.append(f"NOTE [{f.code}] {f.message}")
         lines.append(f"      {f.fix}")
     lines.append(f"{_verdict(report.exit_code)}: {errors} error(s), {warnings} warning(s) (exit {report.exit_code})")
-    return "\n".join(lines) + "\n"
+    return "".join(visible(line) + "\n" for line in lines)
 
 
 def _verdict(exit_code: int) -> str:
@@ -642,7 +651,8 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
     lines = [head]
     found = verdicts(snapshot).get(index)
     if found is not None:
-        lines.append(f"  health: {found.label}" + "".join(f"\n    - {r}" for r in found.reasons))
+        lines.append(f"  health: {found.label}")
+        lines.extend(f"    - {r}" for r in found.reasons)
     if remapped_rows_unknown(card):
         lines.append("  remapped rows: not reported in MIG mode (see the note below)")
     for d in (d for d in snapshot.devices if d.card == index):
@@ -651,7 +661,7 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
         lines.append(f"  device {_device_name(d)}: {kind} {d.uuid or ''} - {_mib(d.memory.used_bytes)} used of "
                      f"{_mib(d.memory.total_bytes)}")
         for p in snapshot.processes_on(d.index):
-            lines.append(f"    pid {p.pid} {p.type} {p.name or '?'} {_mib(p.used_bytes)}")
+            lines.append(f"    pid {p.pid} {p.type} {shown(p.name) or '?'} {_mib(p.used_bytes)}")
     return lines
 
 

@@ -185,7 +185,14 @@ def read_fleet(client: PrometheusClient, device_class: str | None = None, *, dev
                queries: Queries = QUERIES) -> Fleet:
     """Devices, free, in use, unknown and memory free per class; the nodes not reporting; with
     ``device_class`` (one the Prometheus has) the nodes with a free one, and with ``devices``
-    each free device. Every query at one instant: free never counts another moment than devices."""
+    each free device. Every query at one instant: free never counts another moment than devices.
+    All of them within the client's one timeout (``exchange``): a Prometheus that answers slowly,
+    or never ends its answer, holds fleet no longer than ``--timeout``."""
+    with client.exchange():
+        return _read_fleet(client, device_class, devices=devices, queries=queries)
+
+
+def _read_fleet(client: PrometheusClient, device_class: str | None, *, devices: bool, queries: Queries) -> Fleet:
     at = time.time()
 
     def per_class(expression: str) -> dict[str, int | None]:

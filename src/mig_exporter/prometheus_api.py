@@ -7,6 +7,13 @@ Secrets (a basic-auth password, a bearer token, header values) go into the reque
 and nowhere else. No message names them: a URL is shown with its user information as ``***``,
 and text from the server (an error body, a status line, a redirect's ``Location``) has every
 secret cut out before it is escaped for a terminal and cut to a length.
+
+A Prometheus that is broken or hostile cannot hold fleet, nor fill its memory: one deadline
+covers every query of an exchange (``exchange()``), each connect, header and body byte included,
+so a trickling or endless answer stops at it; at most ``ANSWER_LIMIT`` bytes of an answer are
+read, and an answer that lists more than ``MAX_SERIES`` series is refused before it is built; an
+error body is read to 1 KiB. Redirects are not followed at all (stricter than "only to the same
+host": a redirect is where credentials leak).
 """
 
 from __future__ import annotations
@@ -16,19 +23,37 @@ import contextlib
 import http.client
 import json
 import re
+import socket
 import ssl
+import threading
+import time
 import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, AnyStr
+
+from mig_exporter.core.visible import visible
 
 # The environment variable a basic-auth password may come from (cli.py names it in --help).
 PASSWORD_ENV = "MIG_EXPORTER_PROMETHEUS_BASIC_AUTH_PASSWORD"
 
-_ERROR_BODY_LIMIT = 64 * 1024  # what is read of an error's body
+_ERROR_BODY_LIMIT = 1024  # what is read of an error's body: its first line is what is shown
+# What is read of an answer. Past it the answer is refused unparsed: a 1 GiB body costs no more
+# than this. Decoded, an answer holding a character beyond ASCII may take up to 4 bytes a
+# character, so such an answer is held to a quarter: the decoded text stays within the limit too.
+ANSWER_LIMIT = 64 * 1024 * 1024
+_WIDE_ANSWER_LIMIT = ANSWER_LIMIT // 4
+# Series one answer may list: a fleet of this many nodes with a free device of one class is past
+# what a terminal table is for. An answer listing more is refused before its objects are built
+# (its braces are counted first), so 1 000 000 series cost neither memory nor time.
+MAX_SERIES = 20_000
+# JSON values in one answer, bounded by its commas: an array of 30 million numbers holds no
+# object to count, and would cost a pointer each.
+_MAX_VALUES = MAX_SERIES * 50
+_CHUNK = 256 * 1024
 _SHOWN_LIMIT = 200  # characters of outside text in one message
 _REDACTED = "<redacted>"
 _MIN_SECRET = 4  # shorter values are not cut out: they would blank digits of the message
@@ -200,7 +225,7 @@ class Redactor:
 
     def __init__(self, secrets: Iterable[str]) -> None:
         kept = {s for s in secrets if len(s) >= _MIN_SECRET}
-        forms = {form for s in kept for form in (s, json.dumps(s)[1:-1], _escaped(s))}
+        forms = {form for s in kept for form in (s, json.dumps(s)[1:-1], _escaped(s), _terminal(s))}
         self._texts = sorted(forms, key=len, reverse=True)
         encoded = set()
         for form in forms:
@@ -263,6 +288,78 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None
 
 
+class _Watch:
+    """One deadline over every socket an exchange opens. A socket timeout bounds one operation
+    only: an answer that sends a byte a second, or headers that never end, is in time for each.
+    So a timer shuts each socket at the deadline, and the blocked read returns."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self._timers: list[threading.Timer] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @property
+    def passed(self) -> bool:
+        return self.left() <= 0
+
+    def watch(self, sock: socket.socket) -> None:
+        timer = threading.Timer(max(self.left(), 0.0), _shut, (sock,))
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    def stop(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # already closed: the answer ended in time after all
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+def _watched(base: type[http.client.HTTPConnection],
+             watch: Callable[[socket.socket], None]) -> type[http.client.HTTPConnection]:
+    """``base`` with each socket it creates handed to ``watch`` before the first byte (for https,
+    before the TLS handshake: a handshake can trickle too)."""
+
+    class Watched(base):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            create: Callable[..., socket.socket] = getattr(self, "_create_connection")  # noqa: B009
+
+            def create_watched(*a: Any, **k: Any) -> socket.socket:
+                sock = create(*a, **k)
+                watch(sock)
+                return sock
+
+            self._create_connection = create_watched
+
+    return Watched
+
+
+class _WatchedHTTP(urllib.request.HTTPHandler):
+    def __init__(self, watch: Callable[[socket.socket], None]) -> None:
+        super().__init__()
+        self._watch = watch
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_watched(http.client.HTTPConnection, self._watch), req)
+
+
+class _WatchedHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, watch: Callable[[socket.socket], None], context: ssl.SSLContext) -> None:
+        super().__init__(context=context)
+        self._watch = watch
+        self._tls = context
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_watched(http.client.HTTPSConnection, self._watch), req, context=self._tls)
+
+
 class PrometheusClient:
     """Instant queries against one Prometheus (or anything that serves its query API:
     Thanos Query, Mimir, VictoriaMetrics)."""
@@ -294,12 +391,32 @@ class PrometheusClient:
         if self.access.ca_file is not None and parsed.scheme != "https":
             raise FleetUsageError(f"{self.shown}: --prometheus.ca-file verifies an https:// server; this URL is "
                                   "http://")
-        handlers: list[urllib.request.BaseHandler] = [_NoRedirects()]
+        handlers: list[urllib.request.BaseHandler] = [_NoRedirects(), _WatchedHTTP(self._watch_socket)]
         if parsed.scheme == "https":
-            handlers.append(urllib.request.HTTPSHandler(context=self._tls_context()))
+            handlers.append(_WatchedHTTPS(self._watch_socket, self._tls_context()))
         self._opener = urllib.request.build_opener(*handlers)
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._watch: _Watch | None = None  # the exchange under way
+
+    def _watch_socket(self, sock: socket.socket) -> None:
+        if self._watch is not None:
+            self._watch.watch(sock)
+
+    @contextlib.contextmanager
+    def exchange(self) -> Iterator[None]:
+        """Every query inside shares one deadline, ``timeout_s`` from now: fleet's ``--timeout``
+        bounds the whole exchange, not each socket operation. A query outside an exchange is one
+        of its own."""
+        if self._watch is not None:  # nested: the outer deadline holds
+            yield
+            return
+        self._watch = _Watch(self.timeout_s)
+        try:
+            yield
+        finally:
+            self._watch.stop()
+            self._watch = None
 
     def _tls_context(self) -> ssl.SSLContext:
         ca_file = self.access.ca_file
@@ -315,7 +432,8 @@ class PrometheusClient:
         """The instant vector ``promql`` gives at ``at`` (seconds since the epoch; now when
         ``None``): each element's ``metric`` (a dict) and ``value`` ([time, "number"])."""
         try:
-            return self._query(promql, at)
+            with self.exchange():
+                return self._query(promql, at)
         except FleetError as e:
             # Each piece of outside text was scrubbed as it came in; this pass is the last guard.
             raise FleetError(self._redactor.replace(str(e))) from None
@@ -328,31 +446,91 @@ class PrometheusClient:
                                          headers={"Content-Type": "application/x-www-form-urlencoded",
                                                   **self.access.request_headers()})
         redact = self._redactor
+        watch = self._watch
+        assert watch is not None  # query() opens the exchange
+        late = f"{endpoint}: no answer within {watch.timeout_s:g} s (fleet's --timeout, for the whole exchange)"
+        if watch.passed:
+            raise FleetError(late)
         try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                body = response.read()
+            with self._opener.open(request, timeout=watch.left()) as response:
+                text = _read_answer(response, watch)
         except urllib.error.HTTPError as e:  # Prometheus answers 400/422/503 with a JSON error
+            if watch.passed:
+                raise FleetError(late) from None
             raise FleetError(f"{endpoint}: {_http_error(e, redact)}") from None
         except urllib.error.URLError as e:
-            raise FleetError(f"{endpoint}: {_unreachable(e.reason, self.timeout_s, redact)}") from None
+            if watch.passed:
+                raise FleetError(late) from None
+            raise FleetError(f"{endpoint}: {_unreachable(e.reason, watch.timeout_s, redact)}") from None
+        except _Refused as e:
+            raise FleetError(f"{endpoint}: {e}") from None
         except (OSError, http.client.HTTPException, ValueError) as e:
-            # A gRPC port answering garbage, a cut answer, a TLS failure after the handshake.
-            raise FleetError(f"{endpoint}: {_unreachable(e, self.timeout_s, redact)}") from None
+            # A gRPC port answering garbage, a cut answer, a TLS failure after the handshake, or
+            # the socket shut at the deadline.
+            if watch.passed:
+                raise FleetError(late) from None
+            raise FleetError(f"{endpoint}: {_unreachable(e, watch.timeout_s, redact)}") from None
+        if watch.passed:  # the timer may have cut the body short, so that it parses wrong
+            raise FleetError(late)
+        # Each series is two JSON objects (itself and its metric), each opened by a "{": a text
+        # with more braces lists more series (or holds braces in its strings) and is refused before
+        # the parser builds a thing. Only commas bound the values of an array of numbers.
+        if text.count("{") > 2 * MAX_SERIES + 16:
+            raise FleetError(f"{endpoint}: {_too_many()}")
+        if text.count(",") > _MAX_VALUES:
+            raise FleetError(f"{endpoint}: the answer holds more than {_MAX_VALUES} values: refused unparsed (a "
+                             f"Prometheus answer of {MAX_SERIES} series holds far fewer)")
         try:
-            answer = json.loads(body)
-        except ValueError:
+            answer = json.loads(text)
+        except (ValueError, RecursionError):  # RecursionError: [[[[... nested past Python's stack
             raise FleetError(f"{endpoint}: the answer is not JSON (is this a Prometheus?)") from None
+        del text
         if not isinstance(answer, dict) or answer.get("status") != "success":
-            said = _error_of(redact.body(body), redact)
+            said = _said(answer, redact)
             raise FleetError(f"{endpoint}: {said or 'the answer is not a success'}")
         result = answer.get("data")
         if not isinstance(result, dict) or result.get("resultType") != "vector":
             kind = result.get("resultType") if isinstance(result, dict) else type(result).__name__
             raise FleetError(f"{endpoint}: expected an instant vector, got {redact.shown(str(kind), 40)!r}")
         elements = result.get("result")
+        if isinstance(elements, list) and len(elements) > MAX_SERIES:
+            raise FleetError(f"{endpoint}: {_too_many()}")
         if not isinstance(elements, list) or not all(_is_sample(e) for e in elements):
-            raise FleetError(f"{endpoint}: the answer's samples are not a Prometheus instant vector's")
+            raise FleetError(f"{endpoint}: the answer's samples are not a Prometheus instant vector's "
+                             "(each a metric of string labels and a [time, \"number\"] value)")
         return elements
+
+
+class _Refused(Exception):
+    """An answer refused before it is read whole; the message says why, in fleet's words."""
+
+
+def _too_many() -> str:
+    return (f"the answer lists more than {MAX_SERIES} series: refused (fleet reads a fleet's worth; ask a "
+            "Prometheus, or a tenant, that holds fewer nodes)")
+
+
+def _read_answer(response: http.client.HTTPResponse, watch: _Watch) -> str:
+    """The answer's body as text, read in pieces to ``ANSWER_LIMIT`` at most: past it, or past a
+    ``Content-Length`` that says so, refused unread."""
+    too_big = f"the answer is over {ANSWER_LIMIT // 2**20} MiB: refused unread"
+    length = response.getheader("Content-Length")
+    if length is not None and length.strip().isdigit() and int(length) > ANSWER_LIMIT:
+        raise _Refused(too_big)
+    body = bytearray()
+    while not watch.passed:
+        piece = response.read(min(_CHUNK, ANSWER_LIMIT + 1 - len(body)))
+        if not piece:
+            break
+        body += piece
+        if len(body) > ANSWER_LIMIT:
+            raise _Refused(too_big)
+    if body.isascii():
+        return body.decode("ascii")
+    if len(body) > _WIDE_ANSWER_LIMIT:
+        raise _Refused(f"the answer holds non-ASCII text and is over {_WIDE_ANSWER_LIMIT // 2**20} MiB: refused "
+                       "(decoded, it would take four times that)")
+    return body.decode("utf-8", errors="replace")
 
 
 def _http_error(e: urllib.error.HTTPError, redact: Redactor) -> str:
@@ -411,8 +589,13 @@ def _error_of(body: bytes, redact: Redactor) -> str | None:
     """Prometheus' JSON error (``bad_data: parse error ...``), secrets out, escaped and cut."""
     try:
         answer = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
+    return _said(answer, redact)
+
+
+def _said(answer: object, redact: Redactor) -> str | None:
+    """What a parsed JSON error says (``errorType: error``), secrets out, escaped and cut."""
     if isinstance(answer, dict) and answer.get("error"):
         return redact.shown(f"{answer.get('errorType', 'error')}: {answer['error']}")
     return None
@@ -430,8 +613,14 @@ def _first_line(body: bytes, redact: Redactor) -> str:
 def for_terminal(text: str, limit: int) -> str:
     """Outside text as a terminal line can hold it: control and other unprintable characters
     escaped (``\\x1b``), at most ``limit`` characters."""
-    out = _escaped(text)
+    out = _terminal(text)
     return out if len(out) <= limit else out[: limit - 1] + "\u2026"
+
+
+def _terminal(text: str) -> str:
+    """``visible()`` (``core/visible``: C0, C1, DEL, line separators, bidi controls), then every
+    other unprintable or separator character escaped too (a zero-width joiner, a no-break space)."""
+    return _escaped(visible(text))
 
 
 def _escaped(text: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mig_exporter.core.visible import shown, visible
 from mig_exporter.metrics.scrape import ReadOutcome
 from mig_exporter.model.capacity import FREE, count_by_class, device_states, processes_per_device
 from mig_exporter.model.snapshot import Process, Snapshot
@@ -51,17 +52,26 @@ def as_json(outcome: ReadOutcome) -> dict[str, Any]:
 
 
 def render_text(outcome: ReadOutcome) -> str:
+    """The report for a terminal. Every name in it came from outside (a process names itself, a
+    pod's name is its owner's choice): each line is made visible whole (core/visible.py), so an
+    escape sequence, a carriage return, a newline or a bidi override in a name is shown, never
+    obeyed, and the only line breaks are the report's own."""
+    return "".join(visible(line) + "\n" for line in _lines(outcome))
+
+
+def _lines(outcome: ReadOutcome) -> list[str]:
     snapshot = outcome.snapshot
     if snapshot is None:
-        return f"The read failed: {outcome.error}\n"
+        return [f"The read failed: {outcome.error}"]
     if not snapshot.devices:
-        return "No GPU devices: the driver lists no cards, or none could be read.\n" + _problems(snapshot)
+        return ["No GPU devices: the driver lists no cards, or none could be read.", *_problems(snapshot)]
     on = processes_per_device(snapshot)
     states = device_states(snapshot, outcome.host)
     table = [("DEVICE", "CLASS", "STATE", "MEMORY USED / TOTAL", "PROCESSES")]
     for d in snapshot.devices:
         count = str(on[d.index]) if d.processes_known else "unknown"
-        table.append((d.display_name, d.device_class or "-", states[d.index].state.replace("_", " "),
+        # Cells made visible before the widths are taken, so the columns line up as printed.
+        table.append((shown(d.display_name), shown(d.device_class or "-"), states[d.index].state.replace("_", " "),
                       _used_total(d.memory.used_bytes, d.memory.total_bytes), count))
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:>{widths[3]}}  "
@@ -76,7 +86,7 @@ def render_text(outcome: ReadOutcome) -> str:
     if not_free:
         lines.append("Not free, with no process listed:")
         lines.extend(not_free)
-    return "\n".join(lines) + "\n" + _problems(snapshot)
+    return lines + _problems(snapshot)
 
 
 def _top(snapshot: Snapshot) -> Process | None:
@@ -106,7 +116,7 @@ def _describe_top(outcome: ReadOutcome, top: Process) -> str:
     where = device.display_name if device is not None else str(top.device_index)
     memory = "memory unknown" if top.used_bytes is None else f"{top.used_bytes / _GIB:.1f} GiB"
     work = _work(outcome, top.pid)
-    return f"{top.pid} {top.name or '?'}, {memory} on {where}" + (f" ({work})" if work else "")
+    return f"{top.pid} {shown(top.name) or '?'}, {memory} on {where}" + (f" ({work})" if work else "")
 
 
 def _top_json(outcome: ReadOutcome) -> dict[str, Any] | None:
@@ -126,7 +136,7 @@ def _used_total(used: int | None, total: int | None) -> str:
     return f"{gib(used)} / {gib(total)} GiB"
 
 
-def _problems(snapshot: Snapshot) -> str:
+def _problems(snapshot: Snapshot) -> list[str]:
     if not snapshot.problems:
-        return ""
-    return "Problems in this read:\n" + "".join(f"  - {problem}\n" for problem in snapshot.problems)
+        return []
+    return ["Problems in this read:", *(f"  - {problem}" for problem in snapshot.problems)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -53,10 +54,22 @@ class ConfigError(Exception):
 # --- the file and its YAML -------------------------------------------------------------------------
 
 def read_file(path: str | os.PathLike[str]) -> bytes:
-    """A config file's bytes; ``ConfigError`` with the one-line reason when it cannot be read
-    or is larger than ``MAX_FILE_BYTES``."""
+    """A config file's bytes; ``ConfigError`` with the one-line reason when it cannot be read,
+    is not a regular file, or is larger than ``MAX_FILE_BYTES``.
+
+    A FIFO or a device is refused at once, never opened for a blocking read: opening a FIFO
+    waits for a writer, and a reload that waits so held a server thread for ever. ``stat``
+    first (opening some devices does something), then ``O_NONBLOCK`` and ``fstat`` on what was
+    opened, in case the path was swapped between the two."""
     try:
-        with open(path, "rb") as f:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(str(path), [_not_regular(mode)])
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+        with open(fd, "rb") as f:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ConfigError(str(path), [_not_regular(mode)])
             data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(str(path), [f"cannot read: {e.strerror or e}"]) from None
@@ -64,6 +77,13 @@ def read_file(path: str | os.PathLike[str]) -> bytes:
         raise ConfigError(str(path), [
             f"larger than {MAX_FILE_BYTES >> 20} MiB; a config file is a few KB (is it the right file?)"])
     return data
+
+
+def _not_regular(mode: int) -> str:
+    what = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a regular file")
+    return f"cannot read: {what}, not a regular file (a config file is read whole, once per reload)"
 
 
 def parse_yaml(text: str | bytes, source: str) -> tuple[Any, list[str]]:
@@ -211,6 +231,28 @@ def unknown_keys(value: Mapping[Any, Any], where: str, known: Iterable[str], err
     """One error for each key of the mapping at ``where`` that is not ``known``."""
     known = tuple(known)
     errors.extend(unknown(at(where, key), "key", known) for key in value if key not in known)
+
+
+EMPTY_FILE = ("the file is empty (or only comments): refused as probably half written; "
+              "a config with no settings by intent is {}")
+
+
+def cut_short(document: object, sections: Iterable[str]) -> list[str]:
+    """Where a file looks cut at a line boundary (a reload that caught it half written): a
+    section named with nothing under it, or the file's last setting with nothing after its
+    colon. Either parses, into less than the file names; written out by intent, an empty
+    section is ``{}`` and a missing one is left out."""
+    if not isinstance(document, Mapping):
+        return []
+    errors = [f"{key}: named with nothing under it: refused as probably cut short; write {key}: {{}} for none"
+              for key in sections if key in document and document[key] is None]
+    path, node = "", document
+    while isinstance(node, Mapping) and node and not errors:
+        key, node = list(node.items())[-1]
+        path = at(path, key)
+        if node is None:
+            errors.append(f"{path}: the file ends here with nothing after the colon: refused as probably cut short")
+    return errors
 
 
 def top_level(document: object, known: Iterable[str], errors: list[str]) -> Mapping[Any, Any] | None:

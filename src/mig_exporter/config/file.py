@@ -14,6 +14,12 @@ appends ``-q -x`` and ``-L``. Names are restricted to ``TARGET_NAME``, so a
 name can never be read as a path, an option or shell syntax. Loading checks
 the whole file and reports every error at once (``ConfigError.errors``).
 
+A file that looks cut short is refused, so a reload that catches the file half written
+keeps the config in force (and ``config_last_reload_successful`` reads 0) instead of
+applying "no probe targets": an empty file (or one of comments alone), a section named with
+nothing under it (``probe_targets:``), or a last setting with nothing after its colon. A
+config with no settings by intent says so: ``{}``, or ``probe_targets: {}``.
+
 The file is read and checked with ``checks`` (one YAML loader, one error shape for
 every config file); its ``engines:`` section by ``engines.py``.
 """
@@ -28,8 +34,10 @@ from types import MappingProxyType
 from typing import Any
 
 from mig_exporter.config.checks import (
+    EMPTY_FILE,
     ConfigError,
     at,
+    cut_short,
     duration,
     kind,
     mapping,
@@ -83,6 +91,9 @@ def load_config(path: str | os.PathLike[str]) -> Config:
 def parse_config(text: str | bytes, source: str = "<config>") -> Config:
     """Check a config's text; raises ``ConfigError`` with every problem."""
     document, errors = parse_yaml(text, source)
+    if document is None:
+        raise ConfigError(source, [EMPTY_FILE])
+    errors.extend(cut_short(document, _TOP_LEVEL_KEYS))
     settings = top_level(document, _TOP_LEVEL_KEYS, errors)
     targets: dict[str, ProbeTarget] = {}
     engines = None

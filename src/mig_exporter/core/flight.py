@@ -6,7 +6,9 @@ The rules, the same for every caller:
 
 - A caller joins the run in flight for its key, whatever that run's deadline, even one already
   past it: a run is never doubled, so a driver call hung for good holds one thread, not one per
-  scrape. With none in flight the caller starts one, due at the caller's own deadline. What
+  scrape. With none in flight the caller starts one, due at the caller's own deadline, or at
+  the ``run_deadline`` it gives (the exporter and the prober give the server's own limit: a
+  client's short deadline must not cut short a read that other clients join). What
   ``admit`` took for it (a probe slot) is given back when it ends; where no thread can be
   started for it (a pids limit), at once, and the caller gets ``FlightNotStarted``: nothing is
   left in flight, and the next caller starts afresh.
@@ -89,6 +91,7 @@ class _Run(Generic[T]):
         self.joined = 0  # callers that joined it, the one that started it not counted
         self.waiting = 1  # callers that will take its answer: all of them, less those that answered late
         self.kept = False  # keep_callers held them to its answer
+        self.answered_late = False  # a caller the run kept waiting answered late (a shared late answer)
         # Guarded by late_lock, held while a late answer is made:
         self.late_lock = threading.Lock()
         self.lates = 0  # late answers made so far
@@ -125,14 +128,20 @@ class Flights(Generic[K, T]):
                 return run.joined
 
     def run(self, key: K, deadline: Deadline, work: Callable[[], T], late: Callable[[], T],
-            admit: Callable[[], Callable[[], None]] | None = None, arrived_at: float | None = None) -> T:
+            admit: Callable[[], Callable[[], None]] | None = None, arrived_at: float | None = None,
+            run_deadline: Deadline | None = None, own_late: Callable[[], T] | None = None) -> T:
         """What ``work`` returns, from the run in flight for ``key`` or from a new one; by
         ``deadline``, else what ``late`` returns. ``admit`` is called before a new run starts
         (never for a caller that joins one): what it raises goes to this caller alone, and
         nothing starts; what it returns gives back what it took, and is called when the run
         ends. ``arrived_at`` (``time.monotonic()``): when the caller's request came, if it waited
         since for a thread; a run that ended with a result after that (in flight then, or
-        started since) answers it.
+        started since) answers it. ``run_deadline``: when a new run is due, if not at this
+        caller's own deadline (the server's own limit, so that no caller's shorter deadline
+        cuts short a run that later callers join: ``work`` must read under the same one).
+        ``own_late``: the answer, made for this caller alone and shared with no one, when its own
+        deadline passes before the run's (its client's timeout, no failure of the run's); ``late``
+        by default.
         Raises ``FlightNotStarted`` when no thread can be started for a new run."""
         with self._lock:
             ended = self._ended.get(key)
@@ -141,7 +150,7 @@ class Flights(Generic[K, T]):
             run = self._runs.get(key)
             starts = run is None
             if run is None:
-                run = self._runs[key] = _Run(deadline, admit() if admit is not None else None)
+                run = self._runs[key] = _Run(run_deadline or deadline, admit() if admit is not None else None)
                 self._ended.pop(key, None)  # a newer run is in flight: callers join it
                 try:
                     (self._workers or exporter_workers.WORKERS).start(lambda: self._fly(key, run, work), self.name)
@@ -159,7 +168,8 @@ class Flights(Generic[K, T]):
         with run.late_lock:
             seen = run.lates
         if not wait((run.future,), timeout=self._until(run, deadline).left_s())[0]:
-            answer = self._give_up(run, seen, late)
+            alone = deadline < run.deadline  # the run was not due yet: this caller's own timeout
+            answer = self._give_up(run, seen, (own_late or late) if alone else late, alone)
             if answer is not None:
                 return answer[0]
         error = run.future.exception()
@@ -178,7 +188,9 @@ class Flights(Generic[K, T]):
         """For the work of the run in flight for ``key``, before it counts and logs its
         failure: whether any caller still waits to take it as its answer. False when every
         caller has answered late already (each of those answers counted itself): the failure
-        is then no answer of its own, and is neither counted nor logged as one. True holds the
+        is then no answer of its own, and is neither counted nor logged as one. Callers that
+        answered their own timeout alone (``own_late``) counted nothing: a run that only they
+        left is counted still, once. True while any caller waits holds the
         callers still waiting to the run's answer: a caller whose deadline passes from now on
         waits up to ``JOIN_GRACE_S`` more for it rather than answer late (the run has only to
         map its failure)."""
@@ -188,7 +200,7 @@ class Flights(Generic[K, T]):
             return True
         with run.lock:
             run.kept = run.waiting > 0
-            return run.kept
+            return run.kept or not run.answered_late
 
     def _until(self, run: _Run[T], deadline: Deadline) -> Deadline:
         """How long a caller due at ``deadline`` waits for ``run``: the grace only for a run due
@@ -197,23 +209,32 @@ class Flights(Generic[K, T]):
             return deadline
         return max(deadline, Deadline(run.deadline.at + JOIN_GRACE_S))
 
-    def _give_up(self, run: _Run[T], seen: int, late: Callable[[], T]) -> tuple[T] | None:
+    def _give_up(self, run: _Run[T], seen: int, late: Callable[[], T], alone: bool = False) -> tuple[T] | None:
         """The late answer for a caller whose wait has run out and that saw ``seen`` of them
-        made when it joined: the latest, if made since; else a new one. ``None`` when the run's
-        own answer is there to take after all: it ended just now, or it keeps its callers and
-        ends within ``JOIN_GRACE_S``."""
+        made when it joined: the latest, if made since; else a new one. ``alone``: the caller's
+        own deadline came before the run's, so the run did not keep it waiting: it answers its
+        own timeout, made for it alone and shared with no one (a caller due with the run must not
+        take a client's timeout as the run's failure). ``None`` when the run's own answer is there
+        to take after all: it ended just now, or it keeps its callers and ends within
+        ``JOIN_GRACE_S``."""
         with run.lock:
             if run.future.done():
                 return None
             kept = run.kept
             if not kept:
                 run.waiting -= 1
+                run.answered_late = run.answered_late or not alone
+        if alone and not kept:
+            return (late(),)
         if kept:
             wait((run.future,), timeout=JOIN_GRACE_S)
             with run.lock:
                 if run.future.done():
                     return None
                 run.waiting -= 1  # kept, then hung mapping its failure (a bug): answer, counted again
+                run.answered_late = run.answered_late or not alone
+        if alone:
+            return (late(),)
         with run.late_lock:
             if run.late is None or run.lates == seen:
                 run.late = (late(),)

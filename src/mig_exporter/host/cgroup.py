@@ -51,9 +51,17 @@ _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12
 # cgroupfs: pod<uid>; systemd: kubepods[-<qos>]-pod<uid_with_underscores>.slice (kind's
 # nodes prefix it: kubelet-kubepods-besteffort-pod<uid>.slice)
 _POD = re.compile(rf"^(?:[\w.-]*-)?pod({_UID})(?:\.slice)?$")
+# The kubelet's tree (kubernetes pkg/kubelet/cm/cgroup_manager_linux.go, ConvertCgroupNameToSystemd
+# and runc's ExpandSlice): the cgroupfs driver's /kubepods[/burstable|/besteffort]/pod<uid>, the
+# systemd driver's kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid_>.slice (each level
+# repeats its parents' names), kind's --cgroup-root=/kubelet: kubelet.slice/kubelet-kubepods*.
+# Another --cgroup-root gives no pod: a tree this list does not know is not trusted.
+_KUBELET_ROOT = re.compile(r"^(?:kubepods(?:\.slice)?|kubelet\.slice)$")
+_KUBELET_NAME = re.compile(r"^(?:kubepods(?:\.slice)?|kubelet\.slice|(?:kubelet-)?kubepods-[a-z]+\.slice|"
+                           r"kubelet-kubepods\.slice|burstable|besteffort)$")
 # Slurm's root: cgroup/v1's /slurm or /slurm_<nodename>, cgroup/v2's [<nodename>_]slurmstepd.scope.
 _SLURM_ROOT = re.compile(r"^(?:slurm(?:_[\w.-]+)?|(?:[\w.-]+_)?slurmstepd\.scope)$")
-_SLURM_JOB = re.compile(r"^job_(\d+)$")
+_SLURM_JOB = re.compile(r"^job_(\d{1,64})$")  # as the job map's ids (host/jobmap.py)
 _SLURM_STEP = re.compile(r"^step_(\d+|batch|extern|interactive)$")
 # A unit processes can be in (slices hold none); systemd's escaping keeps names in this set.
 _UNIT = re.compile(r"^[\w:.@\\-]{1,248}\.(?:service|scope)$")
@@ -123,24 +131,61 @@ def parse_unit(parts: list[str]) -> str | None:
     return f"{manager}/{unit}" if manager is not None else unit
 
 
+def _kubelets(parts: list[str], start: int, end: int, relative: bool) -> bool:
+    """Whether ``parts[start:end]``, the components above a pod, are the
+    kubelet's own tree: every one a name the kubelet gives (``kubepods``, a QoS
+    level, their systemd slices, kind's ``kubelet.slice``), starting at its root
+    (``kubepods``, ``kubepods.slice``, ``kubelet.slice``) unless the path is one
+    a private cgroup namespace shows relative to the reader, whose root the
+    kernel hides. Anything else, a user's delegated tree (``user@1000.service/
+    kubepods/...``) or a service's (``Delegate=yes``), is one where whoever owns
+    it can make cgroups with any name and pose as a pod."""
+    above = parts[start:end]
+    if not above:
+        return relative and start == 0
+    if not all(_KUBELET_NAME.match(p) for p in above):
+        return False
+    return (relative and start == 0) or _KUBELET_ROOT.match(above[0]) is not None
+
+
 def parse_path(path: str) -> CgroupIdentity:
-    """The container and pod of one cgroup path. The container is the
-    innermost component that names one (a kind node's containers run inside
-    the node's own container); the pod is the nearest one above it."""
+    """The container and pod of one cgroup path.
+
+    A pod counts only inside the kubelet's own tree (``_kubelets``), and a
+    container only right under such a pod or right under a runtime's root
+    (``/docker/<id>``, ``/system.slice/docker-<id>.scope``, rootful
+    Podman's ``/machine.slice``), or alone in a path a private cgroup
+    namespace shows. Those trees start at the hierarchy's root, or right
+    inside a container that itself counts (a kind node's pods, seen from the
+    host). Never in a user's delegated tree (``user@1000.service``): a user
+    may name a cgroup ``kubepods``, ``pod<uid>`` or ``docker-<id>.scope`` and
+    so borrow another pod's name and logs. Such a process gets its unit.
+    The container is the innermost that counts; the pod is the nearest one
+    above it."""
+    relative = any(p == ".." for p in path.split("/"))
     parts = [p for p in path.split("/") if p and p != ".."]
+    anchors = [0]  # where a tree may start: the root, and right inside each container that counts
+    pods: list[int] = []
     container_at = None
     container_id = None
-    for i in range(len(parts) - 1, -1, -1):
-        m = _CONTAINER.match(parts[i])
-        if m:
+    for i, part in enumerate(parts):
+        if any(p.startswith("user@") for p in parts[:i]):
+            break
+        m = _CONTAINER.match(part)
+        if m and ((pods and pods[-1] == i - 1) or
+                  any(parts[a:i] in ([], ["docker"], ["system.slice"], ["machine.slice"]) and
+                      (relative or a > 0 or parts[a:i] != []) for a in anchors)):
             container_at, container_id = i, m.group(1)
-            break
+            anchors.append(i + 1)
+            continue
+        if _POD.match(part) and any(_kubelets(parts, a, i, relative) for a in anchors):
+            pods.append(i)
     pod_uid = None
-    for part in reversed(parts[: container_at if container_at is not None else len(parts)]):
-        m = _POD.match(part)
-        if m:
-            pod_uid = m.group(1).replace("_", "-")
-            break
+    above = [j for j in pods if container_at is None or j < container_at]
+    if above:
+        m = _POD.match(parts[above[-1]])
+        assert m is not None
+        pod_uid = m.group(1).replace("_", "-")
     job, step = parse_slurm(parts)
     unit = None
     if container_id is None and pod_uid is None and job is None:

@@ -42,7 +42,9 @@ MAX_FILE_BYTES = 64 * 1024  # a job id per line: far beyond any real node's jobs
 MAX_FILES = 4096  # a node has at most a few hundred devices
 # $SLURM_JOB_ID: digits. An array task (1234_7) or a heterogeneous component (1234+1) has a
 # numeric id of its own too, and cgroups name jobs by it: any other form could match no process.
-_JOB_ID = re.compile(r"[0-9]+")
+# Slurm's ids are 32-bit; past 64 digits a line is refused, not made a label value a page long.
+MAX_JOB_ID = 64
+_JOB_ID = re.compile(rf"[0-9]{{1,{MAX_JOB_ID}}}")
 _CARD_INDEX = re.compile(r"[0-9]+")
 
 
@@ -97,17 +99,27 @@ def job_map_reading(
     complete unless it stopped early or a file not read names a device."""
     found: set[SlurmAllocation] = set()
     out = list(problems)
+    # One problem of each kind per read, with a count and the first file: a directory of
+    # 4096 stray files is one line in the log each scrape, not 4096.
+    no_device: list[str] = []
+    bad_lines: list[tuple[str, int, int]] = []  # (file, lines not job ids, the first)
     for f in files:
         indexes = file_devices(snapshot, f.name)
         if not indexes:
-            out.append(f"slurm job map file {shown(f.name)}: names no device read "
-                       "(a card's index or a GPU-/MIG- UUID expected)")
+            no_device.append(f.name)
             continue
         jobs, bad = parse_job_ids(f.text)
         if bad:
-            out.append(f"slurm job map file {shown(f.name)}: {len(bad)} line(s) not starting with a numeric "
-                       f"Slurm job id ($SLURM_JOB_ID), first line {bad[0]}")
+            bad_lines.append((f.name, len(bad), bad[0]))
         found.update(SlurmAllocation(index, job) for index in indexes for job in jobs)
+    if no_device:
+        out.append(f"slurm job map: {len(no_device)} file(s) name no device read (a card's index or a GPU-/MIG- "
+                   f"UUID expected), first {shown(sorted(no_device)[0])}")
+    if bad_lines:
+        name, count, first = min(bad_lines)
+        out.append(f"slurm job map: {len(bad_lines)} file(s) with {sum(n for _, n, _ in bad_lines)} line(s) not "
+                   f"starting with a numeric Slurm job id ($SLURM_JOB_ID) of at most {MAX_JOB_ID} digits, first "
+                   f"{shown(name)} ({count} line(s), first line {first})")
     ordered = sorted(found, key=lambda a: (a.device_index, a.job))
     complete = listed_all and not any(file_devices(snapshot, name) for name in unread)
     return SlurmJobMapReading(tuple(ordered), True, tuple(out), complete)

@@ -13,12 +13,14 @@ landing page (``/``) draws the read that ``/metrics`` answers with.
 from __future__ import annotations
 
 import gzip
+import logging
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.flight import FlightNotStarted, Flights
@@ -26,6 +28,14 @@ from mig_exporter.metrics.exposition import negotiate, render, sample_count
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.sources.base import Source
 from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S
+
+log = logging.getLogger("mig_exporter")
+
+# How long a finished scrape's answer is given, as it is, to requests that arrive while a client
+# still has its bytes queued (issue 38): 450 clients that never read, arriving a few ms apart,
+# pinned 450 answers of 410 KB each; sharing one, they pin one per window. A Prometheus that
+# drains its answer leaves nothing queued, and its next scrape reads afresh.
+REUSE_S = 1.0
 
 _SCRAPE = "scrape"  # the one key of the exporter's flights: every scrape reads the same
 
@@ -46,6 +56,22 @@ class Answer:
         self.outcome = outcome
         self._lock = threading.Lock()
         self._encodings: dict[tuple[str, bool], _Encoding] = {}
+
+    def queued(self) -> bool:
+        """Whether any of its encodings is still held outside this answer: a connection writing
+        it (the loop keeps a ``memoryview`` of the body, never a copy), or a worker handing it
+        over. CPython's reference count says so without the loop having to report each write's end."""
+        with self._lock:
+            encodings = list(self._encodings.values())
+        for encoding in encodings:
+            value = encoding.value
+            if value is None:
+                continue
+            body = value[0]
+            # The tuple, ``body`` and getrefcount's own argument: 3 when no one else holds it.
+            if sys.getrefcount(body) > 3:
+                return True
+        return False
 
     def encoded(self, accept: str | None, compress: bool) -> tuple[bytes, str]:
         """The body and Content-Type for ``Accept: accept``, gzipped if ``compress``."""
@@ -89,6 +115,9 @@ class Exporter:
         self.collectors = collectors
         self.timeout_s = timeout_s  # --timeout: the budget of a scrape no one gave a shorter one
         self._scrapes: Flights[str, Answer] = Flights("scrape", keep_ended=True)
+        self._lock = threading.Lock()
+        self._clamped = 0  # guarded by _lock
+        self._last: tuple[float, Answer] | None = None  # the newest scrape's answer, and when it ended
 
     @property
     def source(self) -> Source:
@@ -103,9 +132,17 @@ class Exporter:
         read that scrape began with; the scrape's own failure is then counted and logged only
         if a caller still waits to take it (``core/flight.py``)."""
         started = time.monotonic()
+        last = self._last
+        if last is not None and started - last[0] <= REUSE_S and last[1].queued():
+            return last[1]  # a client still holds its bytes: the same bytes, not another copy
+        # The scrape runs under the server's own limit, never a caller's shorter deadline: a
+        # client that asks for 0.1s (the scrape-timeout header) must not cut short the read that
+        # a Prometheus joins (issue 38). A caller due sooner answers its own timeout, alone.
+        limit = deadline.at_least(self.timeout_s)
         try:
-            return self._scrapes.run(_SCRAPE, deadline, lambda: self._scrape(deadline),
-                                     late=lambda: self._late(deadline, started), arrived_at=arrived_at)
+            return self._scrapes.run(_SCRAPE, deadline, lambda: self._scrape(limit),
+                                     late=lambda: self._late(deadline, started), arrived_at=arrived_at,
+                                     run_deadline=limit, own_late=lambda: self._client_timeout(deadline, started))
         except FlightNotStarted as e:  # no thread for the scrape: a failed read, as any other
             return self._failed(str(e), started)
 
@@ -113,6 +150,9 @@ class Exporter:
         """Let go of a finished scrape kept for the requests that arrived while it was in flight
         (``Flights.forget_ended``)."""
         self._scrapes.forget_ended(now)
+        last = self._last
+        if last is not None and now - last[0] > REUSE_S:
+            self._last = None
 
     def joined(self) -> int:
         """How many callers have joined the scrape in flight so far, the one that started it not
@@ -127,11 +167,14 @@ class Exporter:
 
     def _scrape(self, deadline: Deadline) -> Answer:
         """One scrape, in the flight's thread; its failure is counted only if a caller takes it."""
-        return self._answer(*self.scraper.scrape(deadline, answered=lambda: self._scrapes.keep_callers(_SCRAPE)))
+        answer = self._answer(*self.scraper.scrape(deadline, answered=lambda: self._scrapes.keep_callers(_SCRAPE)))
+        self._last = (time.monotonic(), answer)
+        return answer
 
     def _answer(self, outcome: ReadOutcome, families: list[Metric]) -> Answer:
         for collector in self.collectors:
             families.extend(collector.collect())
+        families.extend(self._deadline_families())
         # What this answer costs the Prometheus that scrapes it, counted as its
         # scrape_samples_scraped counts: every sample line, this one included.
         families.append(GaugeMetricFamily(
@@ -145,9 +188,35 @@ class Exporter:
     def _late(self, deadline: Deadline, started: float) -> Answer:
         return self._failed(f"the scrape in flight did not finish within {deadline.at - started:.1f}s", started)
 
+    def _client_timeout(self, deadline: Deadline, started: float) -> Answer:
+        """This caller's own deadline passed while the scrape went on within the server's limit
+        (``Flights.run``'s ``own_late``): a failed answer for it alone, but no read error of the
+        source, neither counted in read_errors_total nor logged as a WARNING: the read goes on,
+        and the callers due with it take its answer."""
+        reason = (f"this request's own deadline of {deadline.at - started:.1f}s passed "
+                  f"while the scrape went on within --timeout")
+        log.debug("%s", reason)
+        outcome = ReadOutcome(None, time.monotonic() - started, reason)
+        return self._answer(outcome, list(self.scraper.families_for(outcome)))
+
+    def count_clamped(self) -> None:
+        """One more request whose scrape-timeout header was below the floor or not a number
+        (``core/deadline.client_budget``), from ``/metrics``, ``/`` or ``/probe``."""
+        with self._lock:
+            self._clamped += 1
+
+    def _deadline_families(self) -> list[Metric]:
+        with self._lock:
+            clamped = self._clamped
+        return [CounterMetricFamily(
+            "mig_exporter_scrape_timeout_clamped",
+            "Requests whose X-Prometheus-Scrape-Timeout-Seconds was below 1s or not a finite positive number, "
+            "taken as 1s (docs/security.md).", value=clamped)]
+
     def _failed(self, reason: str, started: float) -> Answer:
         """A failed read, with the newest /proc reading if it is no older than ``timeout_s`` (one
-        scrape's budget: the scrape in flight takes it alongside its GPU read)."""
-        outcome, families = self.scraper.failed_scrape(reason, started,
-                                                       procs_since=time.monotonic() - self.timeout_s)
+        scrape's budget: the scrape in flight takes it alongside its GPU read) or taken since this
+        caller came (by the scrape it started or joined)."""
+        since = min(time.monotonic() - self.timeout_s, started)
+        outcome, families = self.scraper.failed_scrape(reason, started, procs_since=since)
         return self._answer(outcome, families)

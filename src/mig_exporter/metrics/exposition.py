@@ -140,22 +140,39 @@ def negotiate(accept: str | None) -> tuple[Callable[..., bytes], str]:
 
 def _served_alternatives(accept: str) -> str:
     """The header rebuilt from what we serve: each alternative as its media type, a version of
-    ours and its escaping, nothing else of the client's, so no spelling of it reaches the answer."""
-    kept = []
+    ours and its escaping, nothing else of the client's, so no spelling of it reaches the answer.
+
+    Only the alternatives of the highest ``q`` are kept, as Prometheus' own negotiation
+    (expfmt.Negotiate over goautoneg) ranks them: prometheus_client takes OpenMetrics wherever
+    it stands in the header, so ``application/openmetrics-text;q=0, text/plain`` would be
+    answered in the format the client refused. ``q=0``, or a ``q`` that is not a number from 0
+    to 1, means not acceptable (RFC 9110, 12.4.2)."""
+    kept: list[tuple[float, str]] = []
     for alternative in accept.split(","):
         media_type, *params = (part.strip() for part in alternative.split(";"))
-        values = {key.strip(): value.strip() for key, _, value in (p.partition("=") for p in params)}
+        values = {key.strip().lower(): value.strip() for key, _, value in (p.partition("=") for p in params)}
         versions = _SERVED_VERSIONS.get(media_type)
         if versions is None:
             continue
         version = values.get("version", "")
-        if version not in versions:
+        quality = _quality(values.get("q", "1"))
+        if version not in versions or quality <= 0:
             continue
         rebuilt = media_type + (f";version={version}" if version else "")
         if values.get("escaping") in _ESCAPINGS:
             rebuilt += f";escaping={values['escaping']}"
-        kept.append(rebuilt)
-    return ",".join(kept)
+        kept.append((quality, rebuilt))
+    best = max((quality for quality, _ in kept), default=0.0)
+    return ",".join(rebuilt for quality, rebuilt in kept if quality == best)
+
+
+def _quality(text: str) -> float:
+    """An Accept ``q`` value; 0 (not acceptable) for one that is not a number from 0 to 1."""
+    try:
+        quality = float(text)
+    except ValueError:
+        return 0.0
+    return quality if 0.0 <= quality <= 1.0 else 0.0
 
 
 def render(families: Sequence[Metric], accept: str | None) -> tuple[bytes, str]:

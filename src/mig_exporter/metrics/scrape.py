@@ -224,7 +224,8 @@ class Scraper:
             seen = self._xid_book.seen(outcome.snapshot, self.kmsg.tallies() if self.kmsg is not None else (),
                                        self.xids.seen(outcome.snapshot) if self.xids is not None else (),
                                        outcome.pods, outcome.owners)
-        yield from xid_families(seen, readable, self.kmsg.dropped() if self.kmsg is not None else None)
+        yield from xid_families(seen, readable, self.kmsg.dropped() if self.kmsg is not None else None,
+                                self._xid_book.folded())
 
     def _job_map(self, snapshot: Snapshot, deadline: Deadline | None) -> SlurmJobMapReading | None:
         if self.job_map is None:

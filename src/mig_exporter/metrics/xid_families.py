@@ -7,6 +7,7 @@ Sample::
     mig_exporter_xid_last_process_info{card="0",container="",index="1000",namespace="",pid="48213",
         pod="",process_name="llama-server",slurm_job="",systemd_unit="",xid="94"} 1.0
     mig_exporter_xid_source_readable{source="kmsg"} 1.0
+    mig_exporter_xid_series_folded_total{reason="over_cap"} 0.0
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from mig_exporter.model.health import XidSeen
+from mig_exporter.model.health import OTHER_XID, XidSeen
 
 LABELS = ["card", "index", "xid"]
 PROCESS_LABELS = [*LABELS, "pid", "process_name", "namespace", "pod", "container", "slurm_job", "systemd_unit"]
 
 
 def xid_families(seen: Iterable[XidSeen], readable: Mapping[str, bool] | None = None,
-                 dropped: Mapping[str, int] | None = None) -> Iterator[Metric]:
+                 dropped: Mapping[str, int] | None = None, folded: Mapping[str, int] | None = None
+                 ) -> Iterator[Metric]:
     """XID errors by card, placement index and code (docs/xids.md); ``readable``: whether each
     XID source (``kmsg``, ``nvml_events``) is read, for the sources in use; ``dropped``: the kernel
-    log's lines counted on no card, by why (``KmsgReader.dropped``), where it is read."""
+    log's lines counted on no card, by why (``KmsgReader.dropped``), where it is read; ``folded``:
+    the (card, index, xid) counted under xid="other", by why (``XidBook.folded``)."""
     total = CounterMetricFamily(
         "mig_exporter_xid_errors",
         "XID errors the driver reported: since boot where the kernel's log is read, else since the exporter "
@@ -39,7 +42,7 @@ def xid_families(seen: Iterable[XidSeen], readable: Mapping[str, bool] | None = 
         "while it lived (empty where unknown, and all empty for an XID NVML's events alone gave).",
         labels=PROCESS_LABELS)
     for x in sorted(seen):
-        labels = [str(x.card), str(x.device_index), str(x.xid)]
+        labels = [str(x.card), str(x.device_index), "other" if x.xid == OTHER_XID else str(x.xid)]
         total.add_metric(labels, x.seen)
         last.add_metric(labels, x.last_seconds)
         process.add_metric([*labels, *("" if v is None else str(v) for v in (
@@ -62,3 +65,12 @@ def xid_families(seen: Iterable[XidSeen], readable: Mapping[str, bool] | None = 
         for reason, count in sorted(dropped.items()):
             lost.add_metric([reason], count)
         yield lost
+    if folded is not None:
+        # The bound on series shows here: a storm of codes reads as a number, not as silence.
+        over = CounterMetricFamily(
+            "mig_exporter_xid_series_folded",
+            "Distinct card, index and XID code counted under xid=\"other\", by reason: out_of_range (a code "
+            "outside NVIDIA's XID catalogue), over_cap (past the bound on distinct series).", labels=["reason"])
+        for reason, count in sorted(folded.items()):
+            over.add_metric([reason], count)
+        yield over

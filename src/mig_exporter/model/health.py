@@ -85,6 +85,9 @@ class CardHealth:
     ecc_mode_pending: bool | None = None
     ecc_errors: tuple[EccCount, ...] = ()
     ecc_sram_threshold_exceeded: bool | None = None
+    # An ECC count the driver wrote that could not be read as one (10^30, 5000 digits): left
+    # out of ecc_errors, and never read as no errors (grade: ecc_unreadable).
+    ecc_unreadable: bool = False
     remapped_rows_correctable: int | None = None
     remapped_rows_uncorrectable: int | None = None
     row_remap_pending: bool | None = None
@@ -160,11 +163,13 @@ class Verdict(NamedTuple):
         return {"reset": "needs reset", "replace": "replace"}.get(self.state, self.state)
 
 
-def grade(health: CardHealth, instance_uncorrectable: int = 0) -> Verdict:
+def grade(health: CardHealth, instance_uncorrectable: int = 0, temperature_celsius: float | None = None) -> Verdict:
     """The card's worst state and why, by the rules docs/metrics.md lists under
     ``mig_exporter_card_health``. ``instance_uncorrectable``: volatile uncorrectable ECC
     errors its MIG instances report on their own, counted where the card gives no volatile
-    uncorrectable count of its own (which holds theirs)."""
+    uncorrectable count of its own (which holds theirs). ``temperature_celsius``: the core's
+    temperature (``CardReading.temperature_celsius``), held against the card's own
+    thresholds."""
     found: dict[str, list[tuple[str, str]]] = {state: [] for state in HEALTH_STATES}
 
     def add(state: str, code: str, text: str) -> None:
@@ -194,6 +199,9 @@ def grade(health: CardHealth, instance_uncorrectable: int = 0) -> Verdict:
     uncorrectable = sum(card_counts) if card_counts else instance_uncorrectable
     if uncorrectable:
         add("warning", "ecc_uncorrectable", f"{uncorrectable} uncorrectable ECC error(s) since the driver loaded")
+    if health.ecc_unreadable:
+        # Fails closed: a count too large to read may be a card full of errors.
+        add("warning", "ecc_unreadable", "an ECC count could not be read")
     if health.ecc_sram_threshold_exceeded:
         add("warning", "ecc_sram_threshold", "SRAM errors passed the driver's threshold")
     for reason in SLOWDOWN_REASONS:
@@ -202,6 +210,9 @@ def grade(health: CardHealth, instance_uncorrectable: int = 0) -> Verdict:
     margin = health.temperature_margin_celsius
     if margin is not None and margin < MARGIN_WARNING_CELSIUS:
         add("warning", "temperature_margin", f"{margin:g} °C from its thermal limit")
+    past = _past_threshold(health, temperature_celsius)
+    if past is not None:
+        add("warning", "temperature_over_threshold", past)
     if dict(health.row_remap_availability_banks).get("none", 0) > 0:
         add("warning", "row_remap_exhausted", "a memory bank has no spare rows left to remap")
     width, widest = health.pcie_link_width_current, health.pcie_link_width_max
@@ -214,9 +225,34 @@ def grade(health: CardHealth, instance_uncorrectable: int = 0) -> Verdict:
                    tuple(state for state, _, _ in ordered))
 
 
+def _past_threshold(health: CardHealth, temperature_celsius: float | None) -> str | None:
+    """What a core at or past the card's own shutdown or slowdown threshold reads as, worst
+    first; ``None`` below both or where either is unknown. The margin (T.Limit) does not need
+    to be read: a card that gives no margin, or a wrong one, is still graded by its
+    thresholds."""
+    if temperature_celsius is None:
+        return None
+    for name in ("shutdown", "slowdown"):
+        limit = health.threshold(name)
+        if limit is not None and temperature_celsius >= limit:
+            return f"{temperature_celsius:g} °C, at or past its {limit:g} °C {name} threshold"
+    return None
+
+
 def instance_uncorrectable(errors: tuple[EccCount, ...]) -> int:
     """Volatile uncorrectable errors among a MIG instance's own counts."""
     return sum(e.errors for e in errors if e.scope == "volatile" and e.type == "uncorrectable")
+
+
+# The XID codes NVIDIA documents: its "Xid Catalog" (model/xids.py's CATALOGUE_VERSION, the
+# R575 edition: codes 1-172). A code outside it is counted under xid="other" (XidSeen.xid
+# OTHER_XID): a corrupt line or a driver newer than the catalogue must not make one series per
+# number. A code a later edition adds reads as "other" until this range is widened with it.
+XID_DOCUMENTED = range(1, 173)
+OTHER_XID = -1
+# Distinct (card, index, xid) series at most; later ones count under xid="other" on their card
+# (sources/xid.py's XidBook), so that a storm of codes cannot make the scrape unbounded.
+XID_SERIES_CAP = 256
 
 
 class XidSeen(NamedTuple):

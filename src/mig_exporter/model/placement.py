@@ -121,7 +121,7 @@ def _place_card(r: CardReading, klass: str | None, in_mig: bool) -> _Placed:
 
 def _card_from_reading(r: CardReading, klass: str | None, in_mig: bool, devices: list[Device]) -> Card:
     verdict = None if r.error is not None else grade(
-        r.health, sum(instance_uncorrectable(d.ecc_errors) for d in devices))
+        r.health, sum(instance_uncorrectable(d.ecc_errors) for d in devices), temperature_celsius=r.temperature_celsius)
     return Card(
         index=r.index,
         uuid=r.uuid,

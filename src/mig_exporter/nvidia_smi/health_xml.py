@@ -173,6 +173,7 @@ def read_health(card: Lookup, values: Values) -> CardHealth:
         ecc_mode_pending=values.choice(ecc_mode.get("pending_ecc"), "ecc_mode/pending_ecc", _ENABLED),
         ecc_errors=ecc.counts,
         ecc_sram_threshold_exceeded=ecc.sram_threshold_exceeded,
+        ecc_unreadable=ecc.unreadable,
         remapped_rows_correctable=rows.correctable,
         remapped_rows_uncorrectable=rows.uncorrectable,
         row_remap_pending=rows.pending,
@@ -202,7 +203,8 @@ def instance_ecc(counts: Mapping[str, Mapping[str, str | None]], values: Values)
     for tag, scope in _MIG_SCOPES:
         leaves = counts.get(tag)
         if leaves:
-            found += _sram_dram(leaves, scope, f"mig_device/ecc_error_count/{tag}", values)
+            # An instance's unreadable count is a problem line only: Device has no mark for it.
+            found += _sram_dram(leaves, scope, f"mig_device/ecc_error_count/{tag}", values, [])
     return tuple(found)
 
 
@@ -294,6 +296,7 @@ class _Ecc(NamedTuple):
     sram_threshold_exceeded: bool | None = None
     repair_pending: tuple[tuple[str, bool], ...] = ()
     unrepairable_memory: bool | None = None
+    unreadable: bool = False
 
 
 def _ecc(block: etree._Element | None, values: Values) -> _Ecc:
@@ -304,6 +307,7 @@ def _ecc(block: etree._Element | None, values: Values) -> _Ecc:
         return _Ecc()
     parts = _children(block)
     counts: list[EccCount] = []
+    unreadable: list[str] = []
     threshold = None
     for scope in ("volatile", "aggregate"):
         el = parts.get(scope)
@@ -312,8 +316,8 @@ def _ecc(block: etree._Element | None, values: Values) -> _Ecc:
         leaves = _children(el)
         texts = {tag: leaf.text for tag, leaf in leaves.items()}
         prefix = f"ecc_errors/{scope}"
-        counts += _sram_dram(texts, scope, prefix, values)
-        counts += _locations(leaves, scope, values)
+        counts += _sram_dram(texts, scope, prefix, values, unreadable)
+        counts += _locations(leaves, scope, values, unreadable)
         if threshold is None:
             threshold = values.choice(texts.get("sram_threshold_exceeded"), _PATHS[prefix]["sram_threshold_exceeded"],
                                       _YES)
@@ -325,17 +329,28 @@ def _ecc(block: etree._Element | None, values: Values) -> _Ecc:
             repairs.append((unit, pending))
     unrepairable = _text(parts.get("unrepairable_memory"))
     return _Ecc(tuple(counts), threshold, tuple(repairs),
-                values.choice(unrepairable, "ecc_errors/unrepairable_memory", _YES))
+                values.choice(unrepairable, "ecc_errors/unrepairable_memory", _YES), bool(unreadable))
 
 
-def _sram_dram(texts: Mapping[str, str | None], scope: str, prefix: str, values: Values) -> list[EccCount]:
+def _count(values: Values, raw: str | None, path: str, unreadable: list[str]) -> int | None:
+    """An ECC count; one written but not readable as a count (10^30, 5000 digits, "12abc")
+    goes on ``unreadable``, so that the card fails closed (grade's ``ecc_unreadable``)
+    where leaving it out would read as no errors. N/A and absent are not unreadable."""
+    count = values.count_of(raw, path)
+    if count is None and values.known_text(raw):
+        unreadable.append(path)
+    return count
+
+
+def _sram_dram(texts: Mapping[str, str | None], scope: str, prefix: str, values: Values,
+               unreadable: list[str]) -> list[EccCount]:
     found = []
     paths = _PATHS[prefix]
     for memory, kind, tag in _SRAM_DRAM:
-        errors = values.count_of(texts.get(tag), paths[tag])
+        errors = _count(values, texts.get(tag), paths[tag], unreadable)
         if errors is None and tag == "sram_uncorrectable" and (_SRAM_PARTS[0] in texts or _SRAM_PARTS[1] in texts):
             # 570+: the parts where the whole gives no count (either part may be N/A alone).
-            parts = [values.count_of(texts.get(part), paths[part]) for part in _SRAM_PARTS]
+            parts = [_count(values, texts.get(part), paths[part], unreadable) for part in _SRAM_PARTS]
             known = [n for n in parts if n is not None]
             errors = sum(known) if known else None
         if errors is not None:
@@ -343,7 +358,8 @@ def _sram_dram(texts: Mapping[str, str | None], scope: str, prefix: str, values:
     return found
 
 
-def _locations(leaves: Mapping[str, etree._Element], scope: str, values: Values) -> list[EccCount]:
+def _locations(leaves: Mapping[str, etree._Element], scope: str, values: Values,
+               unreadable: list[str]) -> list[EccCount]:
     """Pre-Turing cards: ``single_bit``/``double_bit`` by location."""
     found = []
     for bit, kind in _BITS:
@@ -353,7 +369,7 @@ def _locations(leaves: Mapping[str, etree._Element], scope: str, values: Values)
         texts = _texts(el)
         paths = _PATHS[f"ecc_errors/{scope}/{bit}"]
         for location in _LOCATIONS:
-            errors = values.count_of(texts.get(location), paths[location])
+            errors = _count(values, texts.get(location), paths[location], unreadable)
             if errors is not None:
                 found.append(EccCount(scope, location, kind, errors))
     return found

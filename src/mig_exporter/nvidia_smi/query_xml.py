@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 from lxml import etree
 
 from mig_exporter.core.errors import ParseError
+from mig_exporter.core.visible import bounded_name
 from mig_exporter.model.snapshot import (
     MIB,
     NO_PID,
@@ -746,7 +747,7 @@ def _add_process(processes: list[ProcessReading], values: _Values, pid_raw: str 
     processes.append(ProcessReading(
         pid,
         _known(kind) or "",
-        _raw(name),
+        bounded_name(_raw(name)),  # a process names itself: 1 MiB of name is not 1 MiB in each output
         values.size_field(used, "used_memory"),
         values.integer_field(gi, "gpu_instance_id"),
         values.integer_field(ci, "compute_instance_id"),
@@ -769,7 +770,7 @@ def _add_rows(processes: list[ProcessReading], values: _Values, rows: list[_Row]
         processes.append(new(ProcessReading, (
             pid,
             known,
-            name.strip(),
+            bounded_name(name.strip()),  # as _add_process bounds it
             int(float(used[:-4]) * MIB) if used.endswith(" MiB") and used[:-4].isdecimal()
             else values.size_field(used, "used_memory"),
             int(gi) if gi.isdecimal() else values.integer_field(gi, "gpu_instance_id"),

@@ -42,6 +42,7 @@ import pynvml
 from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.flight import Flights
+from mig_exporter.core.visible import bounded_name
 from mig_exporter.model.placement import PlacementMemo, place
 from mig_exporter.model.snapshot import (
     CardReading,
@@ -397,7 +398,8 @@ class _NameAsker:
         value = self._buffer.value
         name = self._decoded.get(value)
         if name is None:
-            self._decoded[value] = name = _text(value) or ""
+            # Bounded as nvidia-smi's path bounds it (NVML's own cap is the 1024-byte buffer).
+            self._decoded[value] = name = bounded_name(_text(value) or "")
         return name
 
 

@@ -34,7 +34,7 @@ import pynvml
 
 from mig_exporter.core.errors import ReadError
 from mig_exporter.core.ratelog import RateLimitedLog
-from mig_exporter.model.health import XidSeen
+from mig_exporter.model.health import OTHER_XID, XID_DOCUMENTED, XID_SERIES_CAP, XidSeen
 from mig_exporter.model.readings import OwnerReading, PodReading
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.model.xid_line import pci_key
@@ -409,8 +409,14 @@ class XidBook:
     container, Slurm job and systemd unit from the scrape's readings of the GPU processes
     while the process lives, and kept once found (a fatal XID ends the process soon after)."""
 
-    def __init__(self) -> None:
+    def __init__(self, series_cap: int = XID_SERIES_CAP) -> None:
         self._lock = threading.Lock()
+        self.series_cap = series_cap
+        # The series let in, in the order they first came: which ones are is fixed once seen, so
+        # no series ever moves into "other" (and its counter down) when another comes.
+        self._series: set[tuple[int, int, int]] = set()
+        self._folded: dict[tuple[int, int, int], tuple[int, int, int]] = {}  # key -> its "other" series
+        self._folded_why: dict[str, int] = {"out_of_range": 0, "over_cap": 0}
         self._cards: dict[tuple[int, int, int], int] = {}  # PCI address -> card index
         self._places: dict[tuple[int, int, int], int] = {}  # (card, gi, ci) -> placement index
         self._assigned: dict[tuple[Any, ...], tuple[int, int]] = {}  # tally key -> (before, since) placed
@@ -451,7 +457,52 @@ class XidBook:
                 last = max(last, event.last_seconds if event is not None else float("-inf"))
                 who = self._attribute(key, pid, name, snapshot, pods, owners) if pid is not None else None
                 seen.append(XidSeen(*key, count, last, *(who or (None,))))
-            return seen
+            return self._fold(seen)
+
+    def folded(self) -> dict[str, int]:
+        """Distinct (card, index, xid) counted under xid="other", by why: ``out_of_range`` (a
+        code outside NVIDIA's catalogue), ``over_cap`` (past ``series_cap`` series)."""
+        with self._lock:
+            return dict(self._folded_why)
+
+    def _series_of(self, key: tuple[int, int, int]) -> tuple[int, int, int]:
+        """The series ``key`` counts in: its own, or an "other" one. Out of range: the code
+        alone goes, on its card and index. Past the cap (an "other" series counting as one):
+        on its card's own index, of which there is one per card."""
+        known = self._folded.get(key)
+        if known is not None:
+            return known
+        if key in self._series:
+            return key
+        card, index, xid = key
+        series = key
+        if xid not in XID_DOCUMENTED and xid != OTHER_XID:
+            series = (card, index, OTHER_XID)
+            self._folded[key] = series
+            self._folded_why["out_of_range"] += 1
+        if series not in self._series and len(self._series) >= self.series_cap:
+            if series == key:
+                self._folded_why["over_cap"] += 1
+            series = self._folded[key] = (card, card, OTHER_XID)
+            if series in self._series:
+                return series
+        self._series.add(series)
+        return series
+
+    def _fold(self, seen: list[XidSeen]) -> list[XidSeen]:
+        """``seen`` with each entry in its series (``_series_of``): folded entries add up,
+        the latest one's process naming the series."""
+        by_series: dict[tuple[int, int, int], XidSeen] = {}
+        for x in seen:
+            series = self._series_of((x.card, x.device_index, x.xid))
+            had = by_series.get(series)
+            if had is None:
+                by_series[series] = x._replace(card=series[0], device_index=series[1], xid=series[2])
+                continue
+            latest = x if x.last_seconds > had.last_seconds else had
+            by_series[series] = latest._replace(card=series[0], device_index=series[1], xid=series[2],
+                                                seen=had.seen + x.seen)
+        return [by_series[k] for k in sorted(by_series)]
 
     def _place(self, line: KmsgTally) -> tuple[int, int] | None:
         """Where the line's new counts go now: (card, placement index); ``None``: wait."""

@@ -83,6 +83,9 @@ _UNSENT_BYTES = 64 * 1024
 # memory they held is given back to the system (core/malloc_tuning.py), at most this often.
 _CROWD = 64
 _RELEASE_EVERY_S = 10.0
+# A writer the client has taken no byte from for this long is stalled: past the bound on queued
+# answer bytes, it is closed, the oldest first; a reader that drains never is (issue 38).
+_STALLED_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,11 @@ class Limits:
     # Writing one answer, from the moment it is ready: a client that does not read it by then is
     # closed. It holds no thread meanwhile, only its connection and that answer (Go's WriteTimeout).
     write_timeout_s: float = 30.0
+    # The answer bytes all writers still have queued, together (issue 38): past it, the writer
+    # stalled longest is closed first. An answer is counted in full for each connection writing
+    # it though the bytes are shared (``metrics/exporter.py``), so the bound holds whatever sharing
+    # does: RSS stays under this plus the server's own (docs/security.md).
+    max_queued_bytes: int = 64 * 1024 * 1024
     workers: int = 64
     queued_requests: int = 256
     health_workers: int = 2
@@ -289,8 +297,8 @@ _CLOSING = "closing"  # answered; draining what the client still sends, then clo
 class Connection:
     """One client connection, as the loop sees it."""
 
-    __slots__ = ("buffer", "deadline", "head", "in_head", "keep", "key", "opened", "out", "peer", "scanned",
-                 "served", "sock", "state", "tls_started", "watching")
+    __slots__ = ("buffer", "deadline", "head", "in_head", "keep", "key", "opened", "out", "peer", "progressed",
+                 "scanned", "served", "sock", "state", "tls_started", "watching")
 
     def __init__(self, sock: socket.socket, peer: tuple[str, int], now: float) -> None:
         self.sock: socket.socket = sock
@@ -309,7 +317,13 @@ class Connection:
         # shared bytes, never copied), and whether the connection is kept once it has drained.
         self.out: collections.deque[memoryview] = collections.deque()
         self.keep = False
+        self.progressed = now  # when the client last took bytes of its answer (or the answer came)
         self.watching = 0  # the selector events registered for it
+
+
+def _queued(conn: Connection) -> int:
+    """The bytes of its answer a connection has still to write."""
+    return sum(len(part) for part in conn.out)
 
 
 def peer_name(address: object) -> str:
@@ -512,16 +526,22 @@ class ConnectionLoop:
 
     def _evict(self, now: float) -> bool:
         """Close the connection that is least use to anyone: one that has not sent a whole
-        request yet (a slow client's, oldest first), else the longest idle one. False when
-        every connection is in a worker."""
+        request yet (a slow client's, oldest first), else a writer whose client has taken no byte
+        for ``_STALLED_S`` (the longest stalled first), else the longest idle one (a Prometheus
+        between scrapes on its keep-alive connection: issue 38 found it evicted before stalled
+        writers). False when every connection is in a worker."""
         best: Connection | None = None
         best_rank: tuple[int, float] | None = None
         for conn in self.connections.values():
             if conn.state == _BUSY:
                 continue
-            # An answer being written goes last among the served: it is someone's scrape.
-            rank = (0 if conn.served == 0 else 2 if conn.state == _WRITING else 1,
-                    conn.opened if conn.served == 0 else conn.deadline)
+            # An answer being drained goes last: it is someone's scrape.
+            if conn.served == 0:
+                rank = (0, conn.opened)
+            elif conn.state == _WRITING:
+                rank = (1, conn.progressed) if now - conn.progressed >= _STALLED_S else (3, conn.deadline)
+            else:
+                rank = (2, conn.deadline)
             if best_rank is None or rank < best_rank:
                 best, best_rank = conn, rank
         if best is None:
@@ -762,7 +782,9 @@ class ConnectionLoop:
             conn.out = collections.deque(memoryview(part) for part in answer if part)
             conn.keep = keep
             conn.state = _WRITING
-            conn.deadline = time.monotonic() + self.limits.write_timeout_s
+            conn.progressed = time.monotonic()
+            conn.deadline = conn.progressed + self.limits.write_timeout_s
+            self._bound_queued(conn)
             self._ready(conn, selectors.EVENT_WRITE)  # its guards: a client fault here is not the loop's
 
     # --- writing ----------------------------------------------------------------------------
@@ -778,6 +800,8 @@ class ConnectionLoop:
                     sent = sock.send(out[0][:_TLS_SEND_BYTES])
                 else:
                     sent = sock.sendmsg(list(itertools.islice(out, _IOV_MAX)))
+                if sent:
+                    conn.progressed = time.monotonic()
                 while sent and out:
                     first = out[0]
                     if sent >= len(first):
@@ -810,6 +834,27 @@ class ConnectionLoop:
             self._next_request(conn)
         elif isinstance(sock, ssl.SSLSocket) and sock.pending():  # decrypted already: no event will say so
             self._read(conn)
+
+    def _bound_queued(self, new: Connection) -> None:
+        """Keep the answer bytes queued by all writers under ``max_queued_bytes``: past it, close
+        the writers whose clients have taken nothing for ``_STALLED_S``, the longest stalled first,
+        until back under it. A reader that drains is never closed for it, nor is ``new``."""
+        writers = [conn for conn in self.connections.values() if conn.state == _WRITING and conn is not new]
+        total = _queued(new) + sum(_queued(conn) for conn in writers)
+        if total <= self.limits.max_queued_bytes:
+            return
+        now = time.monotonic()
+        stalled = sorted((conn for conn in writers if now - conn.progressed >= _STALLED_S),
+                         key=lambda conn: conn.progressed)
+        for conn in stalled:
+            if total <= self.limits.max_queued_bytes:
+                break
+            total -= _queued(conn)
+            self.limited.log(("stalled",), logging.INFO,
+                             "connection from %s closed: it took no byte of its answer for %.0fs while answers "
+                             "queued for clients passed %d MiB", peer_name(conn.peer), now - conn.progressed,
+                             self.limits.max_queued_bytes >> 20)
+            self._close(conn)
 
     # --- refusing and closing ---------------------------------------------------------------
 

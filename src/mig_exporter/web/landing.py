@@ -5,7 +5,8 @@ A pure function of the read's outcome: server-rendered HTML with inline SVG
 bars and inline CSS, no JavaScript and nothing fetched from elsewhere, so it
 works on a node with no internet and under a Content-Security-Policy that
 forbids scripts. Every string from the driver (process names above all: any
-user picks them) is escaped.
+user picks them) is escaped, and each name stands in a ``<bdi>`` of its own, so
+a bidi override in it turns only the name, never the page's text around it.
 
 Per card: its mode (MIG on or off, and a pending change), its product name,
 then one row per GPU instance (MIG) or one for the whole card, with a bar
@@ -93,7 +94,7 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
     node = socket.gethostname() if node is None else node
     parts = [_HEAD.format(bar_col=BAR_WIDTH + 16),
              f"<header>\n<h1>mig-exporter {_e(version)} <span class=\"node\">on node "
-             f"<strong>{_e(_short(node))}</strong></span></h1>\n"
+             f"<strong>{_n(_short(node))}</strong></span></h1>\n"
              "<p>NVIDIA GPU memory per card, per MIG instance and per process, read at every scrape "
              "(and at every load of this page).</p>\n"
              f"<p class=\"source\">Source: {_e(source)}</p>\n{_links()}</header>\n<main>\n"]
@@ -117,7 +118,7 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
         if not card_rows:
             parts.append("<p class=\"empty\">The driver lists no cards.</p>\n")
     if outcome.problems:
-        items = "".join(f"<li>{_e(_short(p))}</li>\n" for p in outcome.problems)
+        items = "".join(f"<li>{_n(_short(p))}</li>\n" for p in outcome.problems)
         parts.append(f"<section class=\"problems\"><h2>Problems in this read</h2>\n<ul>\n{items}</ul>\n</section>\n")
     parts.append("</main>\n")
     if probes is not None:
@@ -128,6 +129,12 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
 
 def _e(text: str) -> str:
     return html.escape(text, quote=True)
+
+
+def _n(text: str) -> str:
+    """A name from outside as page text: escaped, and isolated in a ``<bdi>``, so a bidi
+    override in it (``\\u202e``: RLO) turns only the name, never the page's own text after it."""
+    return f"<bdi>{_e(text)}</bdi>"
 
 
 def _short(reason: str) -> str:
@@ -148,8 +155,8 @@ def _read_summary(outcome: ReadOutcome) -> str:
     snapshot = outcome.snapshot
     if snapshot is None:
         return ("<p class=\"read failed\"><strong>The read failed</strong> "
-                f"after {outcome.duration_s:.2f}s: {_e(_short(outcome.error or 'no reason given'))}</p>\n")
-    versions = "".join(f" · {label} {_e(value)}" for label, value in
+                f"after {outcome.duration_s:.2f}s: {_n(_short(outcome.error or 'no reason given'))}</p>\n")
+    versions = "".join(f" · {label} {_n(value)}" for label, value in
                        (("driver", snapshot.driver_version), ("CUDA", snapshot.cuda_version)) if value)
     return (f"<p class=\"read ok\">Read in {outcome.duration_s:.2f}s{versions} · {len(snapshot.cards)} "
             f"card{'s' if len(snapshot.cards) != 1 else ''}, {len(snapshot.devices)} "
@@ -161,7 +168,7 @@ def _classes(outcome: ReadOutcome) -> str:
     every view counts it (model/capacity.py)."""
     assert outcome.snapshot is not None
     items = "".join(f"<li data-class=\"{_e(c.device_class)}\" data-devices=\"{c.devices}\" data-free=\"{c.free}\" "
-                    f"data-unknown=\"{c.unknown}\">{_e(c.describe())}</li>\n"
+                    f"data-unknown=\"{c.unknown}\">{_n(c.describe())}</li>\n"
                     for c in count_by_class(outcome.snapshot, outcome.host))
     return f"<section class=\"classes\"><h2>Devices by class</h2>\n<ul>\n{items}</ul>\n</section>\n"
 
@@ -176,7 +183,7 @@ def _engines_on_the_cpu(engines: EngineReading | None) -> str:
     if not on_cpu:
         return ""
     items = "".join(
-        f"<li><strong>{_e(e.engine)}</strong> <span class=\"pid\">{e.pid}</span> {_e(e.comm)}</li>\n"
+        f"<li><strong>{_n(e.engine)}</strong> <span class=\"pid\">{e.pid}</span> {_n(e.comm)}</li>\n"
         for e in sorted(on_cpu, key=lambda e: (e.engine, e.pid))
     )
     return ("<section class=\"engines-cpu\"><h2>Engines on no GPU's process list: running on the CPU</h2>\n"
@@ -209,7 +216,7 @@ def _work(pods: dict[int, ProcessPod], owners: dict[int, ProcessOwner]) -> dict[
 
 def _identity(card: Card) -> str:
     """The card's UUID, PCI address and board serial, those the driver gave."""
-    items = " ".join(f"<span class=\"{cls}\">{label} <code>{_e(_short(value))}</code></span>"
+    items = " ".join(f"<span class=\"{cls}\">{label} <code>{_n(_short(value))}</code></span>"
                     for cls, label, value in (("uuid", "UUID", card.uuid), ("pci", "PCI", card.pci_bus_id),
                                               ("serial", "serial", card.serial)) if value)
     return f"<p class=\"identity\">{items}</p>\n" if items else ""
@@ -218,7 +225,7 @@ def _identity(card: Card) -> str:
 def _health(found: Verdict | None) -> str:
     if found is None:
         return ""
-    reasons = "".join(f"<li>{_e(r)}</li>" for r in found.reasons)
+    reasons = "".join(f"<li>{_n(r)}</li>" for r in found.reasons)
     listed = f"<ul class=\"reasons\">{reasons}</ul>" if reasons else ""
     return (f"<div class=\"health {found.state}\" data-state=\"{found.state}\">"
             f"<span class=\"mark\">{_e(found.label)}</span>{listed}</div>\n")
@@ -228,14 +235,14 @@ def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int,
           work: dict[int, tuple[str, str]]) -> str:
     name = card.name if card is not None and card.name else "unknown card"
     head = (f"<section class=\"card\" id=\"card-{index}\">\n<h2><span class=\"index\">GPU {index}</span> "
-            f"<span class=\"product\">{_e(name)}</span>{' ' + _mode(card) if card is not None else ''}</h2>\n")
+            f"<span class=\"product\">{_n(name)}</span>{' ' + _mode(card) if card is not None else ''}</h2>\n")
     if card is not None:
         head += _identity(card)
         # The read's grade; an unreadable card has none (its health is unknown, not ok).
         head += _health(card.verdict if card.error is None else None)
     notes = []
     if card is not None and card.error:
-        notes.append(f"<p class=\"card-error\">This card could not be read: {_e(_short(card.error))}</p>\n")
+        notes.append(f"<p class=\"card-error\">This card could not be read: {_n(_short(card.error))}</p>\n")
     if card is not None and card.mig_current and not card_rows:
         notes.append("<p class=\"empty\">MIG is on and nothing is carved: no MIG instances.</p>\n")
     table = ""
@@ -261,7 +268,7 @@ def _ecc_mark(devices: Iterable[Device]) -> str:
 def _row(row: Row, scale_bytes: int, work: dict[int, tuple[str, str]]) -> str:
     names = [d.display_name for d in row.devices]
     profiles = [d.profile or "" for d in row.devices]
-    shown_profiles = "<br>".join(_e(p) for p in profiles if p) or ("whole card" if not row.devices[0].is_mig else "")
+    shown_profiles = "<br>".join(_n(p) for p in profiles if p) or ("whole card" if not row.devices[0].is_mig else "")
     shared = ""
     if row.shared:
         shared = (f"<div class=\"shared\">{len(row.devices)} compute instances share GPU instance "
@@ -273,7 +280,7 @@ def _row(row: Row, scale_bytes: int, work: dict[int, tuple[str, str]]) -> str:
         used_total += f" <span class=\"ratio\">({100 * memory.used_bytes / memory.total_bytes:.0f}%)</span>"
     ecc = _ecc_mark(row.devices)
     return (f"<tr class=\"device{' ecc-error' if ecc else ''}\" data-devices=\"{_e(' '.join(names))}\">"
-            f"<td class=\"name\">{'<br>'.join(_e(n) for n in names)}{ecc}</td>"
+            f"<td class=\"name\">{'<br>'.join(_n(n) for n in names)}{ecc}</td>"
             f"<td class=\"profile\">{shown_profiles}</td>"
             f"<td class=\"bar\">{_bar(row, names, scale_bytes)}{shared}</td>"
             f"<td class=\"used-total\">{used_total}</td>"
@@ -307,11 +314,11 @@ def _processes(row: Row, work: dict[int, tuple[str, str]]) -> str:
     names = {d.index: d.display_name for d in row.devices}
     items = []
     for p in ranked[:TOP_PROCESSES]:
-        where = f" <span class=\"on\">on {_e(names[p.device_index])}</span>" if row.shared else ""
+        where = f" <span class=\"on\">on {_n(names[p.device_index])}</span>" if row.shared else ""
         kind, name = work.get(p.pid, ("", ""))
-        of = f" <span class=\"{kind}\">{_e(_short(name))}</span>" if name else ""
+        of = f" <span class=\"{kind}\">{_n(_short(name))}</span>" if name else ""
         held = "N/A" if p.used_bytes is None else f"{p.used_bytes // MIB} MiB"
-        items.append(f"<li><span class=\"pid\">{p.pid}</span> <span class=\"pname\">{_e(p.name)}</span> "
+        items.append(f"<li><span class=\"pid\">{p.pid}</span> <span class=\"pname\">{_n(p.name)}</span> "
                      f"<span class=\"pmem\">{held}</span>{where}{of}</li>")
     if len(ranked) > TOP_PROCESSES:
         items.append(f"<li class=\"more\">+{len(ranked) - TOP_PROCESSES} more</li>")
@@ -319,9 +326,9 @@ def _processes(row: Row, work: dict[int, tuple[str, str]]) -> str:
 
 
 def _probes(probes: ProbeLinks) -> str:
-    links = "".join(f"<li><a href=\"/probe?{_e(urlencode({'target': name}))}\">/probe?target={_e(name)}</a></li>\n"
+    links = "".join(f"<li><a href=\"/probe?{_e(urlencode({'target': name}))}\">/probe?target={_n(name)}</a></li>\n"
                     for name in probes.targets)
-    return (f"<footer>\n<p>Probe targets from {_e(probes.config_source)} (at most {probes.max_concurrent} probes "
+    return (f"<footer>\n<p>Probe targets from {_n(probes.config_source)} (at most {probes.max_concurrent} probes "
             f"at once):</p>\n<ul>\n{links or '<li>none</li>'}\n</ul>\n</footer>\n")
 
 
@@ -355,6 +362,7 @@ svg.bar {{ display: block; }}
 .shared {{ font-size: 12px; color: #8d5b00; }} .ratio {{ color: #616e7c; }}
 .processes ul {{ list-style: none; margin: 0; padding: 0; }}
 .processes li {{ white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }}
+bdi {{ unicode-bidi: isolate; }}
 .pid {{ font-family: ui-monospace, monospace; color: #52606d; }} .pmem {{ font-weight: 600; }}
 .on, .pod, .job, .unit, .more, .none, .unknown, .empty {{ color: #616e7c; }}
 h1 .node {{ font-weight: normal; }} .node strong {{ font-family: ui-monospace, monospace; }}

@@ -41,10 +41,13 @@ from mig_exporter.metrics.exporter import Answer
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S, NvidiaSmiSource
+from mig_exporter.web.reloader import Reloader
 
 log = logging.getLogger("mig_exporter.web.probe")
 
 DEFAULT_MAX_CONCURRENT = 4
+# A config read slower than this is stuck: /-/ready says so, and no request waits for it.
+RELOAD_DEADLINE_S = 5.0
 REJECT_REASONS = ("bad_request", "busy")
 _MAX_QUERY_FIELDS = 16
 _SHOWN_CHARS = 64
@@ -122,6 +125,9 @@ class Prober:
         # A reload that changes nothing, or fails as the last one did, is logged once a window: a
         # flood of POST /-/reload (10 clients for 10 s once wrote 10 802 lines) is a few lines.
         self._reload_log = RateLimitedLog(log, burst=1)
+        # POST /-/reload and SIGHUP read the file through it: in a thread of its own, one read at a
+        # time, never in a pool thread (a FIFO or a hung mount once held all of them).
+        self._reloader = Reloader(f"config file {config_file}", self.reload, RELOAD_DEADLINE_S)
         self._apply(config)
 
     @property
@@ -151,6 +157,11 @@ class Prober:
         Raises ``ProbeBusy`` at once when every slot is taken, or no thread can be started."""
         started = time.monotonic()
         starts = False  # whether this probe started the run: admit is asked for a new run alone
+        # The run reads under the target's own timeout, never a probe's shorter deadline: one probe
+        # asking for 0.1s must not fail the run the others join (issue 38). A probe due sooner
+        # answers its own timeout alone, which is no failure of the target's read.
+        limit = deadline.at_least(self.timeout_for(target))
+        own_timeout = False
 
         def admit() -> Callable[[], None]:
             nonlocal starts
@@ -158,15 +169,22 @@ class Prober:
             starts = True
             return release
 
+        def own_late() -> ReadOutcome:
+            nonlocal own_timeout
+            own_timeout = True
+            reason = f"this probe's own deadline of {deadline.at - started:.3g}s passed while the run went on"
+            log.debug("probe of %s: %s", target.name, reason)
+            return ReadOutcome(None, time.monotonic() - started, reason)
+
         def late() -> ReadOutcome:
             budget = f"{deadline.at - started:.3g}s"
             return self._failed(target, started, f"its run did not finish within the deadline of {budget}" if starts
                                 else f"deadline of {budget} passed while waiting for the run already in progress")
 
         def read() -> ReadOutcome:
-            return self._read(target, deadline, lambda: self._runs.keep_callers(target))
+            return self._read(target, limit, lambda: self._runs.keep_callers(target))
         try:
-            outcome = self._runs.run(target, deadline, read, late, admit)
+            outcome = self._runs.run(target, deadline, read, late, admit, run_deadline=limit, own_late=own_late)
         except FlightFailed:
             outcome = self._failed(target, started, "the run this probe waited for ended without a result")
         except FlightNotStarted as e:
@@ -175,7 +193,7 @@ class Prober:
         with self._lock:
             if target.name in self._probes:  # not a target a reload has removed
                 self._probes[target.name] += 1
-                if not outcome.success:
+                if not outcome.success and not own_timeout:  # a client's deadline is no failure of the target
                     self._failures[target.name] += 1
         return result
 
@@ -210,6 +228,18 @@ class Prober:
         return Scraper(source, name=f"probe target {target.name}")
 
     # --- config ------------------------------------------------------------------------------
+
+    def request_reload(self, wait_s: float | None = None) -> tuple[bool, str] | None:
+        """Ask for a reload (``reload``, run by the reloader) and wait up to ``wait_s`` (the
+        reload's deadline where None) for its outcome; None when it has not come by then (the
+        reload still happens)."""
+        if self.config_file is None:
+            return False, "no config file to reload: serve was started without --config.file"
+        return self._reloader.request(self._reloader.deadline_s if wait_s is None else wait_s)
+
+    def reload_stuck(self) -> str | None:
+        """Why reloading is stuck (a read of the file past its deadline), or None."""
+        return self._reloader.stuck()
 
     def reload(self) -> tuple[bool, str]:
         """Read ``config_file`` again. A bad file keeps the config in use;

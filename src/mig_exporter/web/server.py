@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mig_exporter import __version__
-from mig_exporter.core.deadline import Deadline
+from mig_exporter.core.deadline import Deadline, client_budget
 from mig_exporter.metrics.exporter import Answer, Exporter
 from mig_exporter.web import landing
 from mig_exporter.web.connections import Connection, ConnectionLoop, Limits, Request, peer_name
@@ -40,26 +40,11 @@ log = logging.getLogger("mig_exporter.http")
 DEFAULT_PORT = 10064
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
 SCRAPE_TIMEOUT_HEADER = "X-Prometheus-Scrape-Timeout-Seconds"
-MIN_BUDGET_S = 0.1
 _TEXT = "text/plain; charset=utf-8"
 _PATHS = ("/", "/metrics", "/probe", "/-/healthy", "/-/ready", "/-/reload")
 # socketserver's default backlog of 5 drops connections when many probes
 # arrive at once; the client then retries only after a second.
 _BACKLOG = 128
-
-
-def read_deadline(limit_s: float, header: str | None, offset_s: float) -> Deadline:
-    """A read's deadline: ``limit_s`` from now, or Prometheus' scrape timeout
-    (the header) less ``offset_s`` when that is sooner, so the answer arrives
-    before Prometheus gives up."""
-    budget_s = limit_s
-    if header:
-        try:
-            offered = float(header) - offset_s
-        except ValueError:
-            offered = limit_s
-        budget_s = min(limit_s, offered if offered > 0 else MIN_BUDGET_S)
-    return Deadline.after(budget_s)
 
 
 def _accepts_gzip(header: str) -> bool:
@@ -180,13 +165,29 @@ class ExporterServer:
             return f"{url} (every IPv6 address)" if v6_only else f"{url} (every IPv4 and IPv6 address)"
         return url
 
+    def reload_stuck(self) -> str | None:
+        """Why a reload of the config file or the web config is stuck past its deadline, or None
+        (/-/ready is not ready meanwhile; /-/healthy still answers: the server does)."""
+        stuck = [why for why in (self.prober.reload_stuck() if self.prober is not None else None,
+                                 self.web.stuck() if self.web is not None else None) if why is not None]
+        return "; ".join(stuck) or None
+
     def web_config(self) -> WebConfig | None:
         return self.web.current() if self.web is not None else None
 
     def scrape_deadline(self, header: str | None) -> Deadline:
         """The read's deadline: ``--timeout`` from now, or Prometheus' scrape
         timeout less the offset when that is sooner, so the answer arrives in time."""
-        return read_deadline(self.exporter.timeout_s, header, self.timeout_offset_s)
+        return self.request_deadline(self.exporter.timeout_s, header)
+
+    def request_deadline(self, limit_s: float, header: str | None) -> Deadline:
+        """A request's own deadline within ``limit_s``; a header below the floor or not a number
+        is clamped (``core/deadline.client_budget``) and counted. The read it shares runs under
+        the server's limit whatever this deadline (``metrics/exporter.py``, ``probe.py``)."""
+        budget_s, clamped = client_budget(limit_s, header, self.timeout_offset_s)
+        if clamped:
+            self.exporter.count_clamped()
+        return Deadline.after(budget_s)
 
 
 def _listen(address: tuple[str, int]) -> socket.socket:
@@ -276,6 +277,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, b"Healthy\n", _TEXT, send_body)
             else:  # /-/ready
                 ok, reason = self.server.exporter.source.ready()
+                if ok and (stuck := self.server.reload_stuck()) is not None:
+                    ok, reason = False, stuck
                 if ok:
                     self._send(200, f"Ready: {reason}\n".encode(), _TEXT, send_body)
                 else:  # asked every few seconds by a readiness probe: not a warning each time
@@ -332,7 +335,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(400, str(e), send_body)
             return
         header = self.headers.get(SCRAPE_TIMEOUT_HEADER)
-        deadline = read_deadline(prober.timeout_for(target), header, self.server.timeout_offset_s)
+        deadline = self.server.request_deadline(prober.timeout_for(target), header)
         try:
             answer = prober.probe(target, deadline).answer()
         except ProbeBusy as e:
@@ -345,7 +348,13 @@ class _Handler(BaseHTTPRequestHandler):
         if prober is None:
             self._fail(400, "no config file to reload: serve was started without --config.file", True)
             return
-        ok, message = prober.reload()
+        outcome = prober.request_reload()
+        if outcome is None:  # the reloader's own thread reads on; this pool thread goes back
+            why = prober.reload_stuck() or "the reload in progress has not finished"
+            self._fail(503, f"Reload not done: {why}; this request is merged into the next read of the file "
+                       "(mig_exporter_config_last_reload_successful says how it went)", True)
+            return
+        ok, message = outcome
         if ok:
             self._send(200, f"{message}\n".encode(), _TEXT, True)
         else:

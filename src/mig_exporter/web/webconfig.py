@@ -34,9 +34,11 @@ from types import MappingProxyType
 from typing import Any
 
 from mig_exporter.config.checks import (
+    EMPTY_FILE,
     ConfigError,
     at,
     boolean,
+    cut_short,
     mapping,
     one_line,
     parse_yaml,
@@ -47,6 +49,7 @@ from mig_exporter.config.checks import (
 )
 from mig_exporter.web.basic_auth import BasicAuth, basic_auth_users
 from mig_exporter.web.rate_limit import TokenBucket, rate_limit
+from mig_exporter.web.reloader import Reloader
 from mig_exporter.web.tls import TlsSettings, ssl_context, tls_settings
 
 log = logging.getLogger("mig_exporter.web")
@@ -63,6 +66,10 @@ HEADERS: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
     "Content-Security-Policy": None,
 })
 _RELOAD_CHECK_S = 1.0
+# A re-read slower than this is stuck (/-/ready says so); a caller that starts one waits at most
+# _CHECK_WAIT_S for it, the event loop included.
+_RELOAD_DEADLINE_S = 5.0
+_CHECK_WAIT_S = 0.5
 
 
 # --- the file -------------------------------------------------------------------------------------
@@ -98,15 +105,24 @@ class WebConfig:
         return (True, "") if self.tls is None else self.tls.client_allowed(peer_cert)
 
 
-def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
+def load_web_config(path: str | os.PathLike[str], *, empty_ok: bool = True) -> WebConfig:
     """Read and check the file, certificates and keys included; raises
     ``ConfigError`` with every problem."""
     source = str(path)
-    return parse_web_config(read_file(path), source, base_dir=os.path.dirname(os.path.abspath(source)))
+    return parse_web_config(read_file(path), source, base_dir=os.path.dirname(os.path.abspath(source)),
+                            empty_ok=empty_ok)
 
 
-def parse_web_config(text: str | bytes, source: str = "<web config>", base_dir: str = ".") -> WebConfig:
+def parse_web_config(text: str | bytes, source: str = "<web config>", base_dir: str = ".", *,
+                     empty_ok: bool = True) -> WebConfig:
+    """Check a web config's text. A section named with nothing under it is refused as probably
+    cut short (a torn ``basic_auth_users:`` would serve without auth); an empty file too,
+    unless ``empty_ok`` (at start-up, as the toolkit: a reload that finds one keeps the config
+    in force; ``{}`` is no settings by intent)."""
     document, errors = parse_yaml(text, source)
+    if document is None and not empty_ok:
+        raise ConfigError(source, [EMPTY_FILE])
+    errors.extend(cut_short(document, _TOP_LEVEL_KEYS))
     settings = top_level(document, _TOP_LEVEL_KEYS, errors)
     if settings is None:
         raise ConfigError(source, errors)
@@ -155,9 +171,13 @@ def _headers(value: object, where: str, errors: list[str]) -> dict[str, str]:
 class WebSettings:
     """The web config in force, re-read when the file or its certificates change.
 
-    Checked at most once a second, on a connection; a changed file that does
-    not load is logged once and the config in force is kept. Switching TLS on
-    or off needs a restart (the listener was started with or without it).
+    Checked at most once a second, on a connection. The check (a ``stat`` of each file) and the
+    read run in the web config's ``Reloader``, never in the caller: the event loop asks for the
+    config at every connection, and a FIFO or a hung mount there once froze the whole server,
+    ``/-/healthy`` included. The caller waits up to ``_CHECK_WAIT_S`` for a check it starts
+    (so a changed file is served from the next connection), and not at all while one is in
+    progress. A changed file that does not load is logged once and the config in force is kept.
+    Switching TLS on or off needs a restart (the listener was started with or without it).
     """
 
     def __init__(self, path: str, check_interval_s: float = _RELOAD_CHECK_S) -> None:
@@ -168,6 +188,7 @@ class WebSettings:
         self._stamp = self._stamp_of(self._config)
         self._checked_at = time.monotonic()
         self._failed_stamp: tuple[Any, ...] | None = None
+        self._reloader = Reloader(f"web config {path}", self._check, _RELOAD_DEADLINE_S)
 
     @property
     def config(self) -> WebConfig:
@@ -177,31 +198,48 @@ class WebSettings:
     def current(self) -> WebConfig:
         with self._lock:
             now = time.monotonic()
-            if now - self._checked_at < self.check_interval_s:
-                return self._config
-            self._checked_at = now
-            stamp = self._stamp_of(self._config)
+            due = now - self._checked_at >= self.check_interval_s
+            if due:
+                self._checked_at = now
+        if due:
+            self._reloader.request(_CHECK_WAIT_S, only_if_idle=True)
+        return self.config
+
+    def stuck(self) -> str | None:
+        """Why re-reading the web config is stuck past its deadline, or None."""
+        return self._reloader.stuck()
+
+    def _check(self) -> bool:
+        """In the reloader's thread: load the file again if it or a certificate changed;
+        whether the config in force changed."""
+        config_in_force = self.config
+        stamp = self._stamp_of(config_in_force)
+        with self._lock:
             if stamp == self._stamp or stamp == self._failed_stamp:
-                return self._config
-            try:
-                config = load_web_config(self.path)
-                if (config.tls is None) != (self._config.tls is None):
-                    raise ConfigError(self.path, ["TLS cannot be switched on or off without a restart"])
-            except ConfigError as e:
+                return False
+        try:
+            config = load_web_config(self.path, empty_ok=False)
+            if (config.tls is None) != (config_in_force.tls is None):
+                raise ConfigError(self.path, ["TLS cannot be switched on or off without a restart"])
+        except ConfigError as e:
+            with self._lock:
                 self._failed_stamp = stamp
-                log.error("reloading %s failed; kept the web config in force: %s", self.path, "; ".join(e.errors))
-                return self._config
-            except Exception as e:  # a bug: the server keeps the config in force, and the log says so once
+            log.error("reloading %s failed; kept the web config in force: %s", self.path, "; ".join(e.errors))
+            return False
+        except Exception as e:  # a bug: the server keeps the config in force, and the log says so once
+            with self._lock:
                 self._failed_stamp = stamp
-                log.error("reloading %s failed; kept the web config in force: unexpected error: %s", self.path,
-                          one_line(e))
-                log.debug("reloading %s failed", self.path, exc_info=True)
-                return self._config
+            log.error("reloading %s failed; kept the web config in force: unexpected error: %s", self.path,
+                      one_line(e))
+            log.debug("reloading %s failed", self.path, exc_info=True)
+            return False
+        new_stamp = self._stamp_of(config)
+        with self._lock:
             self._config = config
-            self._stamp = self._stamp_of(config)
+            self._stamp = new_stamp
             self._failed_stamp = None
-            log.info("reloaded %s: %s", self.path, config.summary())
-            return config
+        log.info("reloaded %s: %s", self.path, config.summary())
+        return True
 
     def _stamp_of(self, config: WebConfig) -> tuple[Any, ...]:
         files = (self.path, *(config.tls.files() if config.tls else ()))
