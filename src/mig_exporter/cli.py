@@ -235,16 +235,20 @@ def _xid_kmsg_option() -> Callable[..., Any]:
              "kernel.dmesg_restrict=1); empty to turn it off. docs/xids.md.")
 
 
+def _kmsg_path(path: str, demo: bool) -> str:
+    """The kernel log read: ``--collector.xid.kmsg``'s (empty: none), or the demo's bundled sample."""
+    if demo:
+        return str(resources.files("mig_exporter").joinpath("samples").joinpath("demo-kmsg.txt"))
+    return path
+
+
 def _make_kmsg_reader(path: str, demo: bool) -> KmsgReader | None:
     """The kernel log's XID reader (``None``: turned off); the demo's is its bundled sample, on
     the demo machine's clock."""
-    if demo:
-        path = str(resources.files("mig_exporter").joinpath("samples").joinpath("demo-kmsg.txt"))
-        reader = KmsgReader(path, boot=lambda: DEMO_BOOT_SECONDS)
-    elif not path:
+    path = _kmsg_path(path, demo)
+    if not path:
         return None
-    else:
-        reader = KmsgReader(path)
+    reader = KmsgReader(path, boot=lambda: DEMO_BOOT_SECONDS) if demo else KmsgReader(path)
     log.info("reading %s at each scrape", reader.describe())
     return reader
 
@@ -752,8 +756,7 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     scraper = Scraper(source, pods=_make_pod_reader(kubernetes, proc_root, pod_resources_socket, kubelet_log_dir, demo),
                       job_map=_make_job_map(slurm_job_map_dir))
     host, problems = _doctor_host(scraper, shown_snapshot((nvml_read, smi_read)), host_pids, timeout)
-    kmsg = _make_kmsg_reader(xid_kmsg, demo)  # the demo's is its bundled sample
-    kmsg_reads = kmsg_status(kmsg.path if kmsg is not None else "")
+    kmsg_reads = kmsg_status(_kmsg_path(xid_kmsg, demo))  # the demo's is its bundled sample
     report = diagnose(nvml_read, smi_read, slow_threshold_s=slow_threshold, host=host, allocation_problems=problems,
                       kmsg=kmsg_reads)
     if output_format == "json":

@@ -128,10 +128,8 @@ def driver_branch(nvml_version: str | bytes | None) -> int | None:
     """The driver branch in ``nvmlSystemGetNVMLVersion``'s answer: 570 for "12.570.86" (CUDA's
     major version, then the driver's), and for a bare driver version ("570.86.15"); ``None``
     where it names none."""
-    if isinstance(nvml_version, bytes):
-        nvml_version = nvml_version.decode("ascii", errors="replace")
-    # Branches have three digits; CUDA's major version has at most two.
-    return next((int(n) for n in _BRANCH.findall(nvml_version or "") if 100 <= int(n) <= 9999), None)
+    release = driver_release(nvml_version)
+    return None if release is None else release[0]
 
 
 def driver_release(nvml_version: str | bytes | None) -> tuple[int, int] | None:
@@ -140,6 +138,7 @@ def driver_release(nvml_version: str | bytes | None) -> tuple[int, int] | None:
     if isinstance(nvml_version, bytes):
         nvml_version = nvml_version.decode("ascii", errors="replace")
     numbers = [int(n) for n in _BRANCH.findall(nvml_version or "")]
+    # Branches have three digits; CUDA's major version has at most two.
     at = next((i for i, n in enumerate(numbers) if 100 <= n <= 9999), None)
     if at is None:
         return None
