@@ -222,3 +222,13 @@ def test_a_pod_s_subtree_cannot_hold_another_container():
     """Only the pod's own child is its container: a cgroup made below it names none."""
     path = f"/kubepods/burstable/pod{UID}/{'b' * 64}/nested/{_CID}"
     assert parse_path(path) == CgroupIdentity("b" * 64, UID)
+
+
+def test_a_kind_node_on_cgroupfs_seen_from_the_host_counts():
+    """kind's cgroupRoot /kubelet with the cgroupfs driver, inside the node's /docker/<id>."""
+    node = "a" * 64
+    path = f"/docker/{node}/kubelet/kubepods/besteffort/pod{UID}/{_CID}"
+    assert parse_path(path) == CgroupIdentity(_CID, UID)
+    # The same names in a user's delegated tree are still no pod.
+    forged = f"/user.slice/user-1000.slice/user@1000.service/kubelet/kubepods/besteffort/pod{UID}/{_CID}"
+    assert parse_path(forged).pod_uid is None

@@ -34,7 +34,8 @@ HEADER = SCRAPE_TIMEOUT_HEADER
     ("0", 0.5, True),
     ("-5", 0.5, True),
     ("nan", 0.5, True),
-    ("inf", 0.5, True),
+    ("inf", 10.0, False),          # no limit of the client's own: the server's
+    ("-inf", 0.5, True),
     ("abc", 0.5, True),
 ])
 def test_a_header_below_the_floor_or_not_a_number_is_taken_as_the_floor_and_reported(
@@ -92,48 +93,6 @@ def _value(body: str, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-@pytest.fixture
-def server() -> Iterator[tuple[str, Scraper]]:
-    scraper = Scraper(Slow(0.8))
-    server = ExporterServer(("127.0.0.1", 0), Exporter(scraper, timeout_s=10))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", scraper
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
-
-
-def test_clients_asking_for_0_1s_fail_no_prometheus_scrape_and_no_read(server) -> None:
-    """The issue's attack, smaller: two clients send a 0.1s scrape timeout back to back while a
-    Prometheus scrapes a read of 0.8s. Before, the shared read took the attacker's 0.1s and every
-    Prometheus scrape that joined it failed, each one counted in read_errors_total."""
-    url, scraper = server
-    stop = threading.Event()
-
-    def attack() -> None:
-        while not stop.is_set():
-            _get(f"{url}/metrics", "0.1")
-
-    attackers = [threading.Thread(target=attack) for _ in range(2)]
-    for attacker in attackers:
-        attacker.start()
-    try:
-        time.sleep(0.2)  # an attacker's read in flight first
-        bodies = [_get(f"{url}/metrics", "10") for _ in range(4)]
-    finally:
-        stop.set()
-        for attacker in attackers:
-            attacker.join(20)
-    assert [_value(body, 'mig_exporter_read_success{source="nvidia-smi"}') for body in bodies] == [1.0] * 4
-    assert scraper.errors_total == 0
-    last = _get(f"{url}/metrics", "10")
-    assert _value(last, 'mig_exporter_read_errors_total{source="nvidia-smi"}') == 0
-    assert _value(last, "mig_exporter_scrape_timeout_clamped_total") >= 2
-
-
 class SlowProber(Prober):
     def __init__(self, source: Slow) -> None:
         self.source = source  # before the targets' scrapers are made
@@ -142,6 +101,101 @@ class SlowProber(Prober):
 
     def _new_scraper(self, target: ProbeTarget) -> Scraper:
         return Scraper(self.source, name=f"probe target {target.name}")
+
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, Scraper, SlowProber]]:
+    """/metrics over a 0.4s read and /probe over another, the issue's read time."""
+    scraper = Scraper(Slow(0.4))
+    prober = SlowProber(Slow(0.4))
+    server = ExporterServer(("127.0.0.1", 0), Exporter(scraper, prober, timeout_s=10), prober=prober)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", scraper, prober
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_clients_asking_for_0_1s_fail_no_prometheus_scrape_and_no_read(server) -> None:
+    """The issue's attack at its size: two clients send a 0.1s scrape timeout back to back, each
+    to /metrics and /probe in turn, while a Prometheus scrapes /metrics and probes the target 30
+    times each over 0.4s reads. Before, the shared read took the attacker's 0.1s: 1 of 30 scrapes
+    succeeded, and each failure was counted in read_errors_total."""
+    url, scraper, _ = server
+    stop = threading.Event()
+    attacks: list[int] = []  # requests the attackers had answered
+    attack_errors: list[BaseException] = []
+
+    def attack() -> None:
+        made = 0
+        try:
+            while not stop.is_set():
+                _get(f"{url}/metrics", "0.1")
+                _get(f"{url}/probe?target=gpu-a", "0.1")
+                made += 2
+        except BaseException as e:  # an attack that stops must fail the test, not pass it
+            attack_errors.append(e)
+        attacks.append(made)
+
+    def prometheus(path: str, name: str, out: list[float]) -> None:
+        for _ in range(30):
+            out.append(_value(_get(f"{url}{path}", "10"), name))
+
+    scrapes: list[float] = []
+    probes: list[float] = []
+    clients = [threading.Thread(target=attack) for _ in range(2)]
+    for client in clients:
+        client.start()
+    time.sleep(0.2)  # an attacker's reads in flight first
+    legit = [threading.Thread(target=prometheus, args=("/metrics", 'mig_exporter_read_success{source="nvidia-smi"}',
+                                                       scrapes)),
+             threading.Thread(target=prometheus, args=("/probe?target=gpu-a", "probe_success", probes))]
+    for client in legit:
+        client.start()
+    for client in legit:
+        client.join(120)
+    stop.set()
+    for client in clients:
+        client.join(20)
+    assert attack_errors == []
+    assert len(attacks) == 2 and min(attacks) >= 10, attacks  # the attack ran throughout
+    assert len(scrapes) == len(probes) == 30
+    assert sum(scrapes) >= 29 and sum(probes) >= 29, (scrapes, probes)
+    assert scraper.errors_total == 0
+    last = _get(f"{url}/metrics", "10")
+    assert _value(last, 'mig_exporter_read_errors_total{source="nvidia-smi"}') == 0
+    assert _value(last, 'mig_exporter_probe_failures_total{target="gpu-a"}') == 0
+    assert _value(last, "mig_exporter_scrape_timeout_clamped_total") >= sum(attacks)
+
+
+def _sample(answer, name: str) -> float:
+    (value,) = [sample.value for family in answer.families for sample in family.samples if sample.name == name]
+    return value
+
+
+def test_a_scrape_due_sooner_answers_alone_and_is_counted_as_a_client_timeout() -> None:
+    """A request due in 0.3s starts a 0.8s read; a Prometheus scrape due in 10s joins it. The first
+    answers read_success 0 at its own deadline, counted as a client timeout, no read error; the
+    read goes on, and the second takes it."""
+    scraper = Scraper(Slow(0.8))
+    exporter = Exporter(scraper, timeout_s=10)
+    answers = {}
+    hasty = threading.Thread(target=lambda: answers.update(hasty=exporter.answer(Deadline.after(0.3))))
+    hasty.start()
+    while scraper.source.reads == 0:
+        time.sleep(0.005)
+    answers["prometheus"] = exporter.answer(Deadline.after(10))
+    hasty.join(10)
+    success = "mig_exporter_read_success"
+    assert (_sample(answers["hasty"], success), _sample(answers["prometheus"], success)) == (0.0, 1.0)
+    assert scraper.source.reads == 1
+    assert scraper.errors_total == 0
+    assert _sample(answers["prometheus"], "mig_exporter_scrape_client_timeouts_total") == 1.0
+    assert _sample(answers["prometheus"], "mig_exporter_read_errors_total") == 0.0
 
 
 def test_a_probe_due_sooner_neither_fails_the_run_nor_counts_a_failure() -> None:

@@ -100,9 +100,10 @@ def test_the_answer_is_the_scrapes_families_then_the_other_collectors() -> None:
     answer = Exporter(Scraper(source), Counters()).answer(Deadline.after(5))
     names = [family.name for family in answer.families]
     # Last, what the answer costs: its samples counted, the other collectors' and the exporter's own
-    # count of clamped deadline headers included.
-    assert names[-3:] == ["mig_exporter_probes", "mig_exporter_scrape_timeout_clamped", "mig_exporter_scrape_series"]
-    assert "mig_exporter_read_success" in names[:-3]
+    # counts of clamped deadline headers and of requests answered at their own deadline included.
+    assert names[-4:] == ["mig_exporter_probes", "mig_exporter_scrape_timeout_clamped",
+                          "mig_exporter_scrape_client_timeouts", "mig_exporter_scrape_series"]
+    assert "mig_exporter_read_success" in names[:-4]
     samples = sum(len(family.samples) for family in answer.families[:-1])
     assert answer.families[-1].samples[0].value == samples + 1
     assert answer.outcome is not None and answer.outcome.success

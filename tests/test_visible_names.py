@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import families_of, fixture_bytes
 from fake_nvml import SCENARIOS
 from mig_exporter import status
-from mig_exporter.core.visible import NAME_LIMIT, bounded_name, shown, visible
+from mig_exporter.core.visible import NAME_LIMIT, bounded_name, escaped, shown, visible
 from mig_exporter.doctor import diagnose, render_text, timed_read
 from mig_exporter.metrics.exposition import render
 from mig_exporter.metrics.scrape import ReadOutcome
@@ -68,6 +68,33 @@ def test_visible_writes_every_control_as_an_escape_and_keeps_the_rest():
     assert visible("/usr/bin/python3 naïve 模型 🚀 C:\\x") == "/usr/bin/python3 naïve 模型 🚀 C:\\x"
 
 
+# Drawn as nothing, or as something else: zero-width space, non-joiner and joiner, the word
+# joiner and invisible operators, the deprecated format controls, the Mongolian vowel separator,
+# the Hangul fillers, a tag character, a no-break space, private use, a lone surrogate.
+INVISIBLE = ("\u200b\u200c\u200d\u2060\u2061\u2062\u2063\u2064\u206a\u206b\u206c\u206d\u206e\u206f\u180e"
+             "\u115f\u1160\u3164\uffa0\U000e0041\xa0\ue000\ud800\udcff")
+
+
+def test_visible_writes_every_invisible_and_format_character_as_an_escape():
+    assert visible(INVISIBLE) == (
+        "\\u200b\\u200c\\u200d\\u2060\\u2061\\u2062\\u2063\\u2064\\u206a\\u206b\\u206c\\u206d\\u206e"
+        "\\u206f\\u180e\\u115f\\u1160\\u3164\\uffa0\\U000e0041\\xa0\\ue000\\ud800\\udcff")
+    # A lone surrogate (JSON can carry one: a pod name, a Prometheus label) leaves as text any
+    # terminal encoder takes.
+    assert visible("a\ud800b").encode("utf-8") == b"a\\ud800b"
+
+
+def test_a_backslash_of_a_name_is_shown_doubled_so_no_name_reads_as_another():
+    """A name holding the text ``\\x1b`` and one holding ESC print differently."""
+    assert shown("evil\\x1b") == "evil\\\\x1b"
+    assert shown("evil\x1b") == "evil\\x1b"
+    assert escaped("C:\\tmp\u200b") == "C:\\\\tmp\\u200b"
+    # visible() keeps a backslash: it passes over whole report lines that hold shown names, and
+    # changes nothing of them.
+    for name in (*HOSTILE, INVISIBLE, "evil\\x1b", "a\\\\b"):
+        assert visible(shown(name)) == shown(name)
+
+
 def test_a_long_name_is_cut_with_a_mark_saying_how_much():
     assert bounded_name("a" * NAME_LIMIT) == "a" * NAME_LIMIT
     assert bounded_name(MIB_NAME) == "x" * 256 + f"…(+{(1 << 20) - 256})"
@@ -76,6 +103,19 @@ def test_a_long_name_is_cut_with_a_mark_saying_how_much():
     assert bounded_name(bounded_name(MIB_NAME)) == bounded_name(MIB_NAME)
     # Cut first, then escaped: no escape is cut in half, the count is of the name's own characters.
     assert shown("\x1b" * 300) == "\\x1b" * 256 + "…(+44)"
+
+
+def test_a_name_that_forges_a_cut_mark_is_cut_all_the_same():
+    """On 0ae2a05 a mark of any number of digits passed whole: 1 000 261 characters came out."""
+    forged = "a" * NAME_LIMIT + "…(+1" + "0" * 10_000 + ")"
+    assert bounded_name(forged) == "a" * NAME_LIMIT + "…(+10005)"
+    assert len(bounded_name(forged)) <= NAME_LIMIT + len("…(+NNNNN)")
+    # A mark with text after it, or two, is no mark: cut.
+    assert bounded_name("a" * NAME_LIMIT + "…(+5)x") == "a" * NAME_LIMIT + "…(+6)"
+    assert bounded_name("a" * NAME_LIMIT + "…(+5)…(+5)") == "a" * NAME_LIMIT + "…(+10)"
+    # A mark of at most 20 digits is taken as one, and is at most 24 characters past the limit.
+    assert bounded_name("a" * NAME_LIMIT + "…(+" + "9" * 20 + ")") == "a" * NAME_LIMIT + "…(+" + "9" * 20 + ")"
+    assert bounded_name("a" * NAME_LIMIT + "…(+" + "9" * 21 + ")") == "a" * NAME_LIMIT + "…(+25)"
 
 
 @pytest.mark.parametrize("name", [*HOSTILE, LONG_NAME], ids=lambda n: ascii(n[:12]))
@@ -136,6 +176,28 @@ def test_doctor_report_of_a_1_mib_name_is_bounded(fake_nvml_lib, fake_nvidia_smi
     text = render_text(report)
     assert max(len(line) for line in text.splitlines()) < 1000
     assert "    pid 21198 C " + "y" * 256 + "…(+744) 7484 MiB" in text.splitlines()
+
+
+@pytest.mark.parametrize("name", ["evil\\x1b[2J", "gpu\u200bburn\u2060", "C:\\\\x"], ids=ascii)
+def test_status_and_doctor_show_a_backslash_and_invisible_characters_of_a_name_unambiguously(
+        fake_nvml_lib, fake_nvidia_smi, name):
+    _nvml(fake_nvml_lib, name)
+    text = status.render_text(ReadOutcome(NvmlSource().read(), 0.1))
+    expected = name.replace("\\", "\\\\").replace("\u200b", "\\u200b").replace("\u2060", "\\u2060")
+    assert f"Top process: 21198 {expected}, 7.3 GiB on 0/mig2" in text.splitlines()
+    report = diagnose(timed_read("nvml", NvmlSource().read),
+                      timed_read("nvidia-smi", NvidiaSmiSource(str(_smi(fake_nvidia_smi, name))).read), host=GPU_ONLY)
+    assert f"    pid 21198 C {expected} 7484 MiB" in render_text(report).splitlines()
+
+
+def test_status_shows_a_pod_name_holding_a_lone_surrogate_as_an_escape(fake_nvml_lib):
+    """A pod's name comes from the kubelet's JSON, which can carry a lone surrogate: shown as its
+    escape, the report encodes (click.echo would raise UnicodeEncodeError on it raw)."""
+    _nvml(fake_nvml_lib, "python3")
+    pod = ProcessPod(21198, "c0ffee", "ml", "trainer\ud800\u200d", "main")
+    text = status.render_text(ReadOutcome(NvmlSource().read(), 0.1, pods=PodReading({21198: pod}, None, None)))
+    assert "Top process: 21198 python3, 7.3 GiB on 0/mig2 (pod ml/trainer\\ud800\\u200d)" in text.splitlines()
+    text.encode("utf-8")
 
 
 def test_status_shows_a_hostile_pod_name(fake_nvml_lib):

@@ -475,17 +475,45 @@ def test_token_bucket_allows_bursts_then_one_per_interval():
 
 # --- reloading ---------------------------------------------------------------------------------
 
+# The event loop waits for no check (it serves the config in force, and the connections after the
+# check what it found: tests/test_reload.py); these tests wait for each check they start.
+WAIT_S = 30.0
+
+
+def test_the_event_loop_is_served_the_config_in_force_while_a_check_runs(tmp_path, monkeypatch):
+    import threading
+
+    import mig_exporter.web.webconfig
+
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
+    settings = WebSettings(str(web), check_interval_s=0)
+    release = threading.Event()
+
+    def slow_load(path, **options):
+        release.wait(WAIT_S)
+        return load_web_config(path, **options)
+
+    monkeypatch.setattr(mig_exporter.web.webconfig, "load_web_config", slow_load)
+    web.write_text(f"basic_auth_users:\n  alice: {HASH}\n  bob: {HASH}\n")
+    os.utime(web, ns=(1, 1))
+    assert settings.current().users == ("alice",), "no wait: the config in force"
+    release.set()
+    assert settings.current(WAIT_S).users == ("alice", "bob")
+    assert settings.current().users == ("alice", "bob")
+
+
 def test_a_changed_file_is_reloaded_and_a_bad_change_keeps_the_config_in_force(tmp_path, caplog):
     web = tmp_path / "web.yml"
     web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
     settings = WebSettings(str(web), check_interval_s=0)
-    assert settings.current().users == ("alice",)
+    assert settings.current(WAIT_S).users == ("alice",)
     web.write_text(f"basic_auth_users:\n  alice: {HASH}\n  bob: {HASH}\n")
     os.utime(web, ns=(1, 1))
-    assert settings.current().users == ("alice", "bob")
+    assert settings.current(WAIT_S).users == ("alice", "bob")
     web.write_text("basic_auth_users:\n  carol: plaintext\n")
-    assert settings.current().users == ("alice", "bob")
-    assert settings.current().users == ("alice", "bob")
+    assert settings.current(WAIT_S).users == ("alice", "bob")
+    assert settings.current(WAIT_S).users == ("alice", "bob")
     failures = [r for r in caplog.records if "reloading" in r.getMessage()]
     assert len(failures) == 1, "a bad file is reported once, not at every connection"
     assert "basic_auth_users.carol: not a bcrypt hash" in failures[0].getMessage()
@@ -496,7 +524,7 @@ def test_tls_cannot_be_switched_on_by_a_reload(pki, tmp_path):
     web.write_text("")
     settings = WebSettings(str(web), check_interval_s=0)
     web.write_text(f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n")
-    assert settings.current().tls is None
+    assert settings.current(WAIT_S).tls is None
 
 
 # --- YAML the web config may not use -----------------------------------------------------------
@@ -527,8 +555,8 @@ def test_a_reload_into_an_alias_bomb_keeps_the_config_in_force(tmp_path, caplog)
     lines = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
     lines += [f"{n}: &{n} [" + ", ".join([f"*{b}"] * 9) + "]" for n, b in zip("bcdefghi", "abcdefgh", strict=True)]
     web.write_text("bomb:\n" + "".join(f"  {line}\n" for line in lines) + "tls_server_config: {min_version: *i}\n")
-    assert settings.current().users == ("alice",)
-    assert settings.current().users == ("alice",)
+    assert settings.current(WAIT_S).users == ("alice",)
+    assert settings.current(WAIT_S).users == ("alice",)
     failures = [r for r in caplog.records if "reloading" in r.getMessage()]
     assert len(failures) == 1 and "line 2, column 6: YAML anchor &a" in failures[0].getMessage()
 
@@ -548,8 +576,8 @@ def test_an_unexpected_error_in_a_reload_keeps_the_config_in_force(tmp_path, cap
     monkeypatch.setattr(mig_exporter.web.webconfig, "load_web_config", broken)
     web.write_text(f"basic_auth_users:\n  bob: {HASH}\n")
     with caplog.at_level(logging.INFO, logger="mig_exporter"):
-        assert settings.current().users == ("alice",)
-        assert settings.current().users == ("alice",)
+        assert settings.current(WAIT_S).users == ("alice",)
+        assert settings.current(WAIT_S).users == ("alice",)
     failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage() for r in failures] == [
         f"reloading {web} failed; kept the web config in force: unexpected error: RuntimeError: a bug in two lines"
@@ -566,12 +594,12 @@ def test_a_reload_into_an_empty_web_config_keeps_auth_in_force(tmp_path, caplog)
     web.write_text(f"basic_auth_users:\n  alice: {HASH}\n")
     settings = WebSettings(str(web), check_interval_s=0)
     web.write_text("")
-    assert settings.current().users == ("alice",)
+    assert settings.current(WAIT_S).users == ("alice",)
     failures = [r.getMessage() for r in caplog.records if "reloading" in r.getMessage()]
     assert failures == [f"reloading {web} failed; kept the web config in force: the file is empty (or only "
                         "comments): refused as probably half written; a config with no settings by intent is {}"]
     web.write_text("{}\n")
-    assert settings.current().users == ()
+    assert settings.current(WAIT_S).users == ()
 
 
 def test_a_web_config_section_cut_short_is_refused(tmp_path):

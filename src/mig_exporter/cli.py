@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import os
+import queue
 import signal
 import sys
 import tempfile
@@ -470,22 +471,29 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
 def _run(server: ExporterServer) -> None:
     """Serve until SIGTERM or SIGINT; SIGHUP reloads the config file."""
     prober = server.prober
+    # A handler runs in the main thread between two bytecodes, whatever lock that thread holds
+    # (threading's own in Thread.start, logging's, a reloader's): it only queues the signal
+    # (SimpleQueue.put is reentrant), and a thread started here acts on it.
+    received: queue.SimpleQueue[int] = queue.SimpleQueue()
 
-    def stop(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        threading.Thread(target=server.shutdown, daemon=True).start()
+    def act() -> None:
+        while True:
+            signum = received.get()
+            try:
+                if signum != signal.SIGHUP:
+                    log.info("received %s, shutting down", signal.Signals(signum).name)
+                    server.shutdown()
+                elif prober is None:
+                    log.info("received SIGHUP; no --config.file, nothing to reload")
+                else:
+                    log.info("received SIGHUP, reloading %s", prober.config_file)
+                    prober.request_reload(0)  # the reloader's thread reads; this one waits for nothing
+            except Exception:  # a bug of ours: logged, and the next signal is still acted on
+                log.exception("acting on %s failed", signal.Signals(signum).name)
 
-    def reload(_signum: int, _frame: object) -> None:
-        if prober is None:
-            log.info("received SIGHUP; no --config.file, nothing to reload")
-            return
-        log.info("received SIGHUP, reloading %s", prober.config_file)
-        # Off the signal handler: reloading takes locks the interrupted code may hold.
-        threading.Thread(target=prober.request_reload, args=(0,), name="reload", daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGHUP, reload)
+    threading.Thread(target=act, name="signals", daemon=True).start()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda signum, _frame: received.put(signum))
     log.info("mig-exporter %s listening on %s (source: %s)", __version__, server.listening,
              server.exporter.source.describe())
     # What is alive now (modules, the parsers' tables) lives until exit; frozen,

@@ -9,10 +9,11 @@ and text from the server (an error body, a status line, a redirect's ``Location`
 secret cut out before it is escaped for a terminal and cut to a length.
 
 A Prometheus that is broken or hostile cannot hold fleet, nor fill its memory: one deadline
-covers every query of an exchange (``exchange()``), each connect, header and body byte included,
-so a trickling or endless answer stops at it; at most ``ANSWER_LIMIT`` bytes of an answer are
-read, and an answer that lists more than ``MAX_SERIES`` series is refused before it is built; an
-error body is read to 1 KiB. Redirects are not followed at all (stricter than "only to the same
+covers every query of an exchange (``exchange()``), the name's resolution, each connect (every
+address of the name together), TLS handshake, header and body byte included, over http and
+https, so a trickling or endless answer stops at it; at most ``ANSWER_LIMIT`` bytes of an answer
+are read, and an answer that lists more than ``MAX_SERIES`` series is refused before it is built;
+an error body is read to 1 KiB. Redirects are not followed at all (stricter than "only to the same
 host": a redirect is where credentials leak).
 """
 
@@ -31,11 +32,11 @@ import unicodedata
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, AnyStr
 
-from mig_exporter.core.visible import visible
+from mig_exporter.core.visible import escaped, visible
 
 # The environment variable a basic-auth password may come from (cli.py names it in --help).
 PASSWORD_ENV = "MIG_EXPORTER_PROMETHEUS_BASIC_AUTH_PASSWORD"
@@ -225,7 +226,7 @@ class Redactor:
 
     def __init__(self, secrets: Iterable[str]) -> None:
         kept = {s for s in secrets if len(s) >= _MIN_SECRET}
-        forms = {form for s in kept for form in (s, json.dumps(s)[1:-1], _escaped(s), _terminal(s))}
+        forms = {form for s in kept for form in (s, json.dumps(s)[1:-1], escaped(s), visible(s))}
         self._texts = sorted(forms, key=len, reverse=True)
         encoded = set()
         for form in forms:
@@ -297,6 +298,9 @@ class _Watch:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
         self._timers: list[threading.Timer] = []
+        # Held while a timer shuts a socket and while a held handle is closed: a handle's number
+        # is never shut after it was closed (by then it may be another file's).
+        self._lock = threading.Lock()
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -305,59 +309,156 @@ class _Watch:
     def passed(self) -> bool:
         return self.left() <= 0
 
-    def watch(self, sock: socket.socket) -> None:
-        timer = threading.Timer(max(self.left(), 0.0), _shut, (sock,))
+    def watch(self, sock: socket.socket) -> threading.Timer:
+        """Shut ``sock`` at the deadline: the socket object that does the I/O (for https the
+        ``SSLSocket``: wrapping detaches the plain one, whose shutdown would then do nothing)."""
+        timer = threading.Timer(max(self.left(), 0.0), self._shut, (sock,))
         timer.daemon = True
         timer.start()
         self._timers.append(timer)
+        return timer
+
+    def hold(self, sock: socket.socket) -> tuple[socket.socket, threading.Timer]:
+        """A handle of its own on ``sock``'s connection (a duplicate), shut at the deadline. It
+        bounds a TLS handshake: ``wrap_socket`` detaches ``sock`` before it, and the ``SSLSocket``
+        is nowhere to be watched until the handshake is done. ``release`` it once it is."""
+        handle = sock.dup()
+        return handle, self.watch(handle)
+
+    def release(self, held: tuple[socket.socket, threading.Timer]) -> None:
+        handle, timer = held
+        with self._lock:
+            timer.cancel()
+            handle.close()
+
+    def _shut(self, sock: socket.socket) -> None:
+        with self._lock, contextlib.suppress(OSError):  # closed: the answer ended in time after all
+            # socket.socket's own: SSLSocket.shutdown would drop its TLS state under the reader.
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
     def stop(self) -> None:
         for timer in self._timers:
             timer.cancel()
 
 
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):  # already closed: the answer ended in time after all
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+# Go's net.Dialer spreads a dial's timeout over a name's addresses, each given at least 2 s of it
+# (or what is left, if less: dial.go, partialDeadline): one blackholed address cannot take the
+# time the next one needs.
+_MIN_ATTEMPT_S = 2.0
+
+_AddrInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]
+
+
+def _resolve(host: str, port: int, within_s: float) -> Sequence[_AddrInfo]:
+    """``getaddrinfo`` within ``within_s``. The resolver keeps its own timeouts (5 s a try, and
+    retries), not ours: it asks in a daemon thread, which is left behind if it has not answered."""
+    with contextlib.suppress(socket.gaierror):  # an address already: nothing to ask
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    found: list[_AddrInfo] = []
+    failed: list[Exception] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        try:
+            found.extend(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except Exception as e:  # raised in the caller, as getaddrinfo's own
+            failed.append(e)
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=ask, name="fleet-resolve", daemon=True).start()
+    except RuntimeError:  # no thread to be had: ask here, unbounded, as urllib would
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    if not done.wait(max(within_s, 0.0)):
+        raise TimeoutError(f"the name was not resolved within {within_s:.3g} s")
+    if failed:
+        raise failed[0]
+    return found
+
+
+def _connect(address: tuple[str, int], watch: _Watch, source_address: tuple[str, int] | None) -> socket.socket:
+    """``socket.create_connection`` inside the exchange's deadline: the name resolved, and each of
+    its addresses tried in turn with its share of the time left (create_connection gives each the
+    whole timeout, so N blackholed addresses took N times it)."""
+    host, port = address
+    found = _resolve(host, port, watch.left())
+    if not found:
+        raise OSError("getaddrinfo returns an empty list")
+    failure: OSError = TimeoutError("connect timed out")
+    for i, (family, kind, proto, _, addr) in enumerate(found):
+        left = watch.left()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(max(left / (len(found) - i), min(left, _MIN_ATTEMPT_S)))
+            if source_address is not None:
+                sock.bind(source_address)
+            sock.connect(addr)
+        except OSError as e:
+            sock.close()
+            failure = e
+            continue
+        # Each later operation within what is left; the timers shut the socket at the deadline.
+        sock.settimeout(max(watch.left(), 0.001))
+        return sock
+    raise failure
 
 
 def _watched(base: type[http.client.HTTPConnection],
-             watch: Callable[[socket.socket], None]) -> type[http.client.HTTPConnection]:
-    """``base`` with each socket it creates handed to ``watch`` before the first byte (for https,
-    before the TLS handshake: a handshake can trickle too)."""
+             current: Callable[[], _Watch | None]) -> type[http.client.HTTPConnection]:
+    """``base`` under the exchange's deadline (``current()``): its connect (name, addresses, TLS
+    handshake) bounded by it, then the socket that does the I/O shut at it."""
 
     class Watched(base):  # type: ignore[valid-type,misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            create: Callable[..., socket.socket] = getattr(self, "_create_connection")  # noqa: B009
+            # http.client sets this on the instance (socket.create_connection): a method would not
+            # take its place.
+            self._create_connection = self._connect_in_time
+            self._held: tuple[socket.socket, threading.Timer] | None = None
 
-            def create_watched(*a: Any, **k: Any) -> socket.socket:
-                sock = create(*a, **k)
-                watch(sock)
-                return sock
+        def _connect_in_time(self, address: tuple[str, int], timeout: float,
+                             source_address: tuple[str, int] | None = None) -> socket.socket:
+            watch = current()
+            if watch is None:
+                return socket.create_connection(address, timeout, source_address)
+            sock = _connect(address, watch, source_address)
+            self._held = watch.hold(sock)
+            return sock
 
-            self._create_connection = create_watched
+        def connect(self) -> None:
+            watch = current()
+            try:
+                super().connect()  # for https, the handshake too
+            finally:
+                if self._held is not None and watch is not None:
+                    watch.release(self._held)
+                    self._held = None
+            if watch is not None:
+                watch.watch(self.sock)
 
     return Watched
 
 
 class _WatchedHTTP(urllib.request.HTTPHandler):
-    def __init__(self, watch: Callable[[socket.socket], None]) -> None:
+    def __init__(self, current: Callable[[], _Watch | None]) -> None:
         super().__init__()
-        self._watch = watch
+        self._current = current
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_watched(http.client.HTTPConnection, self._watch), req)
+        return self.do_open(_watched(http.client.HTTPConnection, self._current), req)
 
 
 class _WatchedHTTPS(urllib.request.HTTPSHandler):
-    def __init__(self, watch: Callable[[socket.socket], None], context: ssl.SSLContext) -> None:
+    def __init__(self, current: Callable[[], _Watch | None], context: ssl.SSLContext) -> None:
         super().__init__(context=context)
-        self._watch = watch
+        self._current = current
         self._tls = context
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_watched(http.client.HTTPSConnection, self._watch), req, context=self._tls)
+        return self.do_open(_watched(http.client.HTTPSConnection, self._current), req, context=self._tls)
 
 
 class PrometheusClient:
@@ -391,17 +492,16 @@ class PrometheusClient:
         if self.access.ca_file is not None and parsed.scheme != "https":
             raise FleetUsageError(f"{self.shown}: --prometheus.ca-file verifies an https:// server; this URL is "
                                   "http://")
-        handlers: list[urllib.request.BaseHandler] = [_NoRedirects(), _WatchedHTTP(self._watch_socket)]
+        handlers: list[urllib.request.BaseHandler] = [_NoRedirects(), _WatchedHTTP(self._current_watch)]
         if parsed.scheme == "https":
-            handlers.append(_WatchedHTTPS(self._watch_socket, self._tls_context()))
+            handlers.append(_WatchedHTTPS(self._current_watch, self._tls_context()))
         self._opener = urllib.request.build_opener(*handlers)
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self._watch: _Watch | None = None  # the exchange under way
 
-    def _watch_socket(self, sock: socket.socket) -> None:
-        if self._watch is not None:
-            self._watch.watch(sock)
+    def _current_watch(self) -> _Watch | None:
+        return self._watch
 
     @contextlib.contextmanager
     def exchange(self) -> Iterator[None]:
@@ -491,7 +591,7 @@ class PrometheusClient:
         result = answer.get("data")
         if not isinstance(result, dict) or result.get("resultType") != "vector":
             kind = result.get("resultType") if isinstance(result, dict) else type(result).__name__
-            raise FleetError(f"{endpoint}: expected an instant vector, got {redact.shown(str(kind), 40)!r}")
+            raise FleetError(f"{endpoint}: expected an instant vector, got '{redact.shown(str(kind), 40)}'")
         elements = result.get("result")
         if isinstance(elements, list) and len(elements) > MAX_SERIES:
             raise FleetError(f"{endpoint}: {_too_many()}")
@@ -611,18 +711,19 @@ def _first_line(body: bytes, redact: Redactor) -> str:
 
 
 def for_terminal(text: str, limit: int) -> str:
-    """Outside text as a terminal line can hold it: control and other unprintable characters
-    escaped (``\\x1b``), at most ``limit`` characters."""
-    out = _terminal(text)
-    return out if len(out) <= limit else out[: limit - 1] + "\u2026"
-
-
-def _terminal(text: str) -> str:
-    """``visible()`` (``core/visible``: C0, C1, DEL, line separators, bidi controls), then every
-    other unprintable or separator character escaped too (a zero-width joiner, a no-break space)."""
-    return _escaped(visible(text))
-
-
-def _escaped(text: str) -> str:
-    return "".join(c if c == " " or (c.isprintable() and unicodedata.category(c)[0] not in "CZ")
-                   else ascii(c)[1:-1] for c in text)
+    """Outside text as a terminal line can hold it: every unprintable character escaped
+    (``\\x1b``) and a backslash written ``\\\\`` (``core/visible.escaped``, as status and doctor
+    show names), at most ``limit`` characters, cut between escapes, never inside one."""
+    head = text[:limit + 1]  # an escape is never shorter than its character: no more is needed
+    out = escaped(head)
+    if len(out) <= limit:
+        return out
+    kept: list[str] = []
+    used = 0
+    for c in head:
+        piece = escaped(c)
+        if used + len(piece) > limit - 1:
+            break
+        kept.append(piece)
+        used += len(piece)
+    return "".join(kept) + "\u2026"

@@ -81,7 +81,7 @@ def _lines(outcome: ReadOutcome) -> list[str]:
     lines.append(f"Top process: {_describe_top(outcome, top)}" if top is not None else "Top process: none")
     lines.append("By class: " + ", ".join(c.describe() for c in count_by_class(snapshot, states=states)))
     # Why a device with no process listed is not free: what a person acts on.
-    not_free = [f"  {d.display_name}: {states[d.index].state.replace('_', ' ')}: {states[d.index].reason}"
+    not_free = [f"  {shown(d.display_name)}: {states[d.index].state.replace('_', ' ')}: {states[d.index].reason}"
                 for d in snapshot.devices if states[d.index].state != FREE and not on[d.index]]
     if not_free:
         lines.append("Not free, with no process listed:")
@@ -101,19 +101,19 @@ def _work(outcome: ReadOutcome, pid: int) -> str | None:
     """Whose the process is, as a person names it: its pod, else its Slurm job, else its systemd unit."""
     pod = outcome.pods.processes.get(pid) if outcome.pods is not None else None
     if pod is not None:
-        return f"pod {pod.namespace}/{pod.pod}"
+        return f"pod {shown(pod.namespace)}/{shown(pod.pod)}"
     owner = outcome.owners.processes.get(pid) if outcome.owners is not None else None
     if owner is not None and owner.slurm_job:
-        return f"Slurm job {owner.slurm_job}"
+        return f"Slurm job {shown(owner.slurm_job)}"
     if owner is not None and owner.systemd_unit:
-        return f"unit {owner.systemd_unit}"
+        return f"unit {shown(owner.systemd_unit)}"
     return None
 
 
 def _describe_top(outcome: ReadOutcome, top: Process) -> str:
     assert outcome.snapshot is not None
     device = outcome.snapshot.device(top.device_index)
-    where = device.display_name if device is not None else str(top.device_index)
+    where = shown(device.display_name) if device is not None else str(top.device_index)
     memory = "memory unknown" if top.used_bytes is None else f"{top.used_bytes / _GIB:.1f} GiB"
     work = _work(outcome, top.pid)
     return f"{top.pid} {shown(top.name) or '?'}, {memory} on {where}" + (f" ({work})" if work else "")

@@ -58,15 +58,18 @@ def client_budget(limit_s: float, header: str | None, offset_s: float) -> tuple[
     """A request's budget in seconds, and whether its header was clamped: ``limit_s`` (the
     server's own limit), or Prometheus' scrape timeout (``header``) less ``offset_s`` when that
     is sooner, so the answer arrives before Prometheus gives up. A header below ``MIN_HEADER_S``
-    or not a finite positive number (``0``, ``-5``, ``nan``, ``inf``, ``abc``) counts as
-    ``MIN_HEADER_S``, and is reported as clamped. The budget is this request's alone: the read
-    it shares runs under the server's limit (``core/flight.py``)."""
+    or not a positive number (``0``, ``-5``, ``nan``, ``-inf``, ``abc``) counts as
+    ``MIN_HEADER_S``, and is reported as clamped; ``inf`` asks for no limit but the server's.
+    The budget is this request's alone: the read it shares runs under the server's limit
+    (``core/flight.py``)."""
     if not header:
         return limit_s, False
     try:
         asked = float(header)
     except ValueError:
         asked = math.nan
+    if asked == math.inf:  # no limit of the client's own: the server's
+        return limit_s, False
     clamped = not (math.isfinite(asked) and asked >= MIN_HEADER_S)
     if clamped:
         asked = MIN_HEADER_S

@@ -13,7 +13,8 @@ by ``procfs.read_cgroup``). One parser covers the layouts in use:
   (``crio-<id>``, ``crio-<id>.scope``, with or without a nested
   ``/container``), Docker (``docker-<id>.scope``, ``/docker/<id>``) and Podman
   (``libpod-<id>.scope``), inside Kubernetes or not;
-- kind's nodes (``/kubelet.slice/kubelet-kubepods.slice/...``);
+- kind's nodes (``/kubelet.slice/kubelet-kubepods.slice/...``, or ``/kubelet/kubepods/...``
+  with the cgroupfs driver);
 - a reader in a private cgroup namespace (containerd's default on cgroup v2),
   to which the kernel shows other containers' paths relative to its own,
   with ``..`` components (``0::/../../kubepods-besteffort.slice/...``).
@@ -54,10 +55,12 @@ _POD = re.compile(rf"^(?:[\w.-]*-)?pod({_UID})(?:\.slice)?$")
 # The kubelet's tree (kubernetes pkg/kubelet/cm/cgroup_manager_linux.go, ConvertCgroupNameToSystemd
 # and runc's ExpandSlice): the cgroupfs driver's /kubepods[/burstable|/besteffort]/pod<uid>, the
 # systemd driver's kubepods.slice/kubepods-<qos>.slice/kubepods-<qos>-pod<uid_>.slice (each level
-# repeats its parents' names), kind's --cgroup-root=/kubelet: kubelet.slice/kubelet-kubepods*.
-# Another --cgroup-root gives no pod: a tree this list does not know is not trusted.
-_KUBELET_ROOT = re.compile(r"^(?:kubepods(?:\.slice)?|kubelet\.slice)$")
-_KUBELET_NAME = re.compile(r"^(?:kubepods(?:\.slice)?|kubelet\.slice|(?:kubelet-)?kubepods-[a-z]+\.slice|"
+# repeats its parents' names), kind's cgroupRoot: /kubelet (its kubeadm config): kubelet.slice/
+# kubelet-kubepods* with the systemd driver, /kubelet/kubepods/... with cgroupfs (kind before
+# v0.13, and kubeadm clusters that copied its config). Another --cgroup-root gives no pod: a tree
+# this list does not know is not trusted.
+_KUBELET_ROOT = re.compile(r"^(?:kubepods(?:\.slice)?|kubelet(?:\.slice)?)$")
+_KUBELET_NAME = re.compile(r"^(?:kubepods(?:\.slice)?|kubelet(?:\.slice)?|(?:kubelet-)?kubepods-[a-z]+\.slice|"
                            r"kubelet-kubepods\.slice|burstable|besteffort)$")
 # Slurm's root: cgroup/v1's /slurm or /slurm_<nodename>, cgroup/v2's [<nodename>_]slurmstepd.scope.
 _SLURM_ROOT = re.compile(r"^(?:slurm(?:_[\w.-]+)?|(?:[\w.-]+_)?slurmstepd\.scope)$")

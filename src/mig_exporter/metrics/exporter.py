@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,10 +30,12 @@ from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("mig_exporter")
 
-# How long a finished scrape's answer is given, as it is, to requests that arrive while a client
-# still has its bytes queued (issue 38): 450 clients that never read, arriving a few ms apart,
-# pinned 450 answers of 410 KB each; sharing one, they pin one per window. A Prometheus that
-# drains its answer leaves nothing queued, and its next scrape reads afresh.
+# How long a finished read's answer is given, as it is, to requests that arrive while some
+# connection still has its bytes queued (issue 38): 450 clients that never read, arriving a few ms
+# apart, pinned 450 answers of 410 KB each; sharing one, they pin one per window. The connection
+# loop counts the connections holding an answer's bytes (``Answer.queued``): a Prometheus that
+# drains its answer holds nothing, and its next scrape reads afresh. A failed read is never reused.
+# ``web/probe.py`` reuses a probe target's answer by the same rule.
 REUSE_S = 1.0
 
 _SCRAPE = "scrape"  # the one key of the exporter's flights: every scrape reads the same
@@ -56,22 +57,14 @@ class Answer:
         self.outcome = outcome
         self._lock = threading.Lock()
         self._encodings: dict[tuple[str, bool], _Encoding] = {}
+        self._holders = _Holders()
 
     def queued(self) -> bool:
-        """Whether any of its encodings is still held outside this answer: a connection writing
-        it (the loop keeps a ``memoryview`` of the body, never a copy), or a worker handing it
-        over. CPython's reference count says so without the loop having to report each write's end."""
-        with self._lock:
-            encodings = list(self._encodings.values())
-        for encoding in encodings:
-            value = encoding.value
-            if value is None:
-                continue
-            body = value[0]
-            # The tuple, ``body`` and getrefcount's own argument: 3 when no one else holds it.
-            if sys.getrefcount(body) > 3:
-                return True
-        return False
+        """Whether a connection still has any of its encodings queued to write: the connection
+        loop says so itself (``web/connections.Held``), counting each connection that queues the
+        bytes and each that has sent them all or is closed. Nothing else counts: a worker handing
+        the bytes over, a copy, a traceback."""
+        return self._holders.count > 0
 
     def encoded(self, accept: str | None, compress: bool) -> tuple[bytes, str]:
         """The body and Content-Type for ``Accept: accept``, gzipped if ``compress``."""
@@ -92,7 +85,7 @@ class Answer:
                     # the same as 1 within 2% and save 2%, and 0 saves 0.7 ms but sends
                     # 15 times the bytes to every Prometheus.
                     body = gzip.compress(body, compresslevel=1)
-                encoding.value = (body, content_type)
+                encoding.value = (_Body(body, self._holders), content_type)
             return encoding.value
 
 
@@ -100,6 +93,34 @@ class _Encoding:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.value: tuple[bytes, str] | None = None
+
+
+class _Holders:
+    """How many connections have an answer's bytes queued, as the connection loops report it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the loops of several servers may write one answer
+        self.count = 0
+
+    def add(self, delta: int) -> None:
+        with self._lock:
+            self.count += delta
+
+
+class _Body(bytes):
+    """An encoding's bytes, which tell its answer's ``_Holders`` when a connection queues them
+    and when it has done with them (``web/connections.Held``). It refers to the count alone, not
+    to the answer: a connection that does not read pins these bytes, never the families."""
+
+    _holders: _Holders
+
+    def __new__(cls, data: bytes, holders: _Holders) -> _Body:
+        body = super().__new__(cls, data)
+        body._holders = holders
+        return body
+
+    def hold(self, delta: int) -> None:
+        self._holders.add(delta)
 
 
 class Exporter:
@@ -117,6 +138,7 @@ class Exporter:
         self._scrapes: Flights[str, Answer] = Flights("scrape", keep_ended=True)
         self._lock = threading.Lock()
         self._clamped = 0  # guarded by _lock
+        self._client_timeouts = 0  # guarded by _lock
         self._last: tuple[float, Answer] | None = None  # the newest scrape's answer, and when it ended
 
     @property
@@ -134,7 +156,7 @@ class Exporter:
         started = time.monotonic()
         last = self._last
         if last is not None and started - last[0] <= REUSE_S and last[1].queued():
-            return last[1]  # a client still holds its bytes: the same bytes, not another copy
+            return last[1]  # a connection still holds its bytes: the same bytes, not another copy
         # The scrape runs under the server's own limit, never a caller's shorter deadline: a
         # client that asks for 0.1s (the scrape-timeout header) must not cut short the read that
         # a Prometheus joins (issue 38). A caller due sooner answers its own timeout, alone.
@@ -168,7 +190,10 @@ class Exporter:
     def _scrape(self, deadline: Deadline) -> Answer:
         """One scrape, in the flight's thread; its failure is counted only if a caller takes it."""
         answer = self._answer(*self.scraper.scrape(deadline, answered=lambda: self._scrapes.keep_callers(_SCRAPE)))
-        self._last = (time.monotonic(), answer)
+        # Only a read that succeeded is given to later requests: a failure is shown to the
+        # callers that waited for it, each time afresh after.
+        success = answer.outcome is not None and answer.outcome.success
+        self._last = (time.monotonic(), answer) if success else None
         return answer
 
     def _answer(self, outcome: ReadOutcome, families: list[Metric]) -> Answer:
@@ -196,6 +221,8 @@ class Exporter:
         reason = (f"this request's own deadline of {deadline.at - started:.1f}s passed "
                   f"while the scrape went on within --timeout")
         log.debug("%s", reason)
+        with self._lock:
+            self._client_timeouts += 1
         outcome = ReadOutcome(None, time.monotonic() - started, reason)
         return self._answer(outcome, list(self.scraper.families_for(outcome)))
 
@@ -207,11 +234,18 @@ class Exporter:
 
     def _deadline_families(self) -> list[Metric]:
         with self._lock:
-            clamped = self._clamped
+            clamped, client_timeouts = self._clamped, self._client_timeouts
         return [CounterMetricFamily(
             "mig_exporter_scrape_timeout_clamped",
             "Requests whose X-Prometheus-Scrape-Timeout-Seconds was below 1s or not a finite positive number, "
-            "taken as 1s (docs/security.md).", value=clamped)]
+            "taken as 1s (docs/security.md).", value=clamped),
+            # A read that ends between Prometheus' deadline and --timeout fails that scrape but is no
+            # read error: without this count it would show only as read_success 0.
+            CounterMetricFamily(
+                "mig_exporter_scrape_client_timeouts",
+                "/metrics requests answered failed at their own deadline (the scrape-timeout header less the "
+                "offset) while the read they shared went on within --timeout; not in read_errors_total.",
+                value=client_timeouts)]
 
     def _failed(self, reason: str, started: float) -> Answer:
         """A failed read, with the newest /proc reading if it is no older than ``timeout_s`` (one

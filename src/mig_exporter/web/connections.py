@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from mig_exporter.core.malloc_tuning import release_free_memory
@@ -83,9 +83,17 @@ _UNSENT_BYTES = 64 * 1024
 # memory they held is given back to the system (core/malloc_tuning.py), at most this often.
 _CROWD = 64
 _RELEASE_EVERY_S = 10.0
-# A writer the client has taken no byte from for this long is stalled: past the bound on queued
-# answer bytes, it is closed, the oldest first; a reader that drains never is (issue 38).
-_STALLED_S = 1.0
+# A writer whose client has taken less than _PROGRESS_BYTES of its answer in this long is stalled:
+# past the bound on queued answer bytes, and at the connection cap, it is closed, the longest
+# stalled first (issue 38). A reader that drains never is: a Prometheus in a GC pause, a slow WAN
+# or TLS reader whose send buffer stays full for a second or two, or a loop busy for a moment, all
+# take that much within the window. A sixth of the write deadline (30 s); a client that takes 16 KiB
+# every 5 s to stay "draining" holds its one answer until that deadline, no longer.
+_STALLED_S = 5.0
+_PROGRESS_BYTES = 16 * 1024
+# An answer this small is queued even past the bound: /-/healthy must answer while the bound is
+# reached (a liveness probe's 503 restarts the pod), and 512 connections hold at most 2 MiB of them.
+_SMALL_ANSWER_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +113,12 @@ class Limits:
     # Writing one answer, from the moment it is ready: a client that does not read it by then is
     # closed. It holds no thread meanwhile, only its connection and that answer (Go's WriteTimeout).
     write_timeout_s: float = 30.0
-    # The answer bytes all writers still have queued, together (issue 38): past it, the writer
-    # stalled longest is closed first. An answer is counted in full for each connection writing
-    # it though the bytes are shared (``metrics/exporter.py``), so the bound holds whatever sharing
-    # does: RSS stays under this plus the server's own (docs/security.md).
+    # The answer bytes all writers still hold, together (issue 38), each bytes object counted once
+    # however many connections write it (``metrics/exporter.py`` shares them), in full until the
+    # last of them has sent it: what stays resident. Past it, the writers stalled longest are
+    # closed first; a new answer that would still pass it is answered 503 instead, unless no other
+    # answer is queued (one answer is always served, however large) or it is of a few KiB
+    # (/-/healthy). docs/security.md.
     max_queued_bytes: int = 64 * 1024 * 1024
     workers: int = 64
     queued_requests: int = 256
@@ -294,11 +304,21 @@ _WRITING = "writing"  # its answer going out as the socket drains; nothing more 
 _CLOSING = "closing"  # answered; draining what the client still sends, then closed
 
 
+@runtime_checkable
+class Held(Protocol):
+    """Bytes of an answer that want to know whether a connection still has them queued: told +1
+    when a connection queues them, -1 when it has sent them all or is closed (the encodings of
+    ``metrics/exporter.py``'s ``Answer``, which are given as they are to later requests while
+    some client has them queued)."""
+
+    def hold(self, delta: int) -> None: ...
+
+
 class Connection:
     """One client connection, as the loop sees it."""
 
-    __slots__ = ("buffer", "deadline", "head", "in_head", "keep", "key", "opened", "out", "peer", "progressed",
-                 "scanned", "served", "sock", "state", "tls_started", "watching")
+    __slots__ = ("buffer", "deadline", "head", "held", "in_head", "keep", "key", "opened", "out", "peer",
+                 "progressed", "scanned", "served", "sock", "state", "taken", "tls_started", "watching")
 
     def __init__(self, sock: socket.socket, peer: tuple[str, int], now: float) -> None:
         self.sock: socket.socket = sock
@@ -316,14 +336,23 @@ class Connection:
         # The answer being written: what is left of each of its buffers (the body is the scrape's
         # shared bytes, never copied), and whether the connection is kept once it has drained.
         self.out: collections.deque[memoryview] = collections.deque()
+        self.held: tuple[bytes, ...] = ()  # the bytes objects ``out`` views, each once: the loop's count holds them
         self.keep = False
-        self.progressed = now  # when the client last took bytes of its answer (or the answer came)
+        # When the client last took _PROGRESS_BYTES of its answer (or the answer came), and what it
+        # has taken since.
+        self.progressed = now
+        self.taken = 0
         self.watching = 0  # the selector events registered for it
 
 
 def _queued(conn: Connection) -> int:
     """The bytes of its answer a connection has still to write."""
     return sum(len(part) for part in conn.out)
+
+
+def _stalled(conn: Connection, now: float) -> bool:
+    """Whether a writer's client has taken less than ``_PROGRESS_BYTES`` in ``_STALLED_S``."""
+    return conn.state == _WRITING and now - conn.progressed >= _STALLED_S
 
 
 def peer_name(address: object) -> str:
@@ -387,6 +416,10 @@ class ConnectionLoop:
         self._last_release = 0.0
         self.tick = tick  # called at each sweep, in the loop, with the time: the owner's housekeeping
         self._parked: collections.deque[tuple[Connection, Request]] = collections.deque()
+        # The bytes objects writers hold, by id(): [the object, how many connections hold it]; and
+        # their total size, each counted once (the bound on queued answer bytes).
+        self._held: dict[int, list[Any]] = {}
+        self.queued_bytes = 0
         # Refusals, one line per reason and a count of the rest (per server: tests start many).
         self.limited = RateLimitedLog(log)
 
@@ -526,10 +559,10 @@ class ConnectionLoop:
 
     def _evict(self, now: float) -> bool:
         """Close the connection that is least use to anyone: one that has not sent a whole
-        request yet (a slow client's, oldest first), else a writer whose client has taken no byte
-        for ``_STALLED_S`` (the longest stalled first), else the longest idle one (a Prometheus
-        between scrapes on its keep-alive connection: issue 38 found it evicted before stalled
-        writers). False when every connection is in a worker."""
+        request yet (a slow client's, oldest first), else a writer stalled past ``_STALLED_S``
+        (the longest stalled first), else the longest idle one (a Prometheus between scrapes on
+        its keep-alive connection: issue 38 found it evicted before stalled writers), and last a
+        writer whose client reads. False when every connection is in a worker."""
         best: Connection | None = None
         best_rank: tuple[int, float] | None = None
         for conn in self.connections.values():
@@ -539,7 +572,7 @@ class ConnectionLoop:
             if conn.served == 0:
                 rank = (0, conn.opened)
             elif conn.state == _WRITING:
-                rank = (1, conn.progressed) if now - conn.progressed >= _STALLED_S else (3, conn.deadline)
+                rank = (1, conn.progressed) if _stalled(conn, now) else (3, conn.deadline)
             else:
                 rank = (2, conn.deadline)
             if best_rank is None or rank < best_rank:
@@ -779,12 +812,18 @@ class ConnectionLoop:
             if id(conn) not in self.connections:
                 continue
             conn.served += 1
-            conn.out = collections.deque(memoryview(part) for part in answer if part)
+            parts = [part for part in answer if part]
+            if not self._room_for(parts):
+                self._refuse(conn, 503, "Service Unavailable", f"the answers queued for clients that do not read "
+                             f"them are at the bound of {self.limits.max_queued_bytes >> 20} MiB")
+                continue
+            conn.out = collections.deque(memoryview(part) for part in parts)
+            self._hold(conn, parts)
             conn.keep = keep
             conn.state = _WRITING
             conn.progressed = time.monotonic()
+            conn.taken = 0
             conn.deadline = conn.progressed + self.limits.write_timeout_s
-            self._bound_queued(conn)
             self._ready(conn, selectors.EVENT_WRITE)  # its guards: a client fault here is not the loop's
 
     # --- writing ----------------------------------------------------------------------------
@@ -800,8 +839,10 @@ class ConnectionLoop:
                     sent = sock.send(out[0][:_TLS_SEND_BYTES])
                 else:
                     sent = sock.sendmsg(list(itertools.islice(out, _IOV_MAX)))
-                if sent:
+                conn.taken += sent
+                if conn.taken >= _PROGRESS_BYTES:  # draining, if slowly; a trickle is not
                     conn.progressed = time.monotonic()
+                    conn.taken = 0
                 while sent and out:
                     first = out[0]
                     if sent >= len(first):
@@ -823,6 +864,7 @@ class ConnectionLoop:
             log.debug("connection from %s ended while its answer was written: %s", peer_name(conn.peer), e)
             self._close(conn)
             return
+        self._release(conn)  # all sent: what the client has not read is the kernel's now
         if not conn.keep:
             self._linger(conn)
             return
@@ -835,25 +877,63 @@ class ConnectionLoop:
         elif isinstance(sock, ssl.SSLSocket) and sock.pending():  # decrypted already: no event will say so
             self._read(conn)
 
-    def _bound_queued(self, new: Connection) -> None:
-        """Keep the answer bytes queued by all writers under ``max_queued_bytes``: past it, close
-        the writers whose clients have taken nothing for ``_STALLED_S``, the longest stalled first,
-        until back under it. A reader that drains is never closed for it, nor is ``new``."""
-        writers = [conn for conn in self.connections.values() if conn.state == _WRITING and conn is not new]
-        total = _queued(new) + sum(_queued(conn) for conn in writers)
-        if total <= self.limits.max_queued_bytes:
-            return
-        now = time.monotonic()
-        stalled = sorted((conn for conn in writers if now - conn.progressed >= _STALLED_S),
+    def _hold(self, conn: Connection, parts: list[bytes]) -> None:
+        """Count the bytes objects of the answer ``conn`` now writes, each once however many
+        connections write it; tell those that ask (``Held``) that one more connection holds them."""
+        distinct = tuple({id(part): part for part in parts}.values())
+        for part in distinct:
+            entry = self._held.get(id(part))
+            if entry is None:
+                entry = self._held[id(part)] = [part, 0]
+                self.queued_bytes += len(part)
+            entry[1] += 1
+            if isinstance(part, Held):
+                part.hold(1)
+        conn.held = distinct
+
+    def _release(self, conn: Connection) -> None:
+        """``conn`` holds its answer's bytes no more: sent whole, or the connection closed."""
+        for part in conn.held:
+            entry = self._held[id(part)]
+            entry[1] -= 1
+            if not entry[1]:
+                del self._held[id(part)]
+                self.queued_bytes -= len(part)
+            if isinstance(part, Held):
+                part.hold(-1)
+        conn.held = ()
+
+    def _room_for(self, parts: list[bytes]) -> bool:
+        """Whether an answer of ``parts`` may be queued within ``max_queued_bytes``, counting only
+        the bytes no writer holds already (a shared answer costs nothing more): past the bound,
+        the writers stalled longest are closed first (never a reader that drains). False when
+        it would still pass the bound, unless no other answer is queued at all (one answer is
+        always served, however large) or it is a small one (``/-/healthy``, a refusal)."""
+        bound = self.limits.max_queued_bytes
+
+        def new() -> int:
+            return sum(len(part) for part in {id(part): part for part in parts}.values() if id(part) not in self._held)
+
+        def fits() -> bool:
+            return self.queued_bytes + new() <= bound
+
+        if fits() or new() <= _SMALL_ANSWER_BYTES:
+            return True
+        self._close_stalled(time.monotonic(), fits)
+        return fits() or not self.queued_bytes
+
+    def _close_stalled(self, now: float, done: Callable[[], bool]) -> None:
+        """Close the writers stalled past ``_STALLED_S``, the longest stalled first, until ``done()``.
+        Called when a new answer would pass the bound, and at each sweep while the bound is passed."""
+        stalled = sorted((conn for conn in self.connections.values() if _stalled(conn, now)),
                          key=lambda conn: conn.progressed)
         for conn in stalled:
-            if total <= self.limits.max_queued_bytes:
-                break
-            total -= _queued(conn)
+            if done():
+                return
             self.limited.log(("stalled",), logging.INFO,
-                             "connection from %s closed: it took no byte of its answer for %.0fs while answers "
-                             "queued for clients passed %d MiB", peer_name(conn.peer), now - conn.progressed,
-                             self.limits.max_queued_bytes >> 20)
+                             "connection from %s closed: it took under %d KiB of its answer in %.0fs while the "
+                             "answers queued for clients passed %d MiB", peer_name(conn.peer),
+                             _PROGRESS_BYTES >> 10, now - conn.progressed, self.limits.max_queued_bytes >> 20)
             self._close(conn)
 
     # --- refusing and closing ---------------------------------------------------------------
@@ -871,7 +951,9 @@ class ConnectionLoop:
         connection may still be unsent in the kernel, so one send() could take none of it."""
         conn.buffer = bytearray()  # nothing more is read from it as a request
         conn.head, conn.scanned, conn.in_head = None, 0, False
+        self._release(conn)
         conn.out = collections.deque([memoryview(answer)])
+        self._hold(conn, [answer])
         conn.keep = False
         conn.state = _WRITING
         conn.deadline = time.monotonic() + self.limits.write_timeout_s
@@ -904,6 +986,7 @@ class ConnectionLoop:
     def _close(self, conn: Connection) -> None:
         self._unwatch(conn)
         conn.out = collections.deque()
+        self._release(conn)
         self.connections.pop(id(conn), None)
         with contextlib.suppress(OSError):
             conn.sock.close()
@@ -937,6 +1020,8 @@ class ConnectionLoop:
                 self._close(conn)
             else:  # idle, or lingered long enough
                 self._close(conn)
+        if self.queued_bytes > self.limits.max_queued_bytes:  # one answer over it, or the bound lowered
+            self._close_stalled(now, lambda: self.queued_bytes <= self.limits.max_queued_bytes)
         self._release_memory(now)
 
     def _release_memory(self, now: float) -> None:

@@ -16,8 +16,12 @@ At most ``max_concurrent`` commands run at once; a probe beyond that is
 refused at once (the server answers 503) instead of queueing behind hung
 ones. Probes of a target that is already running wait for that run and share
 its result, so a burst of scrapes costs one run (``core/flight.py``, keyed by
-target). The exporter's own counters about probes are served on ``/metrics``
-(``collect()``).
+target), and its answer: the families and their encoded bytes are made once
+per run. A run's answer that succeeded is given as it is to probes of the
+target that arrive within ``REUSE_S`` of its end while a connection still has
+its bytes queued, as ``/metrics`` does (``metrics/exporter.py``): clients that
+never read pin one answer a window, not one each. The exporter's own counters
+about probes are served on ``/metrics`` (``collect()``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,7 +41,7 @@ from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.flight import FlightFailed, FlightNotStarted, Flights
 from mig_exporter.core.logs import shown
 from mig_exporter.core.ratelog import RateLimitedLog
-from mig_exporter.metrics.exporter import Answer
+from mig_exporter.metrics.exporter import REUSE_S, Answer
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S, NvidiaSmiSource
@@ -68,6 +72,8 @@ class ProbeResult:
     target: ProbeTarget
     outcome: ReadOutcome
     duration_s: float
+    # The answer the probes of one successful run share (``Prober.probe``); None: an answer of its own.
+    shared: SharedAnswer | None = field(default=None, compare=False, repr=False)
 
     def collect(self) -> Iterator[Metric]:
         """The families of the answer."""
@@ -85,8 +91,37 @@ class ProbeResult:
             yield from snapshot_families(snapshot)
 
     def answer(self) -> Answer:
-        """What the server sends: these families alone, encoded as the request asks."""
-        return Answer(list(self.collect()))
+        """What the server sends: these families alone, encoded as the request asks; for a run's
+        shared answer, the one its first probe made (with that probe's duration)."""
+        if self.shared is None:
+            return Answer(list(self.collect()))
+        return self.shared.get(lambda: Answer(list(self.collect())))
+
+
+class SharedAnswer:
+    """The answer of one successful run of a target, made once, by the first probe that asks,
+    and given to every probe that shares the run or reuses it (issue 38: 450 probes that never
+    read their answers pinned 450 copies of a big target's body)."""
+
+    def __init__(self, outcome: ReadOutcome, ended_at: float, duration_s: float) -> None:
+        self.outcome = outcome
+        self.ended_at = ended_at  # time.monotonic() when the first probe took the run's outcome
+        self.duration_s = duration_s  # that probe's: what the answer says
+        self._lock = threading.Lock()
+        self._answer: Answer | None = None
+
+    def get(self, make: Callable[[], Answer]) -> Answer:
+        with self._lock:
+            if self._answer is None:
+                self._answer = make()
+            return self._answer
+
+    def reusable(self, now: float) -> bool:
+        """Whether a probe arriving ``now`` takes this answer instead of a run: within
+        ``REUSE_S`` of the run's end while a connection has its bytes queued."""
+        with self._lock:
+            answer = self._answer
+        return now - self.ended_at <= REUSE_S and answer is not None and answer.queued()
 
 
 class Prober:
@@ -115,6 +150,11 @@ class Prober:
         self._reload_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._runs: Flights[ProbeTarget, ReadOutcome] = Flights("probe")
+        self._answers_lock = threading.Lock()
+        # The answers of each target's successful runs that ended within REUSE_S, by id() of the run's
+        # outcome (which each SharedAnswer holds): the probes of one run find its answer even when
+        # they take it after a newer run has ended.
+        self._answers: dict[ProbeTarget, dict[int, SharedAnswer]] = {}
         self._config = config
         self._scrapers: dict[ProbeTarget, Scraper] = {}
         self._probes: dict[str, int] = {}
@@ -154,8 +194,13 @@ class Prober:
 
     def probe(self, target: ProbeTarget, deadline: Deadline) -> ProbeResult:
         """Read ``target`` by ``deadline``, or join its run in progress.
-        Raises ``ProbeBusy`` at once when every slot is taken, or no thread can be started."""
+        Raises ``ProbeBusy`` at once when every slot is taken, or no thread can be started.
+        Within ``REUSE_S`` of a successful run's end, while a connection still has its answer
+        queued, that answer is given again and nothing runs."""
         started = time.monotonic()
+        reused = self._reusable(target, started)
+        if reused is not None:
+            return self._counted(ProbeResult(target, reused.outcome, reused.duration_s, reused), own_timeout=False)
         starts = False  # whether this probe started the run: admit is asked for a new run alone
         # The run reads under the target's own timeout, never a probe's shorter deadline: one probe
         # asking for 0.1s must not fail the run the others join (issue 38). A probe due sooner
@@ -189,12 +234,46 @@ class Prober:
             outcome = self._failed(target, started, "the run this probe waited for ended without a result")
         except FlightNotStarted as e:
             raise ProbeBusy(str(e)) from e
-        result = ProbeResult(target, outcome, time.monotonic() - started)
+        return self._counted(self._result(target, outcome, started), own_timeout)
+
+    def _result(self, target: ProbeTarget, outcome: ReadOutcome, started: float) -> ProbeResult:
+        """The probes of one successful run share its answer (the same outcome object: the run's);
+        a failed probe's answer is its own, and never reused."""
+        now = time.monotonic()
+        if not outcome.success:
+            return ProbeResult(target, outcome, now - started)
+        with self._answers_lock:
+            runs = self._answers.setdefault(target, {})
+            shared = runs.get(id(outcome))
+            if shared is None:
+                shared = runs[id(outcome)] = SharedAnswer(outcome, now, now - started)
+        return ProbeResult(target, outcome, shared.duration_s, shared)
+
+    def _reusable(self, target: ProbeTarget, now: float) -> SharedAnswer | None:
+        """The target's newest answer that a probe arriving ``now`` takes (``SharedAnswer.reusable``),
+        if any; the answers past their window are let go."""
+        self.forget_finished(now)
+        with self._answers_lock:
+            recent = sorted(self._answers.get(target, {}).values(), key=lambda shared: shared.ended_at, reverse=True)
+        return next((shared for shared in recent if shared.reusable(now)), None)
+
+    def forget_finished(self, now: float) -> None:
+        """Let go of the answers no probe can reuse any more (their window has passed), so that a
+        target's families are not kept between probes."""
+        with self._answers_lock:
+            for target, runs in list(self._answers.items()):
+                for key in [key for key, shared in runs.items() if now - shared.ended_at > REUSE_S]:
+                    del runs[key]
+                if not runs:
+                    del self._answers[target]
+
+    def _counted(self, result: ProbeResult, own_timeout: bool) -> ProbeResult:
         with self._lock:
-            if target.name in self._probes:  # not a target a reload has removed
-                self._probes[target.name] += 1
-                if not outcome.success and not own_timeout:  # a client's deadline is no failure of the target
-                    self._failures[target.name] += 1
+            name = result.target.name
+            if name in self._probes:  # not a target a reload has removed
+                self._probes[name] += 1
+                if not result.outcome.success and not own_timeout:  # a client's deadline is no failure of the target
+                    self._failures[name] += 1
         return result
 
     def _take_slot(self) -> Callable[[], None]:
@@ -230,12 +309,13 @@ class Prober:
     # --- config ------------------------------------------------------------------------------
 
     def request_reload(self, wait_s: float | None = None) -> tuple[bool, str] | None:
-        """Ask for a reload (``reload``, run by the reloader) and wait up to ``wait_s`` (the
-        reload's deadline where None) for its outcome; None when it has not come by then (the
-        reload still happens)."""
+        """Ask for a reload (``reload``, run by the reloader) and wait up to ``wait_s`` for its
+        outcome (where None, until it comes or the read is stuck past its deadline; beyond two
+        callers, a quarter of a second: ``reloader.py``); None when it has not come by then
+        (the reload still happens)."""
         if self.config_file is None:
             return False, "no config file to reload: serve was started without --config.file"
-        return self._reloader.request(self._reloader.deadline_s if wait_s is None else wait_s)
+        return self._reloader.request(wait_s)
 
     def reload_stuck(self) -> str | None:
         """Why reloading is stuck (a read of the file past its deadline), or None."""

@@ -121,8 +121,10 @@ class ExporterServer:
 
     def _tick(self, now: float) -> None:
         """The loop's housekeeping, every quarter second: let go of a finished scrape no waiting
-        request can still join."""
+        request can still join, and of probe answers past their reuse window."""
         self.exporter.forget_finished(now)
+        if self.prober is not None:
+            self.prober.forget_finished(now)
 
     def _route(self, request: Request) -> str:
         """The worker pool for a request: credentials that need a bcrypt check wait in "auth"."""
@@ -350,9 +352,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         outcome = prober.request_reload()
         if outcome is None:  # the reloader's own thread reads on; this pool thread goes back
-            why = prober.reload_stuck() or "the reload in progress has not finished"
-            self._fail(503, f"Reload not done: {why}; this request is merged into the next read of the file "
-                       "(mig_exporter_config_last_reload_successful says how it went)", True)
+            if (why := prober.reload_stuck()) is not None:
+                self._fail(503, f"Reload not done: {why}; this request is merged into the next read of the file "
+                           "(mig_exporter_config_last_reload_successful says how it went)", True)
+            else:  # a slow read, not yet past its deadline: accepted, for the read that covers it
+                self._send(202, b"Reload accepted: the read in progress has not finished yet; this request is merged "
+                           b"into the next read of the file (mig_exporter_config_last_reload_successful says how "
+                           b"it went)\n", _TEXT, True)
             return
         ok, message = outcome
         if ok:

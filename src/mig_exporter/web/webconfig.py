@@ -18,7 +18,7 @@ docs/security.md says so. The YAML is read and checked as the config file's is
 (``config.checks``): at most 1 MiB, no anchors or aliases, at most 32 levels deep. Each section
 is checked beside what uses it (``tls.py``, ``basic_auth.py``, ``rate_limit.py``);
 ``WebSettings`` re-reads the file and the certificates when they change (a rotated certificate
-is served from the next connection on).
+is served from the connections after the next check on, within about a second).
 """
 
 from __future__ import annotations
@@ -66,10 +66,9 @@ HEADERS: Mapping[str, tuple[str, ...] | None] = MappingProxyType({
     "Content-Security-Policy": None,
 })
 _RELOAD_CHECK_S = 1.0
-# A re-read slower than this is stuck (/-/ready says so); a caller that starts one waits at most
-# _CHECK_WAIT_S for it, the event loop included.
+# A re-read slower than this is stuck (/-/ready says so). Nobody waits for it: the event loop
+# serves the config in force meanwhile.
 _RELOAD_DEADLINE_S = 5.0
-_CHECK_WAIT_S = 0.5
 
 
 # --- the file -------------------------------------------------------------------------------------
@@ -172,12 +171,13 @@ class WebSettings:
     """The web config in force, re-read when the file or its certificates change.
 
     Checked at most once a second, on a connection. The check (a ``stat`` of each file) and the
-    read run in the web config's ``Reloader``, never in the caller: the event loop asks for the
-    config at every connection, and a FIFO or a hung mount there once froze the whole server,
-    ``/-/healthy`` included. The caller waits up to ``_CHECK_WAIT_S`` for a check it starts
-    (so a changed file is served from the next connection), and not at all while one is in
-    progress. A changed file that does not load is logged once and the config in force is kept.
-    Switching TLS on or off needs a restart (the listener was started with or without it).
+    read run in the web config's ``Reloader`` (one thread, which stays while connections come),
+    never in the caller: the event loop asks for the config at every connection, and a FIFO or
+    a hung mount there once froze the whole server, ``/-/healthy`` included. The loop does not
+    wait for the check either: the connection that starts one is served with the config in
+    force, and the connections after the check with what it found. A changed file that does
+    not load is logged once and the config in force is kept. Switching TLS on or off needs a
+    restart (the listener was started with or without it).
     """
 
     def __init__(self, path: str, check_interval_s: float = _RELOAD_CHECK_S) -> None:
@@ -195,14 +195,16 @@ class WebSettings:
         with self._lock:
             return self._config
 
-    def current(self) -> WebConfig:
+    def current(self, wait_s: float = 0.0) -> WebConfig:
+        """The config in force, after asking for a check when one is due. The event loop waits
+        not at all (``wait_s`` 0); another caller may wait up to ``wait_s`` for the check."""
         with self._lock:
             now = time.monotonic()
             due = now - self._checked_at >= self.check_interval_s
             if due:
                 self._checked_at = now
         if due:
-            self._reloader.request(_CHECK_WAIT_S, only_if_idle=True)
+            self._reloader.request(wait_s)
         return self.config
 
     def stuck(self) -> str | None:
