@@ -294,7 +294,7 @@ def run_fake_alone(fake: Path) -> None:
 def measure_http(result: SmiResult, xml: bytes | list[bytes], listing: bytes, s: Settings) -> None:
     shape = result.shape
     with tempfile.TemporaryDirectory(prefix=f"mig-bench-{shape.name}-") as tmp:
-        fake = write_fake_nvidia_smi(Path(tmp), xml, listing)
+        fake = write_fake_nvidia_smi(Path(tmp), xml, listing, pmon=scenarios.pmon(shape))
         proc, port = start_server(fake)
         try:
             scrape = Scrape(port)

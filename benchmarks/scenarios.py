@@ -276,6 +276,22 @@ def listing(shape: Shape) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
+def pmon(shape: Shape) -> bytes:
+    """``nvidia-smi pmon -c 1 -s u`` for the shape, in driver 590's 10-column layout
+    (tests/fixtures/nvidia-smi-pmon/): every process of a whole card, one in four idle (``-``, as
+    the driver prints a process it has no sample of); a card in MIG mode, every column ``-``."""
+    lines = ["# gpu         pid   type     sm    mem    enc    dec    jpg    ofa    command ",
+             "# Idx           #    C/G      %      %      %      %      %      %    name "]
+    for card in _machine(shape):
+        for d in card.devices:
+            for p in d.processes:
+                busy = not card.mig and p.pid % 4 != 0
+                sm, mem = (f"{p.pid % 97:>2}", f"{p.pid % 41:>2}") if busy else (" -", " -")
+                lines.append(f"  {card.index:>3} {p.pid:>11}  {p.type:>5}     {sm}     {mem}      -      -      -"
+                             f"      -    {p.name[:15]:<15}")
+    return ("\n".join(lines) + "\n").encode()
+
+
 # -- NVML ----------------------------------------------------------------------
 
 

@@ -33,14 +33,19 @@ PROMETHEUS_HEADERS = {
 }
 
 
-def write_fake_nvidia_smi(directory: Path, xml: bytes | list[bytes], listing: bytes, query_s: float = 0.0) -> Path:
+def write_fake_nvidia_smi(directory: Path, xml: bytes | list[bytes], listing: bytes, query_s: float = 0.0,
+                          pmon: bytes | None = None) -> Path:
     """A fake nvidia-smi that only writes the files (tests/conftest.py's, without logging);
     with ``query_s``, ``-q -x`` first takes that long, as the driver's own query does. Given several
-    reports, ``-q -x`` writes them in turn, one a run (a counter file says which is next)."""
+    reports, ``-q -x`` writes them in turn, one a run (a counter file says which is next). ``pmon``:
+    what ``pmon`` writes (``scenarios.pmon``; the exporter runs it where a whole card has processes),
+    else it fails, as a driver without it would."""
     reports = [xml] if isinstance(xml, bytes) else xml
     for n, report in enumerate(reports):
         (directory / f"q{n}.xml").write_bytes(report)
     (directory / "L.txt").write_bytes(listing)
+    if pmon is not None:
+        (directory / "pmon.txt").write_bytes(pmon)
     q = shlex.quote(str(directory / "q"))
     if len(reports) == 1:
         query = f"exec cat {q}0.xml"
@@ -54,7 +59,8 @@ def write_fake_nvidia_smi(directory: Path, xml: bytes | list[bytes], listing: by
         'case "$1" in\n'
         f"  -q) {f'sleep {query_s}; ' if query_s else ''}{query} ;;\n"
         f"  -L) exec cat {shlex.quote(str(directory / 'L.txt'))} ;;\n"
-        "esac\n"
+        + (f"  pmon) exec cat {shlex.quote(str(directory / 'pmon.txt'))} ;;\n" if pmon is not None else "")
+        + "esac\n"
         "exit 2\n"
     )
     script.chmod(0o755)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import stat
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,7 +21,7 @@ from mig_exporter.core import workers
 from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import Scraper
-from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.model.snapshot import ACTIVITY_NOT_READ, Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
 from mig_exporter.web.server import ExporterServer
 
@@ -84,6 +86,13 @@ def value(parsed: dict, name: str, **labels: str) -> float | None:
 
 def samples_of(families, name: str) -> list:
     return [s for f in families for s in f.samples if s.name == name]
+
+
+def without_activity(snapshot: Snapshot) -> Snapshot:
+    """``snapshot`` without issue 39's activity, which only the NVML path reads (GPM) or which
+    moves between two reads (GPM's first sample, the processes' samples since the last read)."""
+    devices = tuple(dataclasses.replace(d, activity=None, activity_unknown=ACTIVITY_NOT_READ) for d in snapshot.devices)
+    return dataclasses.replace(snapshot, devices=devices, process_activity=())
 
 
 def families_of(snapshot: Snapshot) -> list:
@@ -197,6 +206,42 @@ def left_behind(pgids: list[int], within_s: float = 1.0) -> tuple[list[tuple[int
         time.sleep(0.02)
 
 
+PMON_HEADER = (b"# gpu         pid   type     sm    mem    enc    dec    jpg    ofa    command \n"
+               b"# Idx           #    C/G      %      %      %      %      %      %    name \n")
+
+
+def pmon_row(card: int, pid: int | None, kind: str = "C", sm: int | None = None, mem: int | None = None,
+             command: str = "-") -> bytes:
+    """One row of ``nvidia-smi pmon`` as a 590 driver prints it (tests/fixtures/nvidia-smi-pmon/):
+    ``-`` for a value the driver has no sample of, and for every field of a card with no process."""
+    def value(v: object) -> str:
+        return "-" if v is None else str(v)
+    kind = kind if pid is not None else "-"
+    return (f"{card:>5}{value(pid):>11}{kind:>6}{value(sm):>7}{value(mem):>7}" + "      -" * 4
+            + f"    {command[:15]:<15}\n").encode()
+
+
+def idle_pmon(xml: bytes) -> bytes:
+    """What ``nvidia-smi pmon -c 1`` prints for the cards of a ``-q -x`` report when none of their
+    processes computed anything in the sample: a row of ``-`` for each (on a whole card, as the
+    idle memhogs of the real H100 capture; on a card in MIG mode, as every process there), a ``-``
+    row for a card without one. The header alone where the report cannot be read."""
+    rows = [PMON_HEADER]
+    try:
+        root = ElementTree.fromstring(xml)
+    except (ElementTree.ParseError, ValueError):
+        return PMON_HEADER
+    for card, gpu in enumerate(root.iterfind("gpu")):
+        listed = [(p.findtext("pid", ""), p.findtext("type", "C"), p.findtext("process_name", ""))
+                  for p in gpu.iterfind("processes/process_info")]
+        listed = [(int(pid), kind, os.path.basename(name.strip()))
+                  for pid, kind, name in listed if pid.strip().isdigit()]
+        rows.extend(pmon_row(card, pid, kind, command=name) for pid, kind, name in listed)
+        if not listed:
+            rows.append(pmon_row(card, None))
+    return b"".join(rows)
+
+
 @pytest.fixture
 def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
     """Make a fake ``nvidia-smi``: a real executable that prints captured output.
@@ -210,8 +255,10 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
     SIGTERM, holding stdout open, sleeping 600 s; exits 0 once the grandchild
     has written its pid to ``escaped.<pid of the run>`` beside the script, see
     ``escaped()``); ``escape-hang`` (the same, then sleeps instead of exiting).
-    ``list_mode`` does the same for ``-L`` alone. Each call is logged to
-    ``calls.log`` beside the script, one line per run.
+    ``list_mode`` does the same for ``-L`` alone. ``pmon``: bytes printed for
+    ``pmon`` (any arguments); by default what a driver prints when every process
+    of ``xml`` is idle (``idle_pmon``); ``pmon_mode`` as ``list_mode``. Each call
+    is logged to ``calls.log`` beside the script, one line per run.
     """
     counter = iter(range(1000))
 
@@ -223,11 +270,14 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
         stderr: str = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.",
         exit_code: int = 9,
         delay_s: float = 0.0,
+        pmon: bytes | None = None,
+        pmon_mode: str = "ok",
     ) -> Path:
         d = tmp_path / f"fake-smi-{next(counter)}"
         d.mkdir()
         (d / "q.xml").write_bytes(xml)
         (d / "L.txt").write_bytes(listing)
+        (d / "pmon.txt").write_bytes(idle_pmon(xml) if pmon is None else pmon)
         script = d / "nvidia-smi"
 
         def action(which: str, what: str) -> str:
@@ -255,6 +305,7 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
             + 'case "$1" in\n'
             f"  -q) {action('q.xml', mode)} ;;\n"
             f"  -L) {action('L.txt', list_mode)} ;;\n"
+            f"  pmon) {action('pmon.txt', pmon_mode)} ;;\n"
             '  *) echo "fake nvidia-smi: unknown arguments: $*" >&2; exit 2 ;;\n'
             "esac\n"
         )

@@ -38,6 +38,14 @@ nvmlSystemGetNVMLVersion says (by default CUDA's major version, then ``driver_ve
 instance ``sram_uncorrectable_volatile``. ``FakeNvml.set_scenario`` swaps the data under a
 running exporter (a card lost between two scrapes, a driver reload).
 
+Activity: per card ``gpm_supported`` (the Hopper cards' ``H100``/``H200`` say yes), ``activity``
+(a whole card's) and per MIG instance ``activity`` (its GPU instance's), GPM metric id -> percent
+(``gpm(graphics=..., sm=...)``), counted against the fake's clock (``FakeNvml.now``, held by
+``advance``/``set_clock``): a window of N s at a scripted activity reads that activity;
+``gpm_metric_errors`` (each metric's own return code), ``empty_gpu_instances`` (a GPU instance
+with no compute instance); ``process_samples`` (``FakeUtilSample``, nvmlDeviceGetProcessUtilization
+on a whole card). ``FakeNvml.gpm_samples_held`` counts the GPM samples not freed.
+
 What a caller did is recorded: ``fake.calls`` (every C call, with the device it
 named), ``fake.missing_lookups`` (symbols pynvml asked for and did not get),
 ``fake.arities`` (how many arguments a call that may take fewer was given) and
@@ -209,6 +217,19 @@ class FakeHealth:
 
 
 @dataclass(frozen=True)
+class FakeUtilSample:
+    """One entry of nvmlDeviceGetProcessUtilization: a process's share of the card's SM and frame
+    buffer memory in one driver sample period, at the driver's CPU timestamp in microseconds."""
+
+    pid: int
+    timestamp_us: int
+    sm_percent: int
+    memory_percent: int
+    encoder_percent: int = 0
+    decoder_percent: int = 0
+
+
+@dataclass(frozen=True)
 class FakeMig:
     """One MIG device (a compute instance) in MIG slot ``index`` of its card."""
 
@@ -224,6 +245,10 @@ class FakeMig:
     errors: Mapping[str, int] = field(default_factory=dict)
     # nvmlDeviceGetMemoryErrorCounter on this MIG handle: its volatile uncorrectable SRAM errors.
     sram_uncorrectable_volatile: int | None = None
+    # Its GPU instance's activity, GPM metric id -> percent (0-100, NaN allowed; a metric not
+    # listed was idle, 0): what nvmlGpmMigSampleGet's samples accumulate (see "GPM" below). The
+    # compute instances of one GPU instance share it, and must carry the same script.
+    activity: Mapping[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -257,6 +282,18 @@ class FakeCard:
     errors: Mapping[str, int] = field(default_factory=dict)
     health: FakeHealth = field(default_factory=FakeHealth)
     serial: str | None = None  # nvmlDeviceGetSerial; None: NOT_SUPPORTED (a GeForce)
+    # GPM (Hopper and later): nvmlGpmQueryDeviceSupport's isSupportedDevice (an A100 answers SUCCESS
+    # with 0; an error is injected through ``errors``); the whole card's activity while not in MIG
+    # mode (metric id -> percent, as FakeMig.activity); each metric's own nvmlReturn in
+    # nvmlGpmMetricsGet, on the card and its GPU instances alike; and the ids of GPU instances that
+    # have no compute instance, so no MIG device (nvmlGpmMigSampleGet samples them, at no activity).
+    gpm_supported: bool = False
+    activity: Mapping[int, float] = field(default_factory=dict)
+    gpm_metric_errors: Mapping[int, int] = field(default_factory=dict)
+    empty_gpu_instances: tuple[int, ...] = ()
+    # nvmlDeviceGetProcessUtilization's samples on a whole card: only processes with activity, each
+    # with the driver's CPU timestamp in microseconds.
+    process_samples: tuple[FakeUtilSample, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.gpu_util_percent is None) != (self.memory_util_percent is None):
@@ -264,6 +301,26 @@ class FakeCard:
         slots = [m.index for m in self.mig_devices]
         if len(slots) != len(set(slots)) or any(not 0 <= s < self.max_mig_devices for s in slots):
             raise ValueError(f"{self.uuid}: MIG slots {slots} must be distinct and below {self.max_mig_devices}")
+        scripts: dict[int, Mapping[int, float]] = {}
+        for m in self.mig_devices:
+            if scripts.setdefault(m.gpu_instance_id, m.activity) != m.activity:
+                raise ValueError(f"{self.uuid}: the compute instances of GPU instance {m.gpu_instance_id} "
+                                 "must carry one activity script (it is the GPU instance's)")
+        if set(self.empty_gpu_instances) & set(scripts):
+            raise ValueError(f"{self.uuid}: GPU instances {sorted(set(self.empty_gpu_instances) & set(scripts))} "
+                             "have compute instances")
+
+    def gpu_instances(self) -> dict[int, tuple[frozenset[tuple[int, str]], Mapping[int, float]]]:
+        """GPU instance id -> (its members, (compute instance id, MIG UUID), and its activity script),
+        while in MIG mode; those without a compute instance too (no members, no activity)."""
+        if not self.mig_enabled:
+            return {}
+        found: dict[int, tuple[frozenset[tuple[int, str]], Mapping[int, float]]] = {
+            gi: (frozenset(), {}) for gi in self.empty_gpu_instances}
+        for m in self.mig_devices:
+            members, _ = found.get(m.gpu_instance_id, (frozenset(), m.activity))
+            found[m.gpu_instance_id] = (members | {(m.compute_instance_id, m.uuid)}, m.activity)
+        return found
 
     @property
     def mig_enabled(self) -> bool:
@@ -559,6 +616,82 @@ class _FakeEvents:
         self.queue: list[tuple[int, int, int, int]] = []  # card, xid, gpu instance, compute instance
 
 
+# -- GPM (src/mig_exporter/sources/nvml_activity.py) --------------------------------------------------
+# A sample (nvmlGpmSampleAlloc) is a token of its own, never a device handle. Filling it
+# (nvmlGpmMigSampleGet on the parent card and a GPU instance id, nvmlGpmSampleGet on a whole card)
+# keeps, at the fake's clock (``FakeNvml.now``), the integral over time of each scripted percent of
+# its GPU instance or card: counters that grow with time as the hardware's do. nvmlGpmMetricsGet
+# answers (integral at sample2 - at sample1) / (time between them), so a window of N s at a
+# scripted activity gives that activity, and a script changed halfway (``set_scenario``) the
+# average over time. The counters are kept per (card UUID, GPU instance id or None, members): a GPU
+# instance destroyed and made again under the same id counts from zero again, and two samples
+# across that change give garbage, as counters that restarted would. The fake's choices where
+# NVML's documentation is silent:
+# - nvmlGpmMigSampleGet on a GPU instance id the card does not have (never made, or destroyed)
+#   answers NOT_FOUND; on a MIG handle INVALID_ARGUMENT (it takes the parent); on a card in MIG
+#   mode, nvmlGpmSampleGet answers NOT_SUPPORTED (a MIG handle samples its GPU instance); on a card
+#   without GPM every sampling call answers NOT_SUPPORTED;
+# - nvmlGpmMetricsGet: version other than 1 ARGUMENT_VERSION_MISMATCH; numMetrics 0 or past 98
+#   (the smallest NVML_GPM_METRIC_MAX of any nvml.h, nvidia-ml-py 12.560's) INVALID_ARGUMENT; a
+#   sample not allocated, freed or never filled, or samples of two different devices,
+#   INVALID_ARGUMENT; two samples less than 100 ms apart give 0 for every metric (NVML: the
+#   interval "should be greater than 100ms due to the internal sample refresh rate"; DCGM:
+#   "collection at higher frequencies will result in zeroes"). Only metrics[0:numMetrics] is read
+#   or written, at nvml.h's offsets, and the struct's size is never checked: pynvml sizes it by its
+#   own NVML_GPM_METRIC_MAX (210 in 13.580.65, 477 in 13.615.71) under the same version. The
+#   percent metrics (ids 1-13) answer; any other id answers NOT_SUPPORTED in its own nvmlReturn;
+#   a scripted NaN or Inf is answered as it is, with SUCCESS.
+_SIGNATURES.update({
+    "nvmlGpmQueryDeviceSupport": ((_P, _P), c_int),
+    "nvmlGpmSampleAlloc": ((_P,), c_int),
+    "nvmlGpmSampleFree": ((_P,), c_int),
+    "nvmlGpmSampleGet": ((_P, _P), c_int),
+    "nvmlGpmMigSampleGet": ((_P, c_uint, _P), c_int),
+    "nvmlGpmMetricsGet": ((_P,), c_int),
+})
+_NO_HANDLE = _NO_HANDLE | {"nvmlGpmSampleAlloc", "nvmlGpmSampleFree", "nvmlGpmMetricsGet"}
+_GPM_SAMPLE_TOKEN = 0x6A000000  # the first sample's; each next one is one more
+GPM_METRICS_MAX_OLDEST = 98
+GPM_PERCENT_METRICS = frozenset(range(1, 14))
+_GPM_MIN_INTERVAL_S = 0.1
+# nvmlGpmMetricsGet_t as nvml.h lays it out: version, numMetrics, sample1, sample2, then
+# nvmlGpmMetric_t {metricId, nvmlReturn, value (double), metricInfo (three char *)}.
+_GPM_METRICS_AT, _GPM_METRIC_BYTES = 24, 40
+# A GPM counter's key: card UUID, GPU instance id (None: the whole card), the instance's members.
+_GpmKey = tuple[str, "int | None", frozenset[tuple[int, str]]]
+
+
+@dataclass
+class _GpmSample:
+    """What a filled sample holds: whose counters, when, and their integrals (percent x seconds);
+    ``odd``: the scripted metrics that were NaN or Inf then."""
+
+    key: _GpmKey
+    at_s: float
+    totals: dict[int, float]
+    odd: dict[int, float]
+
+
+def gpm(graphics: float = 0.0, sm: float = 0.0, occupancy: float = 0.0, tensor: float = 0.0,
+        dram: float = 0.0) -> dict[int, float]:
+    """An activity script (percent) of the five GPM metrics the exporter reads."""
+    return {pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: graphics, pynvml.NVML_GPM_METRIC_SM_UTIL: sm,
+            pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: occupancy, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: tensor,
+            pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: dram}
+
+
+def _gpm_scripts(scenario: FakeNvmlScenario) -> dict[_GpmKey, Mapping[int, float]]:
+    """Every GPU instance and whole card of ``scenario`` that counts, with its activity script."""
+    found: dict[_GpmKey, Mapping[int, float]] = {}
+    for card in scenario.cards:
+        if card.mig_enabled:
+            for gi, (members, script) in card.gpu_instances().items():
+                found[(card.uuid, gi, members)] = script
+        else:
+            found[(card.uuid, None, frozenset())] = card.activity
+    return found
+
+
 class _ProcessInfoV1(ctypes.Structure):
     """nvmlProcessInfo_v1_t, filled by the unversioned process-list symbols (pynvml no longer calls them)."""
 
@@ -606,6 +739,13 @@ class FakeNvml:
         # (symbol, how many arguments it was called with), for _FEWEST_ARGUMENTS' symbols.
         self.arities: list[tuple[str, int]] = []
         self._strings: dict[int, ctypes.Array] = {}  # nvmlErrorString buffers, kept alive
+        # The fake's clock (seconds): None follows time.monotonic; ``advance`` and ``set_clock`` hold it.
+        self.clock_s: float | None = None
+        # GPM: the counters (key -> integrated up to, metric -> percent x seconds) and the samples
+        # allocated and not freed (token -> what it holds, None until filled).
+        self._gpm_counters: dict[_GpmKey, tuple[float, dict[int, float]]] = {}
+        self._gpm_samples: dict[int, _GpmSample | None] = {}
+        self._gpm_next_token = _GPM_SAMPLE_TOKEN
         self._functions: dict[str, Any] = {}  # CFUNCTYPE objects, kept alive while installed
         for name, (argtypes, restype) in _SIGNATURES.items():
             if name not in scenario.missing_functions:
@@ -651,9 +791,41 @@ class FakeNvml:
         """Answer from now on from ``scenario``; handles already given out stay valid by index.
 
         ``missing_functions`` stays as it was at construction (pynvml caches the
-        symbols it found).
+        symbols it found). GPM's counters count under the old activity scripts until now, and
+        under the new ones from now; those of a GPU instance or card that is gone are dropped.
         """
+        now = self.now()
+        old = _gpm_scripts(self.scenario)
+        for key in list(self._gpm_counters):
+            if key in old:
+                self._gpm_count(key, old[key], now)
+        kept = _gpm_scripts(scenario)
+        self._gpm_counters = {k: v for k, v in self._gpm_counters.items() if k in kept}
         self.scenario = scenario
+
+    # -- the fake's clock (GPM's counters) ----------------------------------
+
+    def now(self) -> float:
+        """The fake's time in seconds: what GPM's counters count by."""
+        return time.monotonic() if self.clock_s is None else self.clock_s
+
+    def set_clock(self, seconds: float) -> None:
+        """Hold the clock at ``seconds`` (it never goes back)."""
+        if seconds < self.now() and self.clock_s is not None:
+            raise ValueError(f"the fake's clock goes forward only ({self.clock_s} -> {seconds})")
+        self.clock_s = seconds
+
+    def advance(self, seconds: float) -> float:
+        """Move the clock ``seconds`` on (holding it from now if it followed time.monotonic)."""
+        if seconds < 0:
+            raise ValueError("the fake's clock goes forward only")
+        self.clock_s = self.now() + seconds
+        return self.clock_s
+
+    @property
+    def gpm_samples_held(self) -> int:
+        """GPM samples allocated and not freed."""
+        return len(self._gpm_samples)
 
     def called(self, function: str, device: str | None = None) -> int:
         """How many times ``function`` was called (on ``device``, "card0" or "card0/mig1", if given)."""
@@ -1205,11 +1377,136 @@ class FakeNvml:
 
     def _nvmlDeviceGetProcessUtilization(self, handle: int | None, samples: int | None, count: int | None,
                                          since: int) -> int:
-        # NVML: NOT_FOUND when no sample was taken since ``since`` (no process ran a kernel).
-        self._card_only("nvmlDeviceGetProcessUtilization", handle)
+        # NVML: "One utilization sample structure is returned per process running, that had some
+        # non-zero utilization during the last sample period"; samples newer than ``since`` (us)
+        # only, NOT_FOUND when there is none; sized by a call with a NULL array, answered
+        # INSUFFICIENT_SIZE with the count. In MIG mode (a driver-535 report on an H100, research
+        # section 1.5) the size query answers and the read is refused: NOT_SUPPORTED on the card,
+        # INVALID_ARGUMENT on a MIG handle.
+        t = self._device("nvmlDeviceGetProcessUtilization", handle)
         if count is None:
             return NVML_ERROR_INVALID_ARGUMENT
-        return NVML_ERROR_NOT_FOUND
+        size = c_uint.from_address(count)
+        if t.mig or t.card.mig_enabled:
+            if samples is None:
+                size.value = 1
+                return NVML_ERROR_INSUFFICIENT_SIZE
+            return NVML_ERROR_INVALID_ARGUMENT if t.mig else NVML_ERROR_NOT_SUPPORTED
+        found = [s for s in t.card.process_samples if s.timestamp_us > since]
+        if not found:
+            return NVML_ERROR_NOT_FOUND
+        if samples is None or size.value < len(found):
+            size.value = len(found)
+            return NVML_ERROR_INSUFFICIENT_SIZE
+        size.value = len(found)
+        for slot, s in zip((pynvml.c_nvmlProcessUtilizationSample_t * len(found)).from_address(samples), found,
+                           strict=True):
+            slot.pid, slot.timeStamp, slot.smUtil, slot.memUtil = s.pid, s.timestamp_us, s.sm_percent, s.memory_percent
+            slot.encUtil, slot.decUtil = s.encoder_percent, s.decoder_percent
+        return NVML_SUCCESS
+
+    # -- GPM (see "GPM" above the class) ---------------------------------------
+
+    def _gpm_count(self, key: _GpmKey, script: Mapping[int, float], now: float) -> dict[int, float]:
+        """The counters of ``key`` brought up to ``now`` under ``script``."""
+        at, totals = self._gpm_counters.get(key, (now, {}))
+        for metric, percent in script.items():
+            if percent == percent and abs(percent) != float("inf"):
+                totals[metric] = totals.get(metric, 0.0) + percent * (now - at)
+        self._gpm_counters[key] = (now, totals)
+        return totals
+
+    def _gpm_fill(self, token: int | None, key: _GpmKey, script: Mapping[int, float]) -> int:
+        if token not in self._gpm_samples:
+            return NVML_ERROR_INVALID_ARGUMENT
+        now = self.now()
+        totals = self._gpm_count(key, script, now)
+        odd = {m: p for m, p in script.items() if not (p == p and abs(p) != float("inf"))}
+        self._gpm_samples[token] = _GpmSample(key, now, dict(totals), odd)
+        return NVML_SUCCESS
+
+    def _gpm_card(self, name: str, handle: int | None) -> _Target:
+        t = self._device(name, handle)
+        if not t.card.gpm_supported:
+            raise _Fail(NVML_ERROR_NOT_SUPPORTED)
+        return t
+
+    def _nvmlGpmQueryDeviceSupport(self, handle: int | None, out: int | None) -> int:
+        t = self._device("nvmlGpmQueryDeviceSupport", handle)  # a MIG handle answers as its card
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        support = pynvml.c_nvmlGpmSupport_t.from_address(out)
+        if support.version != 1:  # NVML_GPM_SUPPORT_VERSION
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        support.isSupportedDevice = int(t.card.gpm_supported)
+        return NVML_SUCCESS
+
+    def _nvmlGpmSampleAlloc(self, out: int | None) -> int:
+        self._require_init("nvmlGpmSampleAlloc")
+        if out is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        token, self._gpm_next_token = self._gpm_next_token, self._gpm_next_token + 1
+        self._gpm_samples[token] = None
+        return _write_handle(out, token)
+
+    def _nvmlGpmSampleFree(self, token: int | None) -> int:
+        self._require_init("nvmlGpmSampleFree")
+        if token not in self._gpm_samples:
+            return NVML_ERROR_INVALID_ARGUMENT
+        del self._gpm_samples[token]
+        return NVML_SUCCESS
+
+    def _nvmlGpmSampleGet(self, handle: int | None, token: int | None) -> int:
+        t = self._gpm_card("nvmlGpmSampleGet", handle)
+        card = t.card
+        if t.mig is not None:
+            members, script = card.gpu_instances()[t.mig.gpu_instance_id]
+            return self._gpm_fill(token, (card.uuid, t.mig.gpu_instance_id, members), script)
+        if card.mig_enabled:
+            return NVML_ERROR_NOT_SUPPORTED
+        return self._gpm_fill(token, (card.uuid, None, frozenset()), card.activity)
+
+    def _nvmlGpmMigSampleGet(self, handle: int | None, gpu_instance: int, token: int | None) -> int:
+        t = self._gpm_card("nvmlGpmMigSampleGet", handle)
+        if t.mig is not None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        if not t.card.mig_enabled:
+            return NVML_ERROR_NOT_SUPPORTED
+        found = t.card.gpu_instances().get(gpu_instance)
+        if found is None:
+            return NVML_ERROR_NOT_FOUND
+        return self._gpm_fill(token, (t.card.uuid, gpu_instance, found[0]), found[1])
+
+    def _nvmlGpmMetricsGet(self, address: int | None) -> int:
+        self._require_init("nvmlGpmMetricsGet")
+        if address is None:
+            return NVML_ERROR_INVALID_ARGUMENT
+        if c_uint.from_address(address).value != 1:  # NVML_GPM_METRICS_GET_VERSION
+            return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+        count = c_uint.from_address(address + 4).value
+        first = self._gpm_samples.get(c_void_p.from_address(address + 8).value or 0)
+        second = self._gpm_samples.get(c_void_p.from_address(address + 16).value or 0)
+        if not 0 < count <= GPM_METRICS_MAX_OLDEST or first is None or second is None \
+                or first.key[:2] != second.key[:2]:
+            return NVML_ERROR_INVALID_ARGUMENT
+        card = next((c for c in self.scenario.cards if c.uuid == second.key[0]), None)
+        errors = card.gpm_metric_errors if card is not None else {}
+        seconds = second.at_s - first.at_s
+        for i in range(count):
+            at = address + _GPM_METRICS_AT + _GPM_METRIC_BYTES * i
+            metric = c_uint.from_address(at).value
+            code = errors.get(metric, NVML_SUCCESS if metric in GPM_PERCENT_METRICS else NVML_ERROR_NOT_SUPPORTED)
+            c_uint.from_address(at + 4).value = code
+            if code != NVML_SUCCESS:
+                continue
+            if metric in second.odd:
+                value = second.odd[metric]
+            elif abs(seconds) < _GPM_MIN_INTERVAL_S:
+                value = 0.0
+            else:
+                value = (second.totals.get(metric, 0.0) - first.totals.get(metric, 0.0)) / seconds
+            ctypes.c_double.from_address(at + 8).value = value
+        return NVML_SUCCESS
 
     # -- processes --------------------------------------------------------
 
@@ -1503,8 +1800,14 @@ def h100_fixture_health() -> FakeHealth:
 
 A100_80GB = dict(name="NVIDIA A100-SXM4-80GB", pci_device_id=0x20B210DE, pci_subsystem_id=0x147F10DE)
 A100_40GB = dict(name="NVIDIA A100-SXM4-40GB", pci_device_id=0x20B010DE, pci_subsystem_id=0x134F10DE)
-H100 = dict(name="NVIDIA H100 80GB HBM3", pci_device_id=0x233010DE, pci_subsystem_id=0x16C110DE)
-H200 = dict(name="NVIDIA H200", pci_device_id=0x233510DE, pci_subsystem_id=0x18BE10DE)
+# Hopper has GPM (NVML's GPM functions: "For Hopper or newer fully supported devices"); an A100 does not.
+H100 = dict(name="NVIDIA H100 80GB HBM3", pci_device_id=0x233010DE, pci_subsystem_id=0x16C110DE,
+            gpm_supported=True)
+H200 = dict(name="NVIDIA H200", pci_device_id=0x233510DE, pci_subsystem_id=0x18BE10DE, gpm_supported=True)
+# The driver's CPU timestamp (us) of the scenarios' process utilisation samples: RETIRED_AT, and on.
+SAMPLED_AT_US = RETIRED_AT * 1_000_000
+# What gpu_burn does to its 1g.10gb GPU instance (research capture A: pmon sm 99, mem 10).
+GPU_BURN = gpm(graphics=99.0, sm=97.0, occupancy=48.0, tensor=0.0, dram=10.0)
 
 
 # Each fixture card's board serial and PCIe link (current generation, max generation, current
@@ -1589,6 +1892,10 @@ def demo() -> FakeNvmlScenario:
                 memory_util_percent=41,
                 compute_processes=(_proc(50318, 1620),),
                 graphics_processes=(_proc(50102, 20480),),  # llama.cpp on Vulkan
+                # The training job works (63 % and 41 % over its two samples, as samples/demo-pmon.txt
+                # shows it); llama.cpp holds its memory idle (no sample).
+                process_samples=(FakeUtilSample(50318, SAMPLED_AT_US, 61, 40),
+                                 FakeUtilSample(50318, SAMPLED_AT_US + 166_667, 65, 42)),
             ),
         ),
         process_names={
@@ -1602,7 +1909,8 @@ def demo() -> FakeNvmlScenario:
 
 @_with_boards
 def h100_mig_processes() -> FakeNvmlScenario:
-    """h100-mig-processes: one H100 in MIG mode, four instances, three processes."""
+    """h100-mig-processes: one H100 in MIG mode, four instances, three processes; gpu_burn keeps its
+    GPU instance (9) busy, the two memhogs hold memory on GPU instance 2 and compute nothing (GPM)."""
     return FakeNvmlScenario(
         driver_version="550.90.07",
         cuda_version=12040,
@@ -1624,7 +1932,8 @@ def h100_mig_processes() -> FakeNvmlScenario:
                     FakeMig(1, 3, 0, "2g.20gb", "MIG-7cd8995e-feba-5903-8050-d09c5892503e",
                             _mem(20096, 0, 17, 20079)),
                     FakeMig(2, 9, 0, "1g.10gb", "MIG-ae36563d-8b6d-5a25-a43a-846eb31e7ea4",
-                            _mem(9984, 0, 7493, 2491), compute_processes=(_proc(21198, 7484),)),
+                            _mem(9984, 0, 7493, 2491), compute_processes=(_proc(21198, 7484),),
+                            activity=GPU_BURN),
                     FakeMig(3, 10, 0, "1g.10gb", "MIG-45ee6ebc-57f4-5590-941e-1f037860cf29",
                             _mem(9984, 0, 9, 9975)),
                 ),
@@ -1732,6 +2041,7 @@ def a100_mig_pending() -> FakeNvmlScenario:
                 gpu_util_percent=12,
                 memory_util_percent=3,
                 compute_processes=(_proc(900, 5100),),
+                process_samples=(FakeUtilSample(900, SAMPLED_AT_US, 12, 3),),
             ),
         ),
         process_names={900: "/usr/bin/python3"},

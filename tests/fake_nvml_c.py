@@ -12,6 +12,13 @@ Two error modes exist only here, where a real shared library is needed to show t
 ``grow={(0, 2): 50}`` (the compute list of card 0's MIG slot 2, ``None`` for the card itself,
 gains 50 entries once it was sized once: a list that grew between pynvml's sizing call and its
 read). Needs no pytest: the benchmarks import it too.
+
+GPM's counters count by the library's fake clock: ``CLOCK_MONOTONIC`` (the Python fake's
+``time.monotonic``) unless the scenario names a file, ``clock_file=path``, whose number (seconds)
+is the clock at each sample, and which ``set_clock(path, seconds)`` writes; a process that
+loaded the library may also hold it with its ``fakeNvmlSetClock(double)``. ``later=((30.0,
+scenario_b),)`` gives the activity scripts of ``scenario_b`` from 30 s on, as the Python fake's
+``set_scenario`` does at that time (only the scripts: cards and GPU instances stay as they are).
 """
 
 from __future__ import annotations
@@ -21,10 +28,18 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from fake_nvml import FakeCard, FakeMemory, FakeMig, FakeNvmlScenario, FakeProcess, field_answers
+from fake_nvml import (
+    GPM_PERCENT_METRICS,
+    FakeCard,
+    FakeMemory,
+    FakeMig,
+    FakeNvmlScenario,
+    FakeProcess,
+    field_answers,
+)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "fake_libnvml"
 SONAME = "libnvidia-ml.so.1"
@@ -153,8 +168,40 @@ def _device(errors: Mapping[str, int], lists: FakeCard | FakeMig) -> list[str]:
     return lines
 
 
+def _scripts(card: FakeCard) -> dict[str, Mapping[int, float]]:
+    """The card's activity scripts by target: "-" the whole card, else a GPU instance id (its
+    compute instances carry one script, FakeCard checks) and those without a compute instance."""
+    scripts: dict[str, Mapping[int, float]] = {"-": card.activity}
+    for mig in card.mig_devices:
+        scripts.setdefault(str(mig.gpu_instance_id), mig.activity)
+    for gi in card.empty_gpu_instances:
+        scripts.setdefault(str(gi), {})
+    return scripts
+
+
+def _activity(card: FakeCard) -> list[str]:
+    """GPM support, the activity scripts (since always), the metrics' own return codes, the GPU
+    instances without a compute instance, and nvmlDeviceGetProcessUtilization's samples."""
+    lines = ["gpm 1"] if card.gpm_supported else []
+    lines += [f"activity {target} {metric} {float(percent)!r} -"
+              for target, script in _scripts(card).items() for metric, percent in script.items()]
+    lines += [f"gpm_error {metric} {code}" for metric, code in card.gpm_metric_errors.items()]
+    lines += [f"gpu_instance {gi}" for gi in card.empty_gpu_instances]
+    lines += [f"putil {u.pid} {u.timestamp_us} {u.sm_percent} {u.memory_percent} {u.encoder_percent} "
+              f"{u.decoder_percent}" for u in card.process_samples]
+    return lines
+
+
+def _later_activity(card: FakeCard, from_s: float) -> list[str]:
+    """The card's scripts from ``from_s`` on: every percent metric, so that one the new script
+    leaves out is idle from then, as under the Python fake's set_scenario."""
+    return [f"activity {target} {metric} {float(script.get(metric, 0.0))!r} {float(from_s)!r}"
+            for target, script in _scripts(card).items() for metric in sorted(GPM_PERCENT_METRICS)]
+
+
 def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = None,
-                  grow: Mapping[tuple[int, int | None], int] | None = None) -> str:
+                  grow: Mapping[tuple[int, int | None], int] | None = None, clock_file: Path | None = None,
+                  later: Sequence[tuple[float, FakeNvmlScenario]] = ()) -> str:
     """The file the C library reads at nvmlInit (format: tests/fake_libnvml/README.md)."""
     if scenario.missing_functions:
         # A shared object's symbols are fixed at build time; the Python fake covers this.
@@ -169,7 +216,12 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
     lines += [f"system_error {_text(name)} {code}" for name, code in scenario.system_errors.items()]
     if hang is not None:
         lines.append(f"hang {_text(hang[0])} {hang[1]}")
+    if clock_file is not None:
+        lines.append(f"clock_file {_text(str(clock_file))}")
     lines += [f"process_name {pid} {_text(name)}" for pid, name in scenario.process_names.items()]
+    for _, after in later:
+        if len(after.cards) != len(scenario.cards):
+            raise ValueError("later scenarios change activity scripts only: give them the same cards")
     grow = dict(grow or {})
     for index, card in enumerate(scenario.cards):
         lines += ["card", f"name {_text(card.name)}", f"uuid {_text(card.uuid)}",
@@ -183,7 +235,9 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
             lines.append(f"power {card.power_mw}")
         if card.gpu_util_percent is not None:
             lines.append(f"utilization {card.gpu_util_percent} {card.memory_util_percent}")
-        lines += _health(card, scenario.driver_version) + _device(card.errors, card)
+        lines += _health(card, scenario.driver_version) + _device(card.errors, card) + _activity(card)
+        for from_s, after in later:
+            lines += _later_activity(after.cards[index], from_s)
         if (index, None) in grow:
             lines.append(f"grow C {grow.pop((index, None))}")
         for mig in card.mig_devices:
@@ -201,6 +255,14 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
 def write_scenario(path: Path, scenario: FakeNvmlScenario, **modes: object) -> Path:
     path.write_text(scenario_text(scenario, **modes))  # type: ignore[arg-type]
     return path
+
+
+def set_clock(clock_file: Path, seconds: float) -> None:
+    """Set the fake clock of a library whose scenario names ``clock_file``: whole, never half written
+    where the library reads it."""
+    partial = clock_file.with_name(clock_file.name + ".partial")
+    partial.write_text(f"{float(seconds)!r}\n")
+    os.replace(partial, clock_file)
 
 
 def environment(library_dir: Path, scenario_file: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -47,6 +47,8 @@ FOLDED = {("overview.json", "GPU memory by Slurm job / systemd unit")}
 # The demo's sick card (card 1) fills every other health query: margin, clock events, PCIe link.
 NO_XID_LINES = ("the e2e machine reads nvidia-smi (no NVML events) and no kernel log (its lines are timed by the "
                 "machine's boot); serve --demo's are checked in test_grafana.py")
+NO_GPM = ("the e2e machine reads nvidia-smi, which has no GPM (and its A100s have none): its devices' activity is "
+          "unknown (not_read), never 0; its whole card's processes have theirs (pmon)")
 QUIET_ON_THE_DEMO = {
     ("health.json", "Card health", "mig_exporter_xid_last_timestamp_seconds"): NO_XID_LINES,
     ("health.json", "XID errors", "mig_exporter_xid_last_timestamp_seconds"): NO_XID_LINES,
@@ -60,6 +62,8 @@ QUIET_ON_THE_DEMO = {
         "action)",
     ("overview.json", "Nodes with a free device of the chosen class", "mig_exporter_device_state"):
         "no device is free: the 1g.10gb has no process, but the kubelet allocated it to batch/train-7",
+    ("overview.json", "Activity by device", "mig_exporter_device_graphics_activity_ratio"): NO_GPM,
+    ("overview.json", "Activity by device", "mig_exporter_device_sm_activity_ratio"): NO_GPM,
 }
 
 
@@ -198,6 +202,26 @@ def test_every_join_and_aggregation_keeps_job_and_instance():
     assert joins >= 20 and aggregations >= 6, (joins, aggregations)
 
 
+def test_the_idle_memory_panel_is_the_alert():
+    """One definition of memory held idle: GPUMemoryHeldIdle's expression, read from alerts.yml when
+    the dashboards are generated, verbatim in the overview's panel, per device, and never where
+    activity is not measured (the device activity panel reads only measured ratios)."""
+    (rule,) = [r for g in yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"]
+               for r in g["rules"] if r.get("alert") == "GPUMemoryHeldIdle"]
+    expr = rule["expr"].strip()
+    (panel,) = [p for p in _dashboards()["overview.json"]["panels"] if p["title"] == "GPU memory held idle"]
+    (target,) = panel["targets"]
+    assert target["expr"] == (
+        f'(({expr}) and on (job, instance) mig_exporter_build_info{{instance=~"$node"}}) '
+        f'* on (job, instance, index) group_left (device) mig_exporter_device_info{{instance=~"$node"}}')
+    assert panel["fieldConfig"]["defaults"]["unit"] == "bytes"
+    (activity,) = [p for p in _dashboards()["overview.json"]["panels"] if p["title"] == "Activity by device"]
+    assert [t["expr"].split("{")[0] for t in activity["targets"]] == [
+        "mig_exporter_device_graphics_activity_ratio", "mig_exporter_device_sm_activity_ratio",
+        "mig_exporter_process_sm_activity_ratio"]
+    assert all("or vector(" not in t["expr"] for t in activity["targets"])
+
+
 def test_provisioning_files_are_grafana_provisioning():
     dashboards = yaml.safe_load((GRAFANA / "provisioning" / "dashboards.yaml").read_text())
     assert dashboards["apiVersion"] == 1 and dashboards["providers"][0]["type"] == "file"
@@ -275,9 +299,11 @@ def test_every_per_device_view_names_the_device():
                     assert organize["renameByName"].get("device") == "Device", f"{where}: no Device column"
                     checked.append(where)
     # The per-device views: both "Memory used by device", "Memory free by device", the
-    # MIG layout, processes and allocations tables, and the MIG instances' own ECC errors.
+    # MIG layout, processes and allocations tables, the MIG instances' own ECC errors, and
+    # the activity (three queries) and memory held idle.
     assert sorted(checked) == sorted([
         "overview.json / Memory used by device", "overview.json / MIG layout",
+        *["overview.json / Activity by device"] * 3, "overview.json / GPU memory held idle",
         "overview.json / Top processes by GPU memory", "overview.json / GPU allocations",
         "node.json / Memory used by device", "node.json / Memory free by device", "node.json / Processes",
         "health.json / ECC errors since the driver loaded", "health.json / XID errors",

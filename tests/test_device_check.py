@@ -17,7 +17,7 @@ def test_device_check_leaves_the_drivers_outputs_both_reads_doctor_and_timings_i
         fake_nvidia_smi, fake_libnvml_env, tmp_path):
     smi = fake_nvidia_smi(fixture_bytes(f"{SCENARIO}.xml"), fixture_bytes(f"{SCENARIO}.L.txt"))
     env = {**os.environ, **fake_libnvml_env(SCENARIO), "NVIDIA_SMI": str(smi),
-           "MIG_EXPORTER": f"{sys.executable} -m mig_exporter", "SCRAPES": "3"}
+           "MIG_EXPORTER": f"{sys.executable} -m mig_exporter", "SCRAPES": "3", "GPM_INTERVAL_S": "0.2"}
     out = tmp_path / "check"
     done = subprocess.run(["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -27,14 +27,24 @@ def test_device_check_leaves_the_drivers_outputs_both_reads_doctor_and_timings_i
         "mig_device elements: -q -x 4, -q -x -d MEMORY,PIDS 4", "kept"]
     for path in ("nvidia-smi", "nvml"):
         assert f'mig_exporter_read_success{{source="{path}"}} 1.0' in (out / f"read-{path}.prom").read_text()
-    # The paths agree on every series but the one only NVML gives.
+    # The paths agree on every series but those only NVML gives: energy, and GPM's first sample
+    # (nvidia-smi's XML reads no activity: not_read; NVML's first read: first_sample).
     differences = [line for line in (out / "read-differences.txt").read_text().splitlines()
                    if line[:1] in "<>"]
-    assert differences and all(line.startswith("> mig_exporter_card_energy_joules_total") for line in differences)
+    assert differences and all(line.startswith(("> mig_exporter_card_energy_joules_total",
+                                                "< mig_exporter_device_activity_unknown",
+                                                "> mig_exporter_device_activity_unknown")) for line in differences)
+    # The raw GPM read beside ours: gpu_burn's GPU instance 9 busy, and no MIG memory read moved.
+    raw = (out / "nvml-activity-raw.txt").read_text()
+    assert "gpm supported: 1" in raw and "gpu instance 9 graphics: rc 0 value 99.0" in raw
+    assert raw.count(": same") == 4 and "CHANGED" not in raw
+    # doctor waited for a second GPM sample: activity, not "one sample so far".
+    assert "activity: graphics 99%, SM 97%" in (out / "doctor.txt").read_text()
+    assert (out / "nvidia-smi-pmon.txt.rc").read_text() == "0\n"
     assert "GPU 0" in (out / "doctor.txt").read_text() or "card 0" in (out / "doctor.txt").read_text()
     timings = (out / "scrape-timings.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in timings] == ["nvidia-smi", "nvml"]
     assert all("3 scrapes, read_success 1" in line for line in timings)
     # It only asked: every nvidia-smi call was a query.
     calls = [line.split()[1:] for line in (smi.parent / "calls.log").read_text().splitlines()]
-    assert calls and all(args[0] in ("-q", "-L", "--version") for args in calls)
+    assert calls and all(args[0] in ("-q", "-L", "--version", "pmon", "dmon") for args in calls)

@@ -29,6 +29,7 @@ from mig_exporter.sources.kmsg import KmsgReader
 from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.web.probe import Prober, ProbeResult
 from proc_tree import CONTAINER_NS, make_proc
+from test_activity_families import _shared_gi, _two_on_one_card
 from test_owners import HPC
 from test_pods import demo_proc
 from test_source_nvml import NVML_ONLY_FAMILIES
@@ -103,6 +104,9 @@ def _emitted(tmp_path, kubelet, nvml_snapshots) -> dict[str, tuple[str, set[str]
     ]
     scrapers += [Scraper(_Source(snapshot)) for snapshot in _real_corpus()]
     scrapers += [Scraper(_Source(snapshot, name="nvml")) for snapshot in nvml_snapshots]
+    # Activity as the NVML path reads it where measured (issue 39): GPM on a Hopper in MIG mode, and
+    # the per-process samples of a whole card.
+    scrapers += [Scraper(_Source(snapshot, name="nvml")) for snapshot in (_shared_gi(), _two_on_one_card())]
     xids = Scraper(_Source(scenario("h100-mig-processes"), name="nvml"))
     xids.xids = _Xids()  # type: ignore[assignment]
     scrapers.append(xids)

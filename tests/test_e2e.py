@@ -81,7 +81,8 @@ def e2e_exporter(fake_nvidia_smi, fake_kubelet, tmp_path: Path) -> Iterator[Expo
     fixed clock is checked instead), the fabricated /proc (engines), the kubelet's log
     directories and the fake kubelet (pods) of kube_node.py, and the /probe target
     PROBED over the same nvidia-smi. Checks its log for a traceback when it stops."""
-    smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes())
+    smi = fake_nvidia_smi((SAMPLES / "demo.xml").read_bytes(), (SAMPLES / "demo.L.txt").read_bytes(),
+                          pmon=(SAMPLES / "demo-pmon.txt").read_bytes())  # as --demo: one busy, one idle
     proc = demo_proc(tmp_path / "proc")
     logs = make_kubelet_logs(tmp_path / "log")
     kubelet = fake_kubelet(PODS)

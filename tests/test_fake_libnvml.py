@@ -62,7 +62,13 @@ LAYOUTS = {
     "nvmlEccSramErrorStatus_v1_t": pynvml.c_nvmlEccSramErrorStatus_v1_t,
     "nvmlRowRemapperHistogramValues_t": pynvml.c_nvmlRowRemapperHistogramValues,
     "nvmlRepairStatus_v1_t": pynvml.c_nvmlRepairStatus_t,
+    "nvmlGpmSupport_t": pynvml.c_nvmlGpmSupport_t,
+    "nvmlGpmMetric_t": pynvml.c_nvmlGpmMetric_t,
+    "nvmlGpmMetricInfo_t": pynvml.c_metricInfo_t,
 }
+# Structs compared field by field but not in size: nvmlGpmMetricsGet_t's metrics array is as long as
+# each binding's NVML_GPM_METRIC_MAX (210 in nvidia-ml-py 13.580.65, 477 in 13.615.71).
+FIELDS_ONLY = {"nvmlGpmMetricsGet_t": pynvml.c_nvmlGpmMetricsGet_t}
 # The version words, enum bounds and field ids the library checks or answers from, as pynvml has them
 # (and RETIRED_AT, the Python fake's timestamp of the first retired page).
 CONSTANTS = {
@@ -71,7 +77,7 @@ CONSTANTS = {
         "nvmlRepairStatus_v1", "NVML_CLOCK_COUNT", "NVML_TEMPERATURE_THRESHOLD_COUNT", "NVML_MEMORY_LOCATION_COUNT",
         "NVML_MEMORY_LOCATION_SRAM", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC",
         "NVML_PAGE_RETIREMENT_CAUSE_COUNT", "NVML_VALUE_TYPE_UNSIGNED_INT", "NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-        "NVML_FI_DEV_PCIE_REPLAY_COUNTER")},
+        "NVML_FI_DEV_PCIE_REPLAY_COUNTER", "NVML_GPM_SUPPORT_VERSION", "NVML_GPM_METRICS_GET_VERSION")},
     "RETIRED_AT": RETIRED_AT,
 }
 
@@ -116,11 +122,12 @@ def _layouts(library: Path, names: list[str]) -> dict[str, int]:
 def test_every_struct_has_nvml_h_layout_as_pynvml_declares_it(fake_libnvml_dir):
     classes = {**LAYOUTS, "nvmlProcessInfo_v1_t": ProcessInfoV1}
     expected = dict(CONSTANTS)
-    for c_name, cls in classes.items():
-        expected[c_name] = ctypes.sizeof(cls)
+    for c_name, cls in {**classes, **FIELDS_ONLY}.items():
+        if c_name not in FIELDS_ONLY:
+            expected[c_name] = ctypes.sizeof(cls)
         for field_name, *_ in cls._fields_:
             expected[f"{c_name}.{field_name}"] = getattr(cls, field_name).offset
-    assert len(expected) == 16 + 13 + 62  # the constants, thirteen structs, every field
+    assert len(expected) == 18 + 16 + 76  # the constants, sixteen structs sized, every field
     assert _layouts(fake_libnvml_dir / SONAME, list(expected)) == expected
     assert expected["nvmlMemory_v2"] == 0x02000028
     assert expected["nvmlEccSramErrorStatus_v1_t"] == 104  # version, eleven 64-bit counters, the flag
@@ -379,9 +386,11 @@ def test_the_exporter_reads_the_same_health_over_the_library_as_over_the_python_
 
 
 @pytest.mark.parametrize("line", ["threshold 8 80", "retired 2 0x1000", "ecc 0 0 2 many", "sram_unc 3",
-                                  "power_limits 1 2 3"])
+                                  "power_limits 1 2 3", "activity x 1 40.0 -", "activity - 1 busy -",
+                                  "activity - 1 40.0 soon", "gpm_error 5", "putil 1 2 3 4 5 six"])
 def test_a_bad_health_line_fails_init_and_names_its_line(tmp_path, fake_libnvml_dir, line):
-    """An out-of-range kind, a bad number, a MIG line on a card, a short line: UNKNOWN at nvmlInit."""
+    """An out-of-range kind, a bad number, a MIG line on a card, a short line, a bad activity line
+    (GPU instance, percent, start, a missing code or number): UNKNOWN at nvmlInit."""
     from fake_nvml_c import environment
 
     scenario = tmp_path / "bad.txt"
@@ -443,6 +452,307 @@ def test_retired_pages_answer_the_two_call_protocol_pynvml_makes(fake_libnvml_en
         "pynvml": [{"address": 0x1A2B000, "timestamp": RETIRED_AT},
                    {"address": 0x1A2C000, "timestamp": RETIRED_AT + 1}],
     }
+
+
+# -- activity: GPM and per-process utilisation, the same answers as the Python fake -------------------
+
+GRAPHICS, SM, OCCUPANCY, TENSOR, DRAM = (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, pynvml.NVML_GPM_METRIC_SM_UTIL,
+                                         pynvml.NVML_GPM_METRIC_SM_OCCUPANCY, pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+                                         pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL)
+EMPTY_GPU_INSTANCE, UNKNOWN_GPU_INSTANCE = 13, 99
+SAMPLED_AT_US = 1_717_171_717_000_000  # the driver's CPU timestamps of the samples below
+PROCESS_SAMPLES = (fake_nvml.FakeUtilSample(50102, SAMPLED_AT_US, 61, 40),
+                   fake_nvml.FakeUtilSample(50318, SAMPLED_AT_US + 1, 5, 1, 2, 3),
+                   fake_nvml.FakeUtilSample(50102, SAMPLED_AT_US + 166_667, 65, 42))
+
+
+def _activity_scenario() -> FakeNvmlScenario:
+    """An H100 in MIG mode: gpu_burn's GPU instance (9) busy, the memhogs' (2) idle, GPU instance 10
+    scripted NaN and Inf, 13 without a compute instance, tensor activity failing with its own code;
+    a whole H100 at 40% graphics with three driver samples of two processes; the demo's A100 in MIG
+    mode (no GPM)."""
+    h100 = SCENARIOS["h100-mig-processes"]().cards[0]
+    demo = SCENARIOS["demo"]()
+    odd = {GRAPHICS: float("nan"), SM: float("inf")}
+    mig_card = dataclasses.replace(
+        h100, mig_devices=(*h100.mig_devices[:3], dataclasses.replace(h100.mig_devices[3], activity=odd)),
+        empty_gpu_instances=(EMPTY_GPU_INSTANCE,), gpm_metric_errors={TENSOR: pynvml.NVML_ERROR_UNKNOWN})
+    whole = dataclasses.replace(demo.cards[1], **fake_nvml.H100, process_samples=PROCESS_SAMPLES,
+                                activity=fake_nvml.gpm(graphics=40.0, sm=35.0, occupancy=20.0, tensor=12.5, dram=7.0))
+    return dataclasses.replace(demo, cards=(mig_card, whole, demo.cards[0]))
+
+
+# Run over pynvml, loaded on the C library in a child or on the Python fake here, with the fake clock
+# held by ``set_clock`` and the samples held counted by ``held``: every GPM and process utilisation call
+# on every card and MIG handle, each answer a value or "E<code>", as JSON-ready values.
+_ACTIVITY_PROBE = r"""
+import ctypes
+
+ASKED = [1, 2, 3, 5, 10, 20, 0]  # the five the exporter reads, PCIe TX (MiB/s) and no metric
+
+
+def answers(pynvml, set_clock, held):
+    out = {}
+
+    def ask(function, *args):
+        try:
+            return function(*args)
+        except pynvml.NVMLError as e:
+            return f"E{e.value}"
+
+    def metrics(first, second, ids=ASKED, version=1, count=None):
+        get = pynvml.c_nvmlGpmMetricsGet_t()
+        get.version, get.sample1, get.sample2 = version, first, second
+        get.numMetrics = len(ids) if count is None else count
+        for i, metric in enumerate(ids):
+            get.metrics[i].metricId, get.metrics[i].value = metric, -1.0  # kept where the metric fails
+        beyond = get.metrics[len(ids)]
+        beyond.metricId, beyond.nvmlReturn, beyond.value = 1, 4242, -7.0  # past numMetrics: untouched
+        try:
+            pynvml.nvmlGpmMetricsGet(get)
+        except pynvml.NVMLError as e:
+            return f"E{e.value}"
+        rows = [get.metrics[i] for i in range(len(ids))] + [beyond]
+        return [[m.metricId, m.nvmlReturn, repr(round(m.value, 9))] for m in rows]
+
+    def utilisation(handle, since):
+        found = ask(pynvml.nvmlDeviceGetProcessUtilization, handle, since)
+        if isinstance(found, str):
+            return found
+        return [[s.pid, s.timeStamp, s.smUtil, s.memUtil, s.encUtil, s.decUtil] for s in found]
+
+    pynvml.nvmlInit()
+    cards, migs = {}, {}
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        cards[f"card{i}"] = card = pynvml.nvmlDeviceGetHandleByIndex(i)
+        for slot in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(card)):
+            try:
+                migs[f"card{i}/mig{slot}"] = (card, pynvml.nvmlDeviceGetMigDeviceHandleByIndex(card, slot))
+            except pynvml.NVMLError:
+                pass
+    handles = {**cards, **{name: mig for name, (_, mig) in migs.items()}}
+    out["support"] = {name: ask(lambda h: pynvml.nvmlGpmQueryDeviceSupport(h).isSupportedDevice, h)
+                      for name, h in handles.items()}
+    stale = pynvml.c_nvmlGpmSupport_t()
+    stale.version = 2
+    out["support_version_2"] = pynvml._nvmlGetFunctionPointer("nvmlGpmQueryDeviceSupport")(
+        cards["card0"], ctypes.byref(stale))
+
+    # What each sampling call takes: SampleGet on every handle, MigSampleGet on each card for each
+    # GPU instance of its MIG devices, one without a compute instance and one it lacks, and on a MIG handle.
+    takes = {f"get {name}": (pynvml.nvmlGpmSampleGet, h) for name, h in handles.items()}
+    for name, card in cards.items():
+        ids = {pynvml.nvmlDeviceGetGpuInstanceId(m) for n, (c, m) in migs.items() if n.startswith(name + "/")}
+        for gi in sorted(ids) + [13, 99]:
+            takes[f"mig {name} {gi}"] = (lambda h, s, gi=gi: pynvml.nvmlGpmMigSampleGet(h, gi, s), card)
+    takes["mig card0/mig0 2"] = (lambda h, s: pynvml.nvmlGpmMigSampleGet(h, 2, s), handles["card0/mig0"])
+
+    allocated = []
+
+    def take_all(at):
+        set_clock(at)
+        taken = {}
+        for name, (take, handle) in takes.items():
+            allocated.append(pynvml.nvmlGpmSampleAlloc())
+            code = ask(take, handle, allocated[-1])
+            taken[name] = allocated[-1] if not isinstance(code, str) else code
+        return taken
+
+    first, second, close = take_all(1000.0), take_all(1030.0), take_all(1030.05)
+    out["held"] = held()
+    out["sampled"] = {name: s if isinstance(s, str) else 0 for name, s in first.items()}
+    out["windows"] = {name: metrics(first[name], second[name]) for name, s in first.items() if not isinstance(s, str)}
+    out["under_100ms"] = metrics(second["get card1"], close["get card1"])
+    out["backwards"] = metrics(second["get card1"], first["get card1"])
+    out["mig_handle_and_card"] = metrics(first["mig card0 9"], second["get card0/mig2"])  # both GPU instance 9
+    out["two_gpu_instances"] = metrics(first["mig card0 9"], second["mig card0 2"])
+    out["version_2"] = metrics(first["get card1"], second["get card1"], version=2)
+    out["no_metric"] = metrics(first["get card1"], second["get card1"], ids=[1], count=0)
+    out["99_metrics"] = metrics(first["get card1"], second["get card1"], ids=[1], count=99)
+    blank = pynvml.nvmlGpmSampleAlloc()
+    out["never_filled"] = metrics(blank, second["get card1"])
+    for sample in allocated + [blank]:  # those whose sampling failed too
+        pynvml.nvmlGpmSampleFree(sample)
+    out["after_free"] = held()
+    out["freed_twice"] = ask(pynvml.nvmlGpmSampleFree, blank)
+    out["freed_sample"] = metrics(first["get card1"], second["get card1"])
+
+    # nvmlDeviceGetProcessUtilization since 0, since the first sample (us), since the last.
+    out["utilisation"] = {name: [utilisation(h, since) for since in (0, 1717171717000000, 1717171717166667)]
+                          for name, h in handles.items() if name in ("card0", "card0/mig0", "card1", "card2")}
+    pynvml.nvmlShutdown()
+    return out
+"""
+
+
+def _activity_over_the_library(env: dict[str, str]) -> dict:
+    code = _ACTIVITY_PROBE + (
+        "\nimport json, pynvml\n"
+        "def set_clock(seconds):\n"
+        "    pynvml.nvmlLib.fakeNvmlSetClock(ctypes.c_double(seconds))\n"
+        "print(json.dumps(answers(pynvml, set_clock, lambda: pynvml.nvmlLib.fakeNvmlLiveGpmSamples())))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=60).stdout
+    return json.loads(out)
+
+
+def test_activity_through_the_library_answers_as_the_python_fake(fake_libnvml_env, fake_nvml_lib):
+    """The same pynvml calls on the same scenario at the same fake times: the C library in a child,
+    the Python fake here."""
+    scenario = _activity_scenario()
+    over_c = _activity_over_the_library(fake_libnvml_env(scenario))
+    probe: dict = {}
+    exec(_ACTIVITY_PROBE, probe)
+    fake = fake_nvml_lib(scenario)
+    over_python = json.loads(json.dumps(probe["answers"](pynvml, fake.set_clock, lambda: fake.gpm_samples_held)))
+    assert fake.exceptions == []
+    assert list(over_c) == list(over_python)
+    for key in over_c:
+        assert over_c[key] == over_python[key], key
+    # and what they agree on is the scenario's
+    assert over_c["windows"]["get card1"][0] == [GRAPHICS, 0, "40.0"]
+
+
+@pytest.fixture(scope="module")
+def activity(fake_libnvml_dir, tmp_path_factory) -> dict:
+    """The activity probe's answers over the library, for the tests below that read them."""
+    from fake_nvml_c import environment, write_scenario
+
+    path = write_scenario(tmp_path_factory.mktemp("activity") / "scenario.txt", _activity_scenario())
+    return _activity_over_the_library(environment(fake_libnvml_dir, path))
+
+
+def test_gpm_support_is_the_cards_hopper_yes_a100_no_and_a_mig_handle_answers_as_its_card(activity):
+    assert activity["support"] == {"card0": 1, "card1": 1, "card2": 0, **{f"card0/mig{i}": 1 for i in range(4)},
+                                   **{f"card2/mig{i}": 0 for i in range(3)}}
+    assert activity["support_version_2"] == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+
+
+def test_a_30s_window_at_a_scripted_activity_answers_that_activity(activity):
+    windows = activity["windows"]
+    graphics, sm, occupancy, tensor, dram, pcie, none = windows["get card1"][:7]
+    assert abs(float(graphics[2]) / 100 - 0.40) <= 0.01
+    assert [sm[2], occupancy[2], tensor[2], dram[2]] == ["35.0", "20.0", "12.5", "7.0"]
+    not_supported = pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert pcie[:2] == [20, not_supported] and none[:2] == [0, not_supported]  # not percents: no value
+    assert pcie[2] == none[2] == "-1.0"  # a metric that fails keeps what the caller left
+    assert windows["get card1"][7] == [1, 4242, "-7.0"]  # past numMetrics: untouched
+    # gpu_burn's GPU instance, by its id on the card or through its MIG handle; the memhogs' is idle
+    burn = [[GRAPHICS, 0, "99.0"], [SM, 0, "97.0"], [OCCUPANCY, 0, "48.0"]]
+    assert windows["mig card0 9"][:3] == windows["get card0/mig2"][:3] == activity["mig_handle_and_card"][:3] == burn
+    assert [row[2] for row in windows["mig card0 2"][:5]] == ["0.0", "0.0", "0.0", "-1.0", "0.0"]
+    assert [row[2] for row in windows[f"mig card0 {EMPTY_GPU_INSTANCE}"][:5]] == ["0.0", "0.0", "0.0", "-1.0", "0.0"]
+    assert [row[2] for row in windows["mig card0 10"][:2]] == ["nan", "inf"]  # as scripted: the exporter's to drop
+    assert [row[2] for row in activity["under_100ms"][:5]] == ["0.0"] * 5
+    assert activity["backwards"] == windows["get card1"]
+
+
+def test_a_metrics_own_return_code_surfaces_in_its_nvml_return(activity):
+    for name in ("mig card0 9", "get card0/mig2", "mig card0 2"):
+        assert activity["windows"][name][3][:2] == [TENSOR, pynvml.NVML_ERROR_UNKNOWN], name
+    assert activity["windows"]["get card1"][3][:2] == [TENSOR, pynvml.NVML_SUCCESS]  # another card's metric
+
+
+def test_sampling_calls_refuse_what_the_driver_refuses(activity):
+    codes = activity["sampled"]
+    not_supported, invalid = f"E{pynvml.NVML_ERROR_NOT_SUPPORTED}", f"E{pynvml.NVML_ERROR_INVALID_ARGUMENT}"
+    assert codes[f"mig card0 {UNKNOWN_GPU_INSTANCE}"] == f"E{pynvml.NVML_ERROR_NOT_FOUND}"
+    assert codes[f"mig card0 {EMPTY_GPU_INSTANCE}"] == 0 and codes["mig card0 9"] == 0
+    assert codes["mig card0/mig0 2"] == invalid  # a MIG handle: it takes the parent card
+    assert codes["get card0"] == not_supported  # a card in MIG mode has no whole-card sample
+    assert codes["mig card1 13"] == not_supported  # a card not in MIG mode
+    assert {n: c for n, c in codes.items() if "card2" in n} == dict.fromkeys(
+        [n for n in codes if "card2" in n], not_supported)  # an A100: no GPM
+    assert activity["version_2"] == f"E{pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH}"
+    for name in ("two_gpu_instances", "no_metric", "99_metrics", "never_filled", "freed_sample"):
+        assert activity[name] == invalid, name
+
+
+def test_samples_are_counted_until_freed(activity):
+    sampled = sum(1 for code in activity["sampled"].values() if code == 0)
+    failed = len(activity["sampled"]) - sampled
+    assert activity["held"] == 3 * len(activity["sampled"])  # three rounds, failed samples too
+    assert failed > 0 and activity["after_free"] == 0
+    assert activity["freed_twice"] == f"E{pynvml.NVML_ERROR_INVALID_ARGUMENT}"
+
+
+def test_process_utilisation_answers_samples_after_last_seen_and_not_found_when_idle(activity):
+    first, other, last = ([u.pid, u.timestamp_us, u.sm_percent, u.memory_percent, u.encoder_percent,
+                           u.decoder_percent] for u in PROCESS_SAMPLES)
+    not_found = f"E{pynvml.NVML_ERROR_NOT_FOUND}"
+    assert activity["utilisation"]["card1"] == [[first, other, last], [other, last], not_found]
+    # MIG mode: the size query answers, the read is refused (card NOT_SUPPORTED, MIG handle INVALID_ARGUMENT)
+    not_supported = f"E{pynvml.NVML_ERROR_NOT_SUPPORTED}"
+    assert activity["utilisation"]["card0"] == activity["utilisation"]["card2"] == [not_supported] * 3
+    assert activity["utilisation"]["card0/mig0"] == [f"E{pynvml.NVML_ERROR_INVALID_ARGUMENT}"] * 3
+
+
+def test_a_whole_card_with_no_sampled_process_answers_not_found(fake_libnvml_env):
+    idle = dataclasses.replace(SCENARIOS["demo"](), cards=(dataclasses.replace(SCENARIOS["demo"]().cards[1],
+                                                                              process_samples=()),))
+    code = ("import pynvml\npynvml.nvmlInit()\n"
+            "try:\n    pynvml.nvmlDeviceGetProcessUtilization(pynvml.nvmlDeviceGetHandleByIndex(0), 0)\n"
+            "except pynvml.NVMLError_NotFound:\n    print('not found')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=fake_libnvml_env(idle), capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out == "not found\n"
+
+
+_CLOCK_CHILD = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import pynvml
+from fake_nvml_c import set_clock
+
+clock = Path(sys.argv[1])
+pynvml.nvmlInit()
+card = pynvml.nvmlDeviceGetHandleByIndex(0)
+samples = {}
+for at in (1000, 1015, 1030, 1045, 1060):
+    set_clock(clock, at)
+    samples[at] = pynvml.nvmlGpmSampleGet(card, pynvml.nvmlGpmSampleAlloc())
+
+
+def graphics(first, second):
+    get = pynvml.c_nvmlGpmMetricsGet_t()
+    get.version, get.numMetrics, get.sample1, get.sample2 = 1, 1, samples[first], samples[second]
+    get.metrics[0].metricId = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL
+    return pynvml.nvmlGpmMetricsGet(get).metrics[0].value
+
+
+print(json.dumps({f"{a}-{b}": graphics(a, b) for a, b in ((1000, 1030), (1030, 1060), (1000, 1060), (1015, 1045))}))
+"""
+
+
+def test_the_clock_file_drives_the_samples_and_a_script_changed_mid_window_averages_over_time(
+        fake_libnvml_env, tmp_path):
+    """40% until fake time 1030, 80% from then (``later``, the Python fake's set_scenario at 1030)."""
+    base = dataclasses.replace(SCENARIOS["demo"]().cards[1], **fake_nvml.H100)
+    at_40, at_80 = (dataclasses.replace(SCENARIOS["demo"](), cards=(dataclasses.replace(base, activity={GRAPHICS: p}),))
+                    for p in (40.0, 80.0))
+    clock = tmp_path / "clock"
+    env = fake_libnvml_env(at_40, clock_file=clock, later=((1030.0, at_80),))
+    out = subprocess.run([sys.executable, "-c", _CLOCK_CHILD, str(clock), str(Path(__file__).parent)], env=env,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    windows = json.loads(out)
+    assert windows == {"1000-1030": pytest.approx(40.0), "1030-1060": pytest.approx(80.0),
+                       "1000-1060": pytest.approx(60.0), "1015-1045": pytest.approx(60.0)}
+
+
+def test_the_scenario_file_carries_the_activity_lines():
+    scenario = _activity_scenario()
+    text = scenario_text(scenario, clock_file=Path("/tmp/a clock"), later=((30.0, scenario),))
+    lines = text.splitlines()
+    assert "clock_file /tmp/a%20clock" in lines
+    assert lines.count("gpm 1") == 2 and "gpu_instance 13" in lines
+    assert f"activity 9 {GRAPHICS} 99.0 -" in lines and f"activity 10 {GRAPHICS} nan -" in lines
+    assert f"activity 10 {SM} inf -" in lines and f"activity - {GRAPHICS} 40.0 -" in lines
+    assert f"gpm_error {TENSOR} {pynvml.NVML_ERROR_UNKNOWN}" in lines
+    assert "putil 50318 1717171717000001 5 1 2 3" in lines
+    assert f"activity 2 {DRAM} 0.0 30.0" in lines  # later: every percent metric, idle where unscripted
+    with pytest.raises(ValueError, match="same cards"):
+        scenario_text(scenario, later=((30.0, SCENARIOS["demo"]()),))
 
 
 # -- the exporter in a process of its own, over the library ---------------------------

@@ -17,15 +17,19 @@ from lxml import etree
 
 from conftest import FIXTURES, MIB, SAMPLES
 from fake_nvml import (
+    GPU_BURN,
     NO_INSTANCE_ID,
     OLD_DRIVER_MISSING,
     R535_GARBAGE_BYTES,
+    SAMPLED_AT_US,
     SCENARIOS,
     FakeCard,
     FakeNvmlScenario,
+    FakeUtilSample,
     a100_mig_pending,
     demo,
     fake_nvml,
+    gpm,
     h100_mig_processes,
     h100_r570_sram_split,
     h200_shared_gpu_instance,
@@ -620,7 +624,7 @@ def test_other_readings_answer_on_a_card_and_not_on_a_mig_device(nvml):
     with pytest.raises(pynvml.NVMLError_NotSupported):
         pynvml.nvmlDeviceGetFanSpeed(card)
     with pytest.raises(pynvml.NVMLError_NotFound):  # no sample since the timestamp
-        pynvml.nvmlDeviceGetProcessUtilization(card, 0)
+        pynvml.nvmlDeviceGetProcessUtilization(card, SAMPLED_AT_US + 166_667)
     fields = pynvml.nvmlDeviceGetFieldValues(card, [pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
                                                     pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX])
     assert [f.nvmlReturn for f in fields] == [pynvml.NVML_ERROR_NOT_SUPPORTED] * 2
@@ -631,9 +635,12 @@ def test_other_readings_answer_on_a_card_and_not_on_a_mig_device(nvml):
                  lambda: pynvml.nvmlDeviceGetPowerManagementLimit(mig),
                  lambda: pynvml.nvmlDeviceGetEncoderUtilization(mig),
                  lambda: pynvml.nvmlDeviceGetPcieThroughput(mig, pynvml.NVML_PCIE_UTIL_TX_BYTES),
-                 lambda: pynvml.nvmlDeviceGetProcessUtilization(mig, 0)):
+                 lambda: pynvml.nvmlDeviceGetProcessUtilization(handles(0), 0)):
         with pytest.raises(pynvml.NVMLError_NotSupported):
             call()
+    # The driver-535 report: on a MIG handle the size query answers and the read is refused.
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetProcessUtilization(mig, 0)
     assert fake.exceptions == []
 
 
@@ -699,4 +706,205 @@ def test_health_structs_are_checked_for_their_version(nvml):
     repair = pynvml.c_nvmlRepairStatus_t()
     repair.version = 0
     assert fn("nvmlDeviceGetRepairStatus")(card, ctypes.byref(repair)) == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    assert fake.exceptions == []
+
+
+# -- activity: GPM and process utilisation -------------------------------------------------------------
+
+
+def _metrics_get(first, second, metrics=(1, 2, 3, 5, 10)):
+    """nvmlGpmMetricsGet through pynvml's wrapper and struct: (nvmlReturn, value) per metric."""
+    request = pynvml.c_nvmlGpmMetricsGet_t()
+    request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+    request.numMetrics = len(metrics)
+    request.sample1, request.sample2 = first, second
+    for i, metric in enumerate(metrics):
+        request.metrics[i].metricId = metric
+    pynvml.nvmlGpmMetricsGet(request)
+    return [(request.metrics[i].nvmlReturn, request.metrics[i].value) for i in range(len(metrics))]
+
+
+def _mig_sample(card, gpu_instance):
+    sample = pynvml.nvmlGpmSampleAlloc()
+    pynvml.nvmlGpmMigSampleGet(card, gpu_instance, sample)
+    return sample
+
+
+def test_gpm_support_is_hoppers_and_not_an_a100s(nvml):
+    fake = nvml("h100-mig-processes")
+    assert pynvml.nvmlGpmQueryDeviceSupport(handles(0)).isSupportedDevice == 1
+    nvml("demo")
+    assert [pynvml.nvmlGpmQueryDeviceSupport(handles(i)).isSupportedDevice for i in (0, 1)] == [0, 0]
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        pynvml.nvmlGpmSampleGet(handles(1), pynvml.nvmlGpmSampleAlloc())
+    assert fake.exceptions == []
+
+
+def test_a_window_at_a_scripted_activity_reads_that_activity(nvml):
+    fake = nvml("h100-mig-processes")
+    fake.set_clock(1000.0)
+    card = handles(0)
+    first = _mig_sample(card, 9)
+    fake.advance(30)
+    second = _mig_sample(card, 9)
+    got = _metrics_get(first, second)
+    assert [code for code, _ in got] == [pynvml.NVML_SUCCESS] * 5
+    assert [value for _, value in got] == pytest.approx([99.0, 97.0, 48.0, 0.0, 10.0])
+    # An idle GPU instance reads 0 over the same time: a measured zero.
+    idle = _mig_sample(card, 2)
+    fake.advance(10)
+    assert [v for _, v in _metrics_get(idle, _mig_sample(card, 2))] == [0.0] * 5
+    assert fake.gpm_samples_held == 4
+    assert fake.exceptions == []
+
+
+def test_a_script_changed_halfway_reads_the_average_over_time(nvml):
+    fake = nvml("h100-mig-processes")
+    fake.set_clock(0.0)
+    card = handles(0)
+    first = _mig_sample(card, 9)
+    fake.advance(20)  # 20 s of gpu_burn
+    base = fake.scenario
+    slower = dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], mig_devices=tuple(
+        dataclasses.replace(m, activity=gpm(graphics=39.0)) if m.gpu_instance_id == 9 else m
+        for m in base.cards[0].mig_devices)),))
+    fake.set_scenario(slower)
+    fake.advance(40)  # then 40 s at 39%
+    graphics = _metrics_get(first, _mig_sample(card, 9), metrics=(1,))[0][1]
+    assert graphics == pytest.approx((99.0 * 20 + 39.0 * 40) / 60)
+
+
+def test_gpm_metric_codes_nan_and_unknown_ids_are_per_metric(nvml):
+    base = h100_mig_processes()
+    card0 = base.cards[0]
+    odd = dataclasses.replace(card0, gpm_metric_errors={3: pynvml.NVML_ERROR_NOT_SUPPORTED},
+                              mig_devices=tuple(dataclasses.replace(m, activity={**GPU_BURN, 2: float("nan")})
+                                                if m.gpu_instance_id == 9 else m for m in card0.mig_devices))
+    fake = nvml(dataclasses.replace(base, cards=(odd,)))
+    fake.set_clock(0.0)
+    first = _mig_sample(handles(0), 9)
+    fake.advance(5)
+    got = _metrics_get(first, _mig_sample(handles(0), 9), metrics=(1, 2, 3, 477))
+    assert got[0] == (pynvml.NVML_SUCCESS, pytest.approx(99.0))
+    assert got[1][0] == pynvml.NVML_SUCCESS and got[1][1] != got[1][1]  # NaN, as scripted
+    assert got[2][0] == pynvml.NVML_ERROR_NOT_SUPPORTED
+    assert got[3][0] == pynvml.NVML_ERROR_NOT_SUPPORTED  # an id the fake does not measure
+    assert fake.exceptions == []
+
+
+def test_gpm_metrics_get_touches_only_num_metrics_and_checks_its_arguments(nvml):
+    """The fake reads and writes metrics[0:numMetrics] at nvml.h's offsets and never the struct's
+    size: a struct with room for two metrics only (nvml.h's layout, not pynvml's) is answered."""
+    fake = nvml("h100-mig-processes")
+    fake.set_clock(0.0)
+    first = _mig_sample(handles(0), 9)
+    fake.advance(2)
+    second = _mig_sample(handles(0), 9)
+
+    class Small(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint), ("numMetrics", ctypes.c_uint), ("sample1", ctypes.c_void_p),
+                    ("sample2", ctypes.c_void_p), ("metrics", pynvml.c_nvmlGpmMetric_t * 2),
+                    ("guard", ctypes.c_ulonglong)]
+    small = Small(1, 2, ctypes.cast(first, ctypes.c_void_p).value, ctypes.cast(second, ctypes.c_void_p).value)
+    small.metrics[0].metricId, small.metrics[1].metricId, small.guard = 1, 10, 0xFEEDFACE
+    fn = pynvml._nvmlGetFunctionPointer("nvmlGpmMetricsGet")
+    assert fn(ctypes.byref(small)) == pynvml.NVML_SUCCESS
+    assert (small.metrics[0].value, small.metrics[1].value, small.guard) == (pytest.approx(99.0), pytest.approx(10.0),
+                                                                              0xFEEDFACE)
+    small.version = 2
+    assert fn(ctypes.byref(small)) == pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    small.version, small.numMetrics = 1, 99  # past the smallest NVML_GPM_METRIC_MAX of any header
+    assert fn(ctypes.byref(small)) == pynvml.NVML_ERROR_INVALID_ARGUMENT
+    small.numMetrics = 2
+    pynvml.nvmlGpmSampleFree(second)
+    assert fn(ctypes.byref(small)) == pynvml.NVML_ERROR_INVALID_ARGUMENT  # a freed sample
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlGpmSampleFree(second)  # freed twice
+    assert fake.gpm_samples_held == 1
+    assert fake.exceptions == []
+
+
+def test_samples_closer_than_100ms_read_zero(nvml):
+    fake = nvml("h100-mig-processes")
+    fake.set_clock(0.0)
+    first = _mig_sample(handles(0), 9)
+    fake.advance(0.05)
+    assert [v for _, v in _metrics_get(first, _mig_sample(handles(0), 9))] == [0.0] * 5
+
+
+def test_an_unknown_or_destroyed_gpu_instance_fails_and_a_recreated_one_counts_afresh(nvml):
+    fake = nvml("h100-mig-processes")
+    fake.set_clock(0.0)
+    card = handles(0)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        _mig_sample(card, 5)  # no such GPU instance
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        _mig_sample(mig_handles(card)[0], 2)  # it takes the parent
+    _mig_sample(card, 9)  # its counters start
+    fake.advance(50)
+    old = _mig_sample(card, 9)
+    fake.advance(50)
+    base = fake.scenario
+    gone = dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], mig_devices=tuple(
+        m for m in base.cards[0].mig_devices if m.gpu_instance_id != 9)),))
+    fake.set_scenario(gone)
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        _mig_sample(card, 9)
+    # Made again under the same id (new MIG UUID), as idle: its counters start from zero, so a
+    # window across the change reads garbage, as restarted counters would.
+    again = dataclasses.replace(base.cards[0].mig_devices[2], uuid="MIG-00000000-0000-0000-0000-000000000009",
+                                activity={})
+    fake.set_scenario(dataclasses.replace(gone, cards=(dataclasses.replace(
+        gone.cards[0], mig_devices=(*gone.cards[0].mig_devices, again)),)))
+    fake.advance(10)
+    fresh = _mig_sample(card, 9)
+    assert _metrics_get(old, fresh, metrics=(1,))[0][1] < 0  # not the idle truth
+    fake.advance(10)
+    assert _metrics_get(fresh, _mig_sample(card, 9), metrics=(1,))[0][1] == 0.0
+
+
+def test_a_gpu_instance_without_a_compute_instance_has_no_mig_device_but_can_be_sampled(nvml):
+    base = h100_mig_processes()
+    fake = nvml(dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], empty_gpu_instances=(1,)),)))
+    card = handles(0)
+    assert sorted(mig_handles(card)) == [0, 1, 2, 3]  # no MIG device for GPU instance 1
+    fake.set_clock(0.0)
+    first = _mig_sample(card, 1)
+    fake.advance(5)
+    assert [v for _, v in _metrics_get(first, _mig_sample(card, 1))] == [0.0] * 5
+
+
+def test_a_whole_card_is_sampled_by_its_handle(nvml):
+    base = h100_r570_sram_split()
+    fake = nvml(dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], activity=gpm(graphics=70.0)),)))
+    fake.set_clock(0.0)
+    first = pynvml.nvmlGpmSampleGet(handles(0), pynvml.nvmlGpmSampleAlloc())
+    fake.advance(15)
+    second = pynvml.nvmlGpmSampleGet(handles(0), pynvml.nvmlGpmSampleAlloc())
+    assert _metrics_get(first, second, metrics=(1, 2)) == [(0, pytest.approx(70.0)), (0, 0.0)]
+    with pytest.raises(pynvml.NVMLError_NotSupported):  # no GPU instance outside MIG mode
+        pynvml.nvmlGpmMigSampleGet(handles(0), 9, first)
+    assert fake.exceptions == []
+
+
+def test_process_utilisation_follows_the_size_query_protocol_and_the_timestamp(nvml):
+    base = a100_mig_pending()
+    samples = (FakeUtilSample(900, SAMPLED_AT_US, 12, 3), FakeUtilSample(900, SAMPLED_AT_US + 500_000, 20, 5),
+               FakeUtilSample(901, SAMPLED_AT_US + 500_000, 7, 1))
+    fake = nvml(dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], process_samples=samples),)))
+    card = handles(0)
+    got = pynvml.nvmlDeviceGetProcessUtilization(card, 0)
+    assert [(s.pid, s.timeStamp, s.smUtil, s.memUtil) for s in got] == [
+        (900, SAMPLED_AT_US, 12, 3), (900, SAMPLED_AT_US + 500_000, 20, 5), (901, SAMPLED_AT_US + 500_000, 7, 1)]
+    assert [s.pid for s in pynvml.nvmlDeviceGetProcessUtilization(card, SAMPLED_AT_US)] == [900, 901]
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetProcessUtilization(card, SAMPLED_AT_US + 500_000)
+    fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetProcessUtilization")
+    count = ctypes.c_uint(0)
+    assert fn(card, None, ctypes.byref(count), ctypes.c_ulonglong(0)) == pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+    assert count.value == 3
+    small = (pynvml.c_nvmlProcessUtilizationSample_t * 2)()
+    count.value = 2
+    assert fn(card, small, ctypes.byref(count), ctypes.c_ulonglong(0)) == pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+    assert count.value == 3
     assert fake.exceptions == []

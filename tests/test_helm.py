@@ -786,6 +786,8 @@ def test_the_notes_say_how_to_tell_that_no_node_matched():
     ({"image": {"digest": "latest"}}, "/image/digest"),
     ({"prometheusRule": {"disabled": {"GPUAllocatedButUnused": "yes"}}}, "/prometheusRule/disabled"),
     ({"prometheusRule": {"capacityFreshWithin": "1 minute"}}, "/prometheusRule/capacityFreshWithin"),
+    ({"prometheusRule": {"memoryHeldIdleFor": "2 hours"}}, "/prometheusRule/memoryHeldIdleFor"),
+    ({"prometheusRule": {"memoryHeldIdleBytes": "1Gi"}}, "/prometheusRule/memoryHeldIdleBytes"),
     ({"serviceMonitor": {"honourLabels": True}}, "/serviceMonitor"),
     ({"namespaceOverride": "GPU Monitoring"}, "/namespaceOverride"),
     ({"global": {"imagePullSecrets": [{"nmae": "x"}]}}, "/global/imagePullSecrets/0"),
@@ -793,7 +795,8 @@ def test_the_notes_say_how_to_tell_that_no_node_matched():
         "TLS with a certificate and no key", "unknown top-level key", "bad interval", "numeric tag",
         "a selector label in podLabels", "misspelt probe target key", "bad probe timeout", "unknown preset",
         "an empty NetworkPolicy peer", "misspelt migMonitor key", "unknown selector operator", "a tag as digest",
-        "a string to disable an alert", "a freshness window that is no duration", "misspelt honorLabels",
+        "a string to disable an alert", "a freshness window that is no duration", "an idle time that is no duration",
+        "an idle memory threshold that is no number of bytes", "misspelt honorLabels",
         "a namespace with spaces", "a pull secret without name"])
 def test_bad_values_are_refused_by_the_schema_naming_the_value(values, named):
     with pytest.raises(HelmValuesError) as schema:
@@ -944,6 +947,28 @@ def test_the_capacity_rules_freshness_window_is_a_value_and_only_they_change():
                 assert after == before
 
 
+def test_the_idle_memory_alert_takes_its_time_and_threshold_from_values_and_only_it_changes():
+    """prometheusRule.memoryHeldIdleFor and .memoryHeldIdleBytes (docs/alerts.md): GPUMemoryHeldIdle's
+    `for:` and the time its description says, and its threshold and its recording rule's; every
+    other rule, GPUProcessesInvisible's own 1 GiB included, is left as shipped."""
+    def rules(values: dict | None = None) -> dict[str, dict]:
+        (rule,) = [d for d in render(values) if d["kind"] == "PrometheusRule"]
+        return {r.get("alert") or r["record"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+
+    shipped = rules()
+    changed = rules({"prometheusRule": {"memoryHeldIdleFor": "45m", "memoryHeldIdleBytes": 4294967296}})
+    idle = {"GPUMemoryHeldIdle", "instance_device:mig_exporter_memory_held_idle_bytes:sum"}
+    assert {name for name in shipped if shipped[name] != changed[name]} == idle
+    for name in idle:
+        before, after = shipped[name]["expr"], changed[name]["expr"]
+        assert before.count("> 1073741824") == 2 and after == before.replace("> 1073741824", "> 4294967296"), name
+    alert, was = changed["GPUMemoryHeldIdle"], shipped["GPUMemoryHeldIdle"]
+    assert (was["for"], alert["for"]) == ("2h", "45m")
+    assert alert["annotations"]["description"] == was["annotations"]["description"].replace("for 2h:", "for 45m:")
+    assert "for 45m:" in alert["annotations"]["description"]
+    assert alert["annotations"]["summary"] == was["annotations"]["summary"]
+
+
 def test_the_dashboards_count_with_the_rules_freshness_window():
     """The capacity panels run the rules' expressions, so they take prometheusRule.capacityFreshWithin
     too; every `}[1m]` in the dashboards is a capacity selector's, so nothing else changes."""
@@ -961,6 +986,22 @@ def test_the_dashboards_count_with_the_rules_freshness_window():
     for name, text in shipped.items():
         assert wider[name] == text.replace("}[1m]", "}[90s]"), name
     assert any("}[90s]" in text for text in wider.values())
+
+
+def test_the_idle_memory_panel_takes_the_alerts_threshold():
+    """prometheusRule.memoryHeldIdleBytes reaches the overview's idle memory panel, which runs
+    GPUMemoryHeldIdle's expression: every `> 1073741824` of the dashboards is that panel's."""
+    def dashboards(values: dict | None = None) -> dict[str, str]:
+        return {d["metadata"]["name"]: next(iter(d["data"].values())) for d in render(values)
+                if d["kind"] == "ConfigMap" and "-dashboard-" in d["metadata"]["name"]}
+
+    shipped = dashboards()
+    changed = dashboards({"prometheusRule": {"memoryHeldIdleBytes": 4294967296}})
+    held = [name for name, text in shipped.items() if "> 1073741824" in text]
+    assert held == ["mig-exporter-dashboard-overview"]
+    assert json.loads(shipped[held[0]]) != json.loads(changed[held[0]])
+    for name, text in shipped.items():
+        assert changed[name] == text.replace("> 1073741824", "> 4294967296"), name
 
 
 def test_the_kernel_log_is_mounted_by_default_and_read_only_with_privileged_asked_for():

@@ -33,9 +33,10 @@ DIGESTED_DEMO = Path(__file__).resolve().parent / "fixtures" / "demo-as-digested
 # The fields of the snapshot's parts the digests were written without: the health (issue 26),
 # whether a device's process list is known (issue 27), and whether the driver refused a card's
 # aggregate readings (issue 35: no MIG monitor capability), the board serial, the grade made once
-# per snapshot and whether a card's read failed as lost (issue 37).
+# per snapshot and whether a card's read failed as lost (issue 37), and activity (issue 39: GPM
+# per device on the NVML path, pmon's per-process activity on the nvidia-smi path).
 HEALTH_FIELDS = {"cards": ("health", "aggregate_denied", "serial", "verdict", "lost"),
-                 "devices": ("ecc_errors", "processes_known")}
+                 "devices": ("ecc_errors", "processes_known", "activity", "activity_unknown")}
 NOT_PLAIN = b"<!-- read whole -->"  # after the root: the report is parsed whole by lxml
 
 
@@ -52,6 +53,8 @@ def _split(outcome: Any) -> tuple[Any, Any]:
         return outcome, None
     health = {group: [[item[1].pop(field) for field in fields] for item in outcome[1][group]]
               for group, fields in HEALTH_FIELDS.items()}
+    # Issue 39's per-process activity is no part of the XML's parse (it comes from pmon).
+    health["process_activity"] = outcome[1].pop("process_activity")
     return outcome, health
 
 
@@ -139,8 +142,8 @@ def test_health_reads_as_the_whole_parse_reads_it():
     assert [_health_mismatches(cases) for cases in groups] == [[], [], []]
     # Else the comparison would compare empty health: the demo's wear and the corpus's cards are read.
     demo = _split(smi_variants.outcome(*groups[0]["fixture:demo.xml"]))[1]
-    assert demo is not None and any(ecc for ecc, _ in demo["devices"])
-    assert all(known for _, known in demo["devices"])
+    assert demo is not None and any(device[0] for device in demo["devices"])  # ECC counts
+    assert all(device[1] for device in demo["devices"])  # process lists known
     assert sum(c[0][1]["clocks"] != [] for case in groups[1].values()
                if (h := _split(smi_variants.outcome(*case))[1]) for c in h["cards"]) > 100
 

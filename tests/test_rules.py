@@ -52,7 +52,7 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
         "GPUProcessOutsideAllocation", "GPUAllocatedButUnused",
         "GPUProcessOutsideSlurmAllocation", "GPUSlurmAllocationUnused",
         *CARD_HEALTH_ALERTS, "GPUCardLost", "GPUCardRecoveryActionUnknown", "GPUPCIeLinkWidthDegraded",
-        "GPUXidsNotSeen",
+        "GPUXidsNotSeen", "GPUMemoryHeldIdle",
     ])
     by_name = {r["alert"]: r for r in _rules() if "alert" in r}
     assert by_name["EngineHoldsNoGPUMemory"]["for"] == "2m"
@@ -75,6 +75,8 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
     for name in ("GPUThermalSlowdown", "GPUTemperatureMarginLow"):
         assert by_name[name]["for"] == "10m", name
     assert by_name["GPUPowerCapped"]["for"] == "1h"
+    # Issue 39: memory held by work idle for 2 hours (the chart's prometheusRule.memoryHeldIdleFor).
+    assert by_name["GPUMemoryHeldIdle"]["for"] == "2h" and by_name["GPUMemoryHeldIdle"]["labels"]["severity"] == "info"
     for name in ("GPUUncorrectableECCErrors", "GPUInstanceUncorrectableECCErrors", *XID_ALERTS):
         assert "for" not in by_name[name], name
     records = [r["record"] for r in _rules() if "record" in r]
@@ -86,6 +88,7 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
         "instance_card_work:mig_exporter_process_info:count",
         "instance_card_work:mig_exporter_device_allocation_info:count",
         "node:mig_exporter_cards:count",
+        IDLE_RECORD,
         *CAPACITY_RECORDS,
     ]
     # Issues 27 and 36: these ten names are what other tools may rely on.
@@ -93,6 +96,7 @@ def test_the_rules_are_the_ones_the_issue_asks_for():
     assert [r["record"] for r in groups["mig-exporter.capacity"]["rules"]] == CAPACITY_RECORDS
 
 
+IDLE_RECORD = "instance_device:mig_exporter_memory_held_idle_bytes:sum"
 CAPACITY_RECORDS = [
     "instance_class:mig_exporter_devices:count",
     "instance_class:mig_exporter_devices_free:count",
@@ -180,7 +184,7 @@ def test_rules_over_device_card_and_process_series_count_the_exporters_own_serie
     """Probe targets export these families too, never build_info (docs/probe.md)."""
     families = re.compile(r"(?<!:)mig_exporter_(device|card|process)_")
     guarded = [r.get("alert") or r["record"] for r in _rules() if families.search(r["expr"])]
-    assert len(guarded) == 30
+    assert len(guarded) == 32
     for rule in _rules():
         if families.search(rule["expr"]):
             name = rule.get("alert") or rule["record"]
@@ -286,6 +290,28 @@ def test_the_engine_count_counts_what_the_engine_alert_counts():
     assert record == f"count by (job, instance, engine) ( {alert} )"
     # Self-contained: every join names job and instance.
     assert re.findall(r"on \(([^)]*)\)", alert) == ["job, instance", "job, instance, engine, pid", "job, instance"]
+
+
+def test_memory_held_idle_is_one_definition_judged_only_where_activity_is_measured():
+    """Issue 39: the recording rule is GPUMemoryHeldIdle's expr summed per device, word for word
+    (the alert's `for:` aside); the alert reads activity only as measured ratios (an absent series
+    is never idle), leaves out a device that reported its activity unknown within 3 minutes, and
+    judges a whole card's processes rather than the card where they have activity of their own."""
+    by_name = {r.get("alert") or r["record"]: r for r in _rules()}
+    alert = _words(by_name["GPUMemoryHeldIdle"]["expr"])
+    record = _words(by_name[IDLE_RECORD]["expr"])
+    assert alert.endswith(PROBE_GUARD)
+    core = alert[: -len(PROBE_GUARD)].strip()
+    assert record == f"sum by (job, instance, node, card, index) ( {core} ) {PROBE_GUARD}"
+    assert "unless on (job, instance, index) (max_over_time(mig_exporter_device_activity_unknown[3m]) == 1)" in alert
+    assert "unless on (job, instance, index) max_over_time(mig_exporter_process_sm_activity_ratio[3m])" in alert
+    # Under 1% of the highest measured ratio, above 1 GiB (the chart replaces these two numbers).
+    assert alert.count(") < 0.01") == 2 and alert.count("> 1073741824") == 2
+    assert "or vector(" not in alert and "absent(" not in alert, "nothing stands in for an unmeasured ratio"
+    # Its labels name the device, and the process where a process is judged; the target's pod
+    # labels (an Operator scrape's: the exporter's own pod) are aggregated away, not routed on.
+    assert "max by (job, instance, node, card, index, mig_profile) (" in alert
+    assert "max by (job, instance, node, card, index, mig_profile, pid) (" in alert
 
 
 def test_every_alert_has_a_case_where_it_fires_through_a_failed_read():

@@ -29,7 +29,7 @@ from mig_exporter.engines.rules import DEFAULT_SETTINGS
 from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import Scraper
-from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.model.snapshot import ACTIVITY_NOT_READ, Snapshot
 from mig_exporter.sources.demo import DemoProcs, DemoSource
 from mig_exporter.sources.nvml import NvmlSource
 from mig_exporter.sources.nvml_gateway import NvmlUnavailable
@@ -45,6 +45,14 @@ NVML_ONLY_FAMILIES = ("mig_exporter_card_energy_joules",)
 # Their samples and, as a family without samples is not written at all, their HELP and TYPE lines.
 NVML_ONLY_LINES = tuple(f"{start}{family}" for family in NVML_ONLY_FAMILIES
                         for start in ("", "# HELP ", "# TYPE "))
+# Activity differs by path and by read: GPM is NVML's alone (nvidia-smi's XML has none: its devices
+# say not_read, NVML's first read first_sample or no_gpm), and per-process activity comes from
+# nvidia-smi pmon on the other path (tests/test_activity_nvml.py holds NVML's to its values).
+ACTIVITY_FAMILIES = tuple(f"mig_exporter_{name}" for name in (
+    "device_graphics_activity_ratio", "device_sm_activity_ratio", "device_sm_occupancy_ratio",
+    "device_tensor_activity_ratio", "device_dram_bandwidth_ratio", "device_activity_window_seconds",
+    "device_activity_unknown", "process_sm_activity_ratio", "process_memory_activity_ratio"))
+ACTIVITY_LINES = tuple(f"{start}{family}" for family in ACTIVITY_FAMILIES for start in ("", "# HELP ", "# TYPE "))
 
 
 # Scenarios whose driver's nvml.h has no field for the driver's recovery advice: 535's header has
@@ -68,7 +76,8 @@ def as_nvml_reads(name: str) -> Snapshot:
 
 
 def nvml_only_blanked(snapshot: Snapshot) -> Snapshot:
-    """``snapshot`` with NVML_ONLY_HEALTH left unknown on every card, as the nvidia-smi path reads it.
+    """``snapshot`` with NVML_ONLY_HEALTH left unknown on every card, and each device's activity and
+    the processes' as the nvidia-smi path's XML reads them (not read), as the nvidia-smi path reads it.
     Every blanked value must be known first: a reading that vanished would pass unseen otherwise."""
     cards = []
     for card in snapshot.cards:
@@ -76,7 +85,13 @@ def nvml_only_blanked(snapshot: Snapshot) -> Snapshot:
             assert all(getattr(card.health, name) is not None for name in NVML_ONLY_HEALTH), card
         blank = dict.fromkeys(NVML_ONLY_HEALTH)
         cards.append(dataclasses.replace(card, health=dataclasses.replace(card.health, **blank)))
-    return dataclasses.replace(snapshot, cards=tuple(cards))
+    devices = []
+    for device in snapshot.devices:
+        assert device.activity_unknown != ACTIVITY_NOT_READ, device
+        devices.append(dataclasses.replace(device, activity=None, activity_unknown=ACTIVITY_NOT_READ))
+    whole = {d.index for d in snapshot.devices if not d.is_mig}
+    assert {a.device_index for a in snapshot.process_activity} <= whole
+    return dataclasses.replace(snapshot, cards=tuple(cards), devices=tuple(devices), process_activity=())
 
 
 @pytest.mark.parametrize("name", FIXTURE_SCENARIOS)
@@ -88,7 +103,20 @@ def test_nvml_snapshot_equals_the_nvidia_smi_snapshot(fake_nvml_lib, name):
 
 def test_nvml_demo_equals_the_bundled_demo(fake_nvml_lib):
     fake_nvml_lib("demo")
-    assert nvml_only_blanked(NvmlSource().read()) == DemoSource().read()
+    # The processes' activity is compared apart (below): the demo's is pmon's.
+    assert nvml_only_blanked(NvmlSource().read()) == dataclasses.replace(DemoSource().read(), process_activity=())
+
+
+def test_nvml_process_activity_on_the_demo_equals_the_bundled_pmon(fake_nvml_lib):
+    """The same whole card's processes, measured on both paths: NVML's samples (the training job's
+    two averaged, llama.cpp's none: idle) and the demo's pmon capture."""
+    fake_nvml_lib("demo")
+    def rows(snapshot):
+        return sorted((a.pid, a.device_index, round(a.sm_ratio, 9), round(a.memory_ratio, 9))
+                      for a in snapshot.process_activity)
+    via_nvml = rows(NvmlSource().read())
+    assert via_nvml == rows(DemoSource().read())
+    assert via_nvml == [(50102, 1, 0.0, 0.0), (50318, 1, 0.63, 0.41)]
 
 
 def test_mig_instances_are_enumerated_over_every_slot_and_empty_ones_skipped(fake_nvml_lib):
@@ -294,9 +322,9 @@ def without_volatile(text: str, also: tuple[str, ...] = ()) -> str:
     """Exposition minus the per-read duration, NVML_ONLY_LINES and the lines starting with ``also``,
     with the source label made neutral and the answer's own sample count (mig_exporter_scrape_series)
     less the samples left out."""
-    skipped = ("mig_exporter_read_duration_seconds{", *NVML_ONLY_LINES, *also)
+    skipped = ("mig_exporter_read_duration_seconds{", *NVML_ONLY_LINES, *ACTIVITY_LINES, *also)
     lines = [line for line in text.splitlines() if not line.startswith(skipped)]
-    counted = (*NVML_ONLY_FAMILIES, *(start for start in also if not start.startswith("#")))
+    counted = (*NVML_ONLY_FAMILIES, *ACTIVITY_FAMILIES, *(start for start in also if not start.startswith("#")))
     left_out = sum(1 for line in text.splitlines() if line.startswith(counted))
     lines = [f"mig_exporter_scrape_series {float(line.split()[1]) - left_out}"
              if line.startswith("mig_exporter_scrape_series ") else line for line in lines]
@@ -433,4 +461,5 @@ def test_a_process_whose_memory_changed_between_reads_shows_its_new_memory(fake_
     for before, after in zip(first.processes, again.processes, strict=True):
         assert after.used_bytes == before.used_bytes + (MIB if after.pid in pids else 0)
     fake.set_scenario(base)
-    assert source.read() == first
+    # Equal but for activity, whose window grows with the time the reads took.
+    assert nvml_only_blanked(source.read()) == nvml_only_blanked(first)

@@ -241,10 +241,10 @@ def synthetic_exposition(started: float, scrape: int) -> str:
     """What an exporter would serve for a node in every trouble the demo is not in, so that every
     alert's annotation template runs (humanize1024, humanizePercentage, humanizeTimestamp,
     `first | value`, `eq $value 2.0`, `query` with `sortByLabel`, `range $i, $w`): card 0 in MIG mode,
-    its instance 1000 nearly full with Slurm job 77's process on it but mapped to job 88, its
-    instance 1001 holding 5 GB with no process listed and mapped to job 99; card 1 in MIG mode
-    with nothing carved and its mode change pending, in every health trouble (unreadable, its PCIe
-    link narrowed, a recovery action unknown), its XIDs recent. The
+    its instance 1000 nearly full with Slurm job 77's process on it but mapped to job 88 and measured
+    idle, its instance 1001 holding 5 GB with no process listed, mapped to job 99, its activity
+    unknown; card 1 in MIG mode with nothing carved and its mode change pending, in every health
+    trouble (unreadable, its PCIe link narrowed, a recovery action unknown), its XIDs recent. The
     uncorrectable ECC counts step from 0 to 2 at ``scrape`` 3 of each scraper (an increase in the
     window whenever it starts to scrape)."""
     ecc = 0 if scrape < 3 else 2
@@ -280,6 +280,11 @@ def synthetic_exposition(started: float, scrape: int) -> str:
         'slurm_step="0",systemd_unit="",user="alice"} 1',
         'mig_exporter_process_memory_used_bytes{card="0",index="1000",mig_profile="1g.10gb",pid="4077"} 9800000000',
         'mig_exporter_slurm_job_memory_used_bytes{slurm_job="77"} 9800000000',
+        # Its instance 1000 measured idle (GPM): GPUMemoryHeldIdle goes pending, naming job 77.
+        f'mig_exporter_device_graphics_activity_ratio{{{device.format(i=1000)}}} 0.002',
+        f'mig_exporter_device_sm_activity_ratio{{{device.format(i=1000)}}} 0.001',
+        f'mig_exporter_device_activity_window_seconds{{{device.format(i=1000)}}} 30',
+        f'mig_exporter_device_activity_unknown{{{device.format(i=1001)},reason="first_sample"}} 1',
         'mig_exporter_card_mig_mode{card="1",state="current"} 1',
         'mig_exporter_card_mig_mode{card="1",state="pending"} 0',
         'mig_exporter_card_mig_instances{card="1"} 0',

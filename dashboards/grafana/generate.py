@@ -24,8 +24,9 @@ them. ``$node`` lists the instances that export ``mig_exporter_build_info``,
 and "All" is those instances (no ``allValue``): a /probe target (docs/probe.md)
 exports no build info, so a node read both ways is counted once. The engines
 panels use the EngineHoldsNoGPUMemory alert's own expression, read from
-deploy/prometheus/alerts.yml when this runs. tests/test_grafana.py draws every
-table and stat with Grafana's own code (docs/dashboards.md).
+deploy/prometheus/alerts.yml when this runs, and so does the panel of memory held idle
+(GPUMemoryHeldIdle's). tests/test_grafana.py draws every table and stat with Grafana's own
+code (docs/dashboards.md).
 
 The health dashboard's card table lists, in one cell each, a card's reasons
 (mig_exporter_card_health_reason) and the work on it: a group-by on that one
@@ -138,6 +139,14 @@ def with_device(expr: str, sel: str, labels: str = "device") -> str:
 def engines_without_memory(sel: str) -> str:
     """The engines EngineHoldsNoGPUMemory raises, on the chosen nodes."""
     return f"({alert_expr('EngineHoldsNoGPUMemory')}) and on (job, instance) mig_exporter_build_info{{{sel}}}"
+
+
+def memory_held_idle(sel: str) -> str:
+    """What GPUMemoryHeldIdle judges idle now, on the chosen nodes, with each device's name: its
+    own expression (the alert's `for:` aside), one series per device, or per process where a whole
+    card's processes are judged; they never overlap, so they stack to a node's total."""
+    return with_device(f"(({alert_expr('GPUMemoryHeldIdle')}) and on (job, instance) mig_exporter_build_info{{{sel}}})",
+                       sel)
 
 
 def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False, fmt: str = "time_series") -> dict:
@@ -327,6 +336,24 @@ def overview() -> dict:
         with_device(f"mig_exporter_device_memory_used_bytes{{{SEL}}}", SEL, "device, class"),
         "{{instance}} {{device}} {{class}}")], "bytes",
         description="One line per device (card/migN). Devices on one GPU instance show the same line."), 12, 9)
+    lay.add(timeseries("Activity by device", [
+        target(with_device(f"mig_exporter_device_graphics_activity_ratio{{{SEL}}}", SEL),
+               "{{instance}} {{device}} graphics", "A"),
+        target(with_device(f"mig_exporter_device_sm_activity_ratio{{{SEL}}}", SEL), "{{instance}} {{device}} SM", "B"),
+        target(with_device(f"mig_exporter_process_sm_activity_ratio{{{SEL}}}", SEL),
+               "{{instance}} {{device}} pid {{pid}} SM", "C"),
+    ], "percentunit", description="What the engines did, where the hardware measures it (docs/metrics.md, "
+                                  "\"Activity\"): each MIG instance's and whole card's graphics activity (any kernel "
+                                  "ran) and SM activity, through GPM (Hopper and later, NVML path; the compute "
+                                  "instances of one GPU instance show its line), and each process's share of a whole "
+                                  "card's SMs (both paths). A device that is not measured (an A100, nvidia-smi) has no "
+                                  "line, never a 0: mig_exporter_device_activity_unknown says why."), 12, 8)
+    lay.add(timeseries("GPU memory held idle", [target(memory_held_idle(SEL), "{{instance}} {{device}} {{pid}}")],
+                       "bytes", stack=True,
+                       description="Memory held by work measured idle now: a device, or a process on a whole card, "
+                                   "holding more than 1 GiB under 1% activity. The GPUMemoryHeldIdle alert's own "
+                                   "expression; the alert fires when it has lasted 2 hours, naming the pod, Slurm job, "
+                                   "unit or engine. Where activity is not measured nothing is counted idle."), 12, 8)
     # Used and Total: the same labels on both queries (the device's identity joined
     # in, no metric name), so merge makes one row per device.
     identity = "device, gpu_instance, compute_instance, class, uuid"

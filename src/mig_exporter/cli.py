@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any
@@ -56,7 +57,7 @@ from mig_exporter.metrics.exporter import Exporter
 from mig_exporter.metrics.process_series import ALL_PROCESSES, ProcessSeries
 from mig_exporter.metrics.scrape import Scraper
 from mig_exporter.model.capacity import HostView, host_view
-from mig_exporter.model.snapshot import Snapshot
+from mig_exporter.model.snapshot import ACTIVITY_FIRST_SAMPLE, Snapshot
 from mig_exporter.sources.auto import AutoSource
 from mig_exporter.sources.base import Source
 from mig_exporter.sources.command import kill_running, reaping
@@ -65,6 +66,7 @@ from mig_exporter.sources.kmsg import DEFAULT_PATH as DEFAULT_KMSG
 from mig_exporter.sources.kmsg import KmsgReader, kmsg_status
 from mig_exporter.sources.nvidia_smi import DEFAULT_BINARY, DEFAULT_TIMEOUT_S, NvidiaSmiSource
 from mig_exporter.sources.nvml import NvmlSource
+from mig_exporter.sources.nvml_activity import DEFAULT_WINDOW_S, MIN_INTERVAL_S
 from mig_exporter.sources.xid import XidListener
 from mig_exporter.web.connections import Limits, raise_open_file_limit
 from mig_exporter.web.probe import DEFAULT_MAX_CONCURRENT, Prober
@@ -189,6 +191,16 @@ def _process_series_option() -> Callable[..., Any]:
              "process whatever this says (docs/scale.md).")
 
 
+def _activity_window_option() -> Callable[..., Any]:
+    return click.option(
+        "--collector.activity.window", "activity_window", type=click.FloatRange(min=MIN_INTERVAL_S, max=3600),
+        default=DEFAULT_WINDOW_S, show_default=True, metavar="SECONDS", envvar=_env("COLLECTOR_ACTIVITY_WINDOW"),
+        show_envvar=True,
+        help="The least time each GPM activity value (NVML, Hopper and later) averages over: every scraper gets "
+             "about this window, whatever its phase, from samples kept about 2.5 windows (a scraper slower than "
+             "that sees first_sample). docs/activity.md.")
+
+
 def _make_pod_reader(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
     """Where pods are read from, or None when switched off (and in the demo,
     whose sample host is not a Kubernetes node)."""
@@ -292,7 +304,7 @@ def _chosen_source(source: str, demo: bool) -> str:
 
 def _make_source(source: str, nvidia_smi: str, timeout: float, *, strict: bool,
                  strict_about_path: bool = True, unready: str = "serving with read_success 0 until it is available",
-                 ) -> Source:
+                 activity_window: float = DEFAULT_WINDOW_S) -> Source:
     """The source ``source`` names (as ``_chosen_source`` gives it).
 
     ``strict`` (``read`` to stdout) refuses a source that cannot work now.
@@ -308,9 +320,9 @@ def _make_source(source: str, nvidia_smi: str, timeout: float, *, strict: bool,
     smi = NvidiaSmiSource(nvidia_smi, timeout)
     chosen: Source = smi
     if source == "nvml":
-        chosen = NvmlSource(timeout_s=timeout)
+        chosen = NvmlSource(timeout_s=timeout, activity_window_s=activity_window)
     elif source == "auto":
-        chosen = AutoSource(NvmlSource(timeout_s=timeout), smi)
+        chosen = AutoSource(NvmlSource(timeout_s=timeout, activity_window_s=activity_window), smi)
     ok, reason = chosen.ready()
     if ok:
         log.info("reading through %s: %s", chosen.describe(), reason)
@@ -398,6 +410,7 @@ def _load_config(path: str) -> Config:
                    "thread of their own) with --source nvml or auto. docs/xids.md.")
 @_xid_kmsg_option()
 @_process_series_option()
+@_activity_window_option()
 @click.option("--web.node-name", "node_name", metavar="NAME", default=None, envvar=_env("WEB_NODE_NAME"),
               show_envvar=True,
               help="The node the landing page (/) names; default: this host's name. In a pod, whose host name "
@@ -407,7 +420,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
           pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
           listen_address: str, timeout_offset: float, max_concurrent: int, max_connections: int,
           web_config_file: str | None, xid: bool, xid_kmsg: str, process_series: ProcessSeries,
-          node_name: str | None) -> None:
+          activity_window: float, node_name: str | None) -> None:
     """Serve /metrics, and /probe for the targets of --config.file; every scrape reads afresh."""
     setup_logging(log_level, log_format)
     log.debug("%s", limit_arenas())  # before any thread of ours starts
@@ -420,6 +433,7 @@ def serve(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: s
         slurm_job_map_dir=slurm_job_map_dir, listen_address=listen_address, timeout_offset=timeout_offset,
         max_concurrent=max_concurrent, max_connections=max_connections, web_config_file=web_config_file, xid=xid,
         xid_kmsg=xid_kmsg, process_series=process_series, node_name=node_name or None,
+        activity_window=activity_window,
     )
     _run(server)
 
@@ -428,7 +442,8 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
                  host_passwd: str | None, kubernetes: bool, pod_resources_socket: str, kubelet_log_dir: str,
                  slurm_job_map_dir: str | None, listen_address: str, timeout_offset: float, max_concurrent: int,
                  max_connections: int, web_config_file: str | None, xid: bool = True, xid_kmsg: str = DEFAULT_KMSG,
-                 process_series: ProcessSeries = ALL_PROCESSES, node_name: str | None = None) -> ExporterServer:
+                 process_series: ProcessSeries = ALL_PROCESSES, node_name: str | None = None,
+                 activity_window: float = DEFAULT_WINDOW_S) -> ExporterServer:
     """The server serve runs, listening and assembled from serve's options (``source`` as
     ``_chosen_source`` names it): the source and the scrape with its readers, the probe targets,
     the one exporter that composes their metrics, the web config. A bad option or file is a
@@ -446,7 +461,8 @@ def build_server(*, source: str, nvidia_smi: str, timeout: float, config_file: s
                         on_reload=lambda new: setattr(engines, "settings", new.engines))
         log.info("loaded %s: %s; at most %d probes at once", config_file, config.summary(), max_concurrent)
     web = _load_web_config(web_config_file) if web_config_file else None
-    scraper = _make_scraper(_make_source(source, nvidia_smi, timeout, strict=False), engines, proc_root=proc_root,
+    scraper = _make_scraper(_make_source(source, nvidia_smi, timeout, strict=False, activity_window=activity_window),
+                            engines, proc_root=proc_root,
                             host_passwd=host_passwd, kubernetes=kubernetes,
                             pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
                             slurm_job_map_dir=slurm_job_map_dir, demo=demo, process_series=process_series)
@@ -554,10 +570,11 @@ def _one_read_options(func: Callable[..., Any]) -> Callable[..., Any]:
               help="Write to FILE atomically (for node_exporter's textfile collector) instead of stdout.")
 @_xid_kmsg_option()
 @_process_series_option()
+@_activity_window_option()
 def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: str, log_format: str,
          config_file: str | None, proc_root: str, host_passwd: str | None, kubernetes: bool,
          pod_resources_socket: str, kubelet_log_dir: str, slurm_job_map_dir: str | None,
-         output: str | None, xid_kmsg: str, process_series: ProcessSeries) -> None:
+         output: str | None, xid_kmsg: str, process_series: ProcessSeries, activity_window: float) -> None:
     """Read once and print the metrics in the Prometheus text format."""
     setup_logging(log_level, log_format)
     demo = _is_demo(source, demo)
@@ -566,7 +583,8 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
     # With --output a source that cannot work still gives a read: read_success 0
     # replaces the file, so node_exporter never goes on serving an old success.
     chosen = _make_source(_chosen_source(source, demo), nvidia_smi, timeout, strict=output is None,
-                          strict_about_path=False, unready=f"writing read_success 0 to {output}")
+                          strict_about_path=False, unready=f"writing read_success 0 to {output}",
+                          activity_window=activity_window)
     scraper = _make_scraper(chosen, engines, proc_root=proc_root, host_passwd=host_passwd, kubernetes=kubernetes,
                             pod_resources_socket=pod_resources_socket, kubelet_log_dir=kubelet_log_dir,
                             slurm_job_map_dir=slurm_job_map_dir, demo=demo, process_series=process_series)
@@ -757,6 +775,7 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
         nvml = NvmlSource(timeout_s=timeout)
         source = NvidiaSmiSource(nvidia_smi, timeout)
         with _signals_kill_commands():
+            _first_activity_sample(nvml)
             # One after the other, each with the whole --timeout (each source's own).
             nvml_read, smi_read = timed_read("nvml", nvml.read), timed_read("nvidia-smi", source.read)
         host_pids = _sees_host_pids(proc_root)
@@ -772,6 +791,18 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     else:
         click.echo(render_text(report), nl=False)
     sys.exit(report.exit_code)
+
+
+def _first_activity_sample(nvml: NvmlSource) -> None:
+    """GPM gives a device's activity between two samples at least a second apart: where a first
+    read finds GPM, wait that second, so the read doctor shows has the activity, not
+    "first_sample" (issue 39). What this read finds wrong, the timed read finds again."""
+    try:
+        snapshot = nvml.read()
+    except Exception:  # reported by the timed read that follows
+        return
+    if any(d.activity_unknown == ACTIVITY_FIRST_SAMPLE for d in snapshot.devices):
+        time.sleep(MIN_INTERVAL_S + 0.1)
 
 
 def _doctor_host(scraper: Scraper, snapshot: Snapshot | None, host_pids: bool | None,

@@ -10,6 +10,10 @@ does the reading. Every finding names its fix, and has a severity:
 - ``warning``: worth fixing, but the exporter reads right (one path of two is
   unavailable, nvidia-smi is slow, a MIG mode change waits for a reset).
 
+Each device's activity (GPM) is shown where measured, and where not, which case of those the
+metrics leave out applies, in plain words (``ACTIVITY_UNKNOWN_WORDS``); each process on a whole
+card, its share of the card's SMs and memory.
+
 Each card's health is its grade, made once when the snapshot was built
 (``Card.verdict``, by ``model/health.py``'s rules of ``mig_exporter_card_health``):
 a card that needs a reset or replacing is an error, a warning state a warning,
@@ -45,7 +49,19 @@ from mig_exporter.model.capacity import (
     summary,
 )
 from mig_exporter.model.health import CardHealth, EccCount, Verdict
-from mig_exporter.model.snapshot import MIB, Card, Device, Snapshot
+from mig_exporter.model.snapshot import (
+    ACTIVITY_FIRST_SAMPLE,
+    ACTIVITY_NO_COMPUTE_INSTANCE,
+    ACTIVITY_NO_GPM,
+    ACTIVITY_NOT_MEASURED,
+    ACTIVITY_NOT_READ,
+    ACTIVITY_READ_FAILED,
+    MIB,
+    Activity,
+    Card,
+    Device,
+    Snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +105,40 @@ MIG_REMAP_COVER = ("XIDs 63 and 64 (row remapping) and 94 and 95 (contained and 
                    "from the kernel's log, and NVML's events), the recovery action "
                    "(mig_exporter_card_recovery_action) and its instances' own SRAM errors "
                    "(mig_exporter_device_ecc_errors_total)")
+
+
+# Why a device's activity is left out of the metrics (mig_exporter_device_activity_unknown's reason),
+# as a person reads it: what the case is, and what, if anything, makes it measured.
+ACTIVITY_UNKNOWN_WORDS = {
+    ACTIVITY_NO_GPM: "not measured: the card has no GPM (GPU Performance Monitoring came with Hopper; an A100 or "
+                     "A30 has none)",
+    ACTIVITY_FIRST_SAMPLE: "not measured yet: one sample so far, and a window needs two (the exporter's next scrape "
+                           "has one)",
+    ACTIVITY_NO_COMPUTE_INSTANCE: "not measured: its GPU instance has no compute instance, and the driver measures "
+                                  "nothing without one",
+    ACTIVITY_NOT_MEASURED: "not measured: the driver answered every activity metric with an error, NaN or infinity",
+    ACTIVITY_READ_FAILED: "not measured: reading it failed (the read's problems say why)",
+    ACTIVITY_NOT_READ: "not read: this read path (nvidia-smi) has none; NVML does, on Hopper and later",
+}
+# Activity's ratios as doctor names them.
+_ACTIVITY_NAMES = (("graphics_ratio", "graphics"), ("sm_ratio", "SM"), ("sm_occupancy_ratio", "SM occupancy"),
+                   ("tensor_ratio", "tensor"), ("dram_bandwidth_ratio", "DRAM bandwidth"))
+
+
+def activity_words(device: Device) -> str:
+    """The device's activity as doctor prints it: the ratios measured over the window, or why none is."""
+    activity = device.activity
+    if activity is None:
+        reason = device.activity_unknown or ACTIVITY_NOT_READ
+        return ACTIVITY_UNKNOWN_WORDS.get(reason, f"not measured ({reason})")
+    shown = [f"{name} {100 * value:.0f}%" for field, name in _ACTIVITY_NAMES
+             if (value := getattr(activity, field)) is not None]
+    return ", ".join(shown) + f" over the last {activity.window_seconds:.0f} s"
+
+
+def _activity_json(activity: Activity | None) -> dict[str, float | None] | None:
+    return None if activity is None else {"window_seconds": activity.window_seconds,
+                                          **{field: getattr(activity, field) for field, _ in _ACTIVITY_NAMES}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -660,8 +710,13 @@ def _card_lines(snapshot: Snapshot, index: int) -> list[str]:
                 else "whole card")
         lines.append(f"  device {_device_name(d)}: {kind} {d.uuid or ''} - {_mib(d.memory.used_bytes)} used of "
                      f"{_mib(d.memory.total_bytes)}")
+        lines.append(f"    activity: {activity_words(d)}")
+        shares = {a.pid: a for a in snapshot.process_activity if a.device_index == d.index}
         for p in snapshot.processes_on(d.index):
-            lines.append(f"    pid {p.pid} {p.type} {shown(p.name) or '?'} {_mib(p.used_bytes)}")
+            share = shares.get(p.pid)
+            ratios = () if share is None else (("SM", share.sm_ratio), ("memory", share.memory_ratio))
+            measured = "".join(f", {name} {100 * value:.0f}%" for name, value in ratios if value is not None)
+            lines.append(f"    pid {p.pid} {p.type} {shown(p.name) or '?'} {_mib(p.used_bytes)}{measured}")
     return lines
 
 
@@ -701,6 +756,13 @@ def as_json(report: Report) -> dict[str, Any]:
                         "class": d.device_class, "memory_total_bytes": d.memory.total_bytes,
                         "memory_used_bytes": d.memory.used_bytes,
                         "state": states[d.index].state, "reason": states[d.index].reason,
+                        "activity": _activity_json(d.activity),
+                        "activity_unknown": None if d.activity is not None else {
+                            "reason": d.activity_unknown or ACTIVITY_NOT_READ, "why": activity_words(d)},
+                        "process_activity": [
+                            {"pid": a.pid, "sm_ratio": a.sm_ratio, "memory_ratio": a.memory_ratio}
+                            for a in snapshot.process_activity if a.device_index == d.index
+                        ],
                         "processes": [
                             {"pid": p.pid, "type": p.type, "name": p.name, "used_bytes": p.used_bytes}
                             for p in snapshot.processes_on(d.index)

@@ -5,6 +5,7 @@
  * function; see README.md beside it for the file format and how to add a function. */
 
 #define _GNU_SOURCE
+#include <math.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -63,6 +64,21 @@ typedef struct {
 typedef struct {
     unsigned int pid; unsigned long long timeStamp; unsigned int smUtil, memUtil, encUtil, decUtil;
 } nvmlProcessUtilizationSample_t;
+/* GPM (nvml.h, "For Hopper or newer"): a sample is opaque to callers; this library's is below. The
+ * metrics array is declared without a bound on purpose: nvml.h sizes it NVML_GPM_METRIC_MAX, which
+ * each binding sets differently (pynvml: 98, 210, 333, 477) under the same version word 1, so only
+ * metrics[0:numMetrics] may be touched and the struct's size never checked. */
+typedef struct fake_gpm_sample *nvmlGpmSample_t;
+typedef struct { unsigned int version, isSupportedDevice; } nvmlGpmSupport_t;
+#define NVML_GPM_SUPPORT_VERSION 1
+typedef struct { char *shortName, *longName, *unit; } nvmlGpmMetricInfo_t; /* nvml.h's metricInfo */
+typedef struct {
+    unsigned int metricId; nvmlReturn_t nvmlReturn; double value; nvmlGpmMetricInfo_t metricInfo;
+} nvmlGpmMetric_t;
+typedef struct {
+    unsigned int version, numMetrics; nvmlGpmSample_t sample1, sample2; nvmlGpmMetric_t metrics[];
+} nvmlGpmMetricsGet_t;
+#define NVML_GPM_METRICS_GET_VERSION 1
 typedef struct { unsigned int version; int marginTemperature; } nvmlMarginTemperature_v1_t;
 #define nvmlMarginTemperature_v1 ((unsigned int)(sizeof(nvmlMarginTemperature_v1_t) | (1 << 24)))
 typedef struct {
@@ -131,6 +147,20 @@ struct health {
     int has_link; unsigned int link[4]; /* current generation, max generation, current width, max width */
 };
 
+/* A card's activity: GPM support, scripted GPM activity of the whole card and of its GPU instances,
+ * per-metric return codes, GPU instances without a compute instance, and the per-process
+ * utilisation samples of nvmlDeviceGetProcessUtilization (the GPM region, below). */
+struct gpm_step { long long gi; unsigned int metric; double from_s, percent; }; /* gi WHOLE_CARD: the card */
+struct gpm_fail { unsigned int metric; int code; }; /* the card's and its GPU instances' alike */
+struct putil { unsigned int pid; unsigned long long at_us; unsigned int sm, mem, enc, dec; };
+struct activity {
+    int gpm;                                /* nvmlGpmQueryDeviceSupport's isSupportedDevice */
+    struct gpm_step *steps; int nsteps;     /* ordered by from_s; a later line wins a tie */
+    struct gpm_fail *fails; int nfails;
+    unsigned int *bare_gi; int nbare;       /* GPU instances without a compute instance */
+    struct putil *putil; int nputil;
+};
+
 struct fake_dev {
     int card;      /* index of the card */
     int slot;      /* MIG slot, -1 for the card itself */
@@ -151,6 +181,7 @@ struct fake_dev {
     struct fail *fails; int nfails;
     unsigned int grow[KINDS]; /* entries that appear once this list was sized once */
     int sized[KINDS];
+    struct activity activity; /* a card's */
 };
 typedef struct fake_dev *nvmlDevice_t;
 
@@ -320,6 +351,9 @@ static int health_line(struct fake_dev *d, char **tok, int n) {
 }
 
 static int xid_line(char **tok); /* a queued XID event: the XID events' region, below */
+/* A line of a card's activity (the GPM region, below): 1 read, 0 not such a line, -1 bad. */
+static int activity_line(struct activity *a, char **tok, int n);
+static char clock_file[4096]; /* the fake clock's file (scenario line clock_file), read at each sample */
 
 #define MAX_WORDS 40
 
@@ -349,6 +383,7 @@ static int load(const char *path) {
         else if (!strcmp(k, "system_error") && n == 3) add_fail(&sys_fails, &nsys_fails, tok[1], atoi(tok[2]));
         else if (!strcmp(k, "hang") && n == 3) { copy(hang_function, sizeof hang_function, tok[1]); hang_after = atol(tok[2]); }
         else if (!strcmp(k, "xid") && n == 6) { if (xid_line(tok)) return fclose(f), parse_error(path, line, "bad xid"); }
+        else if (!strcmp(k, "clock_file") && n == 2) copy(clock_file, sizeof clock_file, tok[1]);
         else if (!strcmp(k, "process_name") && n == 3) {
             pnames = realloc(pnames, sizeof(*pnames) * (size_t)(npnames + 1));
             pnames[npnames].pid = (unsigned int)strtoul(tok[1], NULL, 10);
@@ -405,6 +440,8 @@ static int load(const char *path) {
             l->n++;
         } else if ((health = health_line(d, tok, n)) != 0) {
             if (health < 0) return fclose(f), parse_error(path, line, "bad health line");
+        } else if ((health = activity_line(&devs[card_dev[d->card]].activity, tok, n)) != 0) {
+            if (health < 0) return fclose(f), parse_error(path, line, "bad activity line");
         } else {
             return fclose(f), parse_error(path, line, "unknown line");
         }
@@ -1009,15 +1046,6 @@ EXPORT nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t device, int counter
     return NVML_ERROR_INVALID_ARGUMENT;
 }
 
-EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *samples,
-                                                    unsigned int *count, unsigned long long lastSeen) {
-    DEVICE("nvmlDeviceGetProcessUtilization", device);
-    (void)samples; (void)lastSeen;
-    if (card_only(d)) return NVML_ERROR_NOT_SUPPORTED;
-    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
-    return NVML_ERROR_NOT_FOUND; /* no sample since lastSeen: no process ran a kernel */
-}
-
 /* ---- processes ---- */
 
 /* Synthetic pids of the entries a growing list gains: plausible, and in no scenario. */
@@ -1246,6 +1274,296 @@ EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *dat
     }
 }
 
+/* ---- activity (src/mig_exporter/sources/nvml_activity.py): GPM and per-process utilisation ----
+ * As tests/fake_nvml.py answers them (its "GPM" comment gives the choices where NVML's documentation
+ * is silent; this library makes the same ones). A card's scenario lines (README.md) say whether it
+ * has GPM, what the card as a whole and each of its GPU instances is busy with, from when on the
+ * fake clock, which metrics fail, and which processes the driver sampled. A filled sample holds
+ * whose counters it read and when; nvmlGpmMetricsGet answers each metric's scripted percent
+ * integrated over the time between its two samples, divided by that time: a window of N seconds
+ * at a scripted activity answers that activity, a script changed mid-window (a later "activity"
+ * line, the Python fake's set_scenario) the mean over time. The Python fake keeps running
+ * integrals instead; over one fixed script they are the same numbers. */
+
+#define WHOLE_CARD (-1LL)
+/* numMetrics above this (the smallest NVML_GPM_METRIC_MAX of any nvml.h, nvidia-ml-py 12.560's) fails. */
+#define GPM_METRICS_MAX_OLDEST 98u
+#define GPM_LAST_PERCENT_METRIC 13u /* ids 1-13 are percents and answer; any other NOT_SUPPORTED */
+#define GPM_MIN_INTERVAL_S 0.1      /* samples closer answer 0 (NVML: "should be greater than 100ms") */
+
+struct fake_gpm_sample { int filled, card; long long gi; double at_s; };
+
+static pthread_mutex_t gpm_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct fake_gpm_sample **live_samples; /* allocated and not yet freed, so leaks show */
+static int nlive_samples, live_capacity;
+static int clock_is_set;   /* fakeNvmlSetClock was called: its value from then on */
+static double clock_set_s, clock_file_s;
+
+/* The fake clock in seconds: the value fakeNvmlSetClock set; else the number in the scenario's
+ * clock_file, read at each sample (a file a test rewrites between calls; unreadable: its last
+ * value, 0 at first); else CLOCK_MONOTONIC, as the Python fake's default (time.monotonic).
+ * Called under gpm_lock. */
+static double fake_now_s(void) {
+    if (clock_is_set) return clock_set_s;
+    if (clock_file[0]) {
+        FILE *f = fopen(clock_file, "r");
+        double v;
+        if (f) {
+            if (fscanf(f, "%lf", &v) == 1) clock_file_s = v;
+            fclose(f);
+        }
+        return clock_file_s;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* For tests (tests/fake_nvml_c.py): hold the fake clock at `seconds`, over any clock_file. */
+EXPORT void fakeNvmlSetClock(double seconds) {
+    pthread_mutex_lock(&gpm_lock);
+    clock_is_set = 1;
+    clock_set_s = seconds;
+    pthread_mutex_unlock(&gpm_lock);
+}
+
+/* For tests: GPM samples allocated and not freed (the Python fake's gpm_samples_held). */
+EXPORT int fakeNvmlLiveGpmSamples(void) {
+    pthread_mutex_lock(&gpm_lock);
+    int n = nlive_samples;
+    pthread_mutex_unlock(&gpm_lock);
+    return n;
+}
+
+static int gpu_instance(const char *t, long long *gi) {
+    unsigned long long v;
+    if (!strcmp(t, "-")) { *gi = WHOLE_CARD; return 0; }
+    if (number(t, &v) || v > 0xFFFFFFFFull) return -1;
+    *gi = (long long)v;
+    return 0;
+}
+
+static int decimal(const char *t, double *v) {
+    char *end = NULL;
+    *v = strtod(t, &end); /* nan and inf too: a script the exporter must leave out */
+    return end && end != t && !*end ? 0 : -1;
+}
+
+static int activity_line(struct activity *a, char **tok, int n) {
+    const char *k = tok[0];
+    unsigned long long v[6];
+    if (!strcmp(k, "gpm") && n == 2) { /* 0/1 */
+        NUMBERS(1, 1, v);
+        a->gpm = v[0] != 0;
+    } else if (!strcmp(k, "activity") && n == 5) { /* GI METRIC PERCENT FROM_S */
+        struct gpm_step step;
+        if (gpu_instance(tok[1], &step.gi) || number(tok[2], &v[0]) || decimal(tok[3], &step.percent)) return -1;
+        step.metric = (unsigned int)v[0];
+        if (!strcmp(tok[4], "-")) step.from_s = -HUGE_VAL; /* since always */
+        else if (decimal(tok[4], &step.from_s)) return -1;
+        int at = a->nsteps; /* after every step that starts no later: a later line wins a tie */
+        while (at > 0 && a->steps[at - 1].from_s > step.from_s) at--;
+        a->steps = realloc(a->steps, sizeof(*a->steps) * (size_t)(a->nsteps + 1));
+        memmove(&a->steps[at + 1], &a->steps[at], sizeof(*a->steps) * (size_t)(a->nsteps - at));
+        a->steps[at] = step;
+        a->nsteps++;
+    } else if (!strcmp(k, "gpm_error") && n == 3) { /* METRIC CODE */
+        NUMBERS(1, 2, v);
+        a->fails = realloc(a->fails, sizeof(*a->fails) * (size_t)(a->nfails + 1));
+        a->fails[a->nfails++] = (struct gpm_fail){(unsigned int)v[0], (int)v[1]};
+    } else if (!strcmp(k, "gpu_instance") && n == 2) { /* GI: carved, with no compute instance */
+        NUMBERS(1, 1, v);
+        a->bare_gi = realloc(a->bare_gi, sizeof(*a->bare_gi) * (size_t)(a->nbare + 1));
+        a->bare_gi[a->nbare++] = (unsigned int)v[0];
+    } else if (!strcmp(k, "putil") && n == 7) { /* PID TIMESTAMP_US SM MEM ENC DEC */
+        NUMBERS(1, 6, v);
+        a->putil = realloc(a->putil, sizeof(*a->putil) * (size_t)(a->nputil + 1));
+        a->putil[a->nputil++] = (struct putil){(unsigned int)v[0], v[1], (unsigned int)v[2], (unsigned int)v[3],
+                                               (unsigned int)v[4], (unsigned int)v[5]};
+    } else {
+        return 0;
+    }
+    return 1;
+}
+
+/* The scripted percent of `metric` on (card, gi) at time t: its last step starting at or before t;
+ * 0 (idle) before its first. */
+static double percent_at(const struct activity *a, long long gi, unsigned int metric, double t) {
+    double percent = 0;
+    for (int i = 0; i < a->nsteps && a->steps[i].from_s <= t; i++)
+        if (a->steps[i].gi == gi && a->steps[i].metric == metric) percent = a->steps[i].percent;
+    return percent;
+}
+
+/* ... integrated over [t1, t2], in percent-seconds. A NaN or Inf stretch counts nothing, as the
+ * Python fake's counters skip it. */
+static double busy_percent_s(const struct activity *a, long long gi, unsigned int metric, double t1, double t2) {
+    double sum = 0;
+    const struct gpm_step *cur = NULL;
+    for (int i = 0; i <= a->nsteps; i++) {
+        const struct gpm_step *next = i < a->nsteps ? &a->steps[i] : NULL;
+        if (next && (next->gi != gi || next->metric != metric)) continue;
+        if (cur && isfinite(cur->percent)) {
+            double from = cur->from_s > t1 ? cur->from_s : t1;
+            double to = next && next->from_s < t2 ? next->from_s : t2;
+            if (to > from) sum += cur->percent * (to - from);
+        }
+        cur = next;
+    }
+    return sum;
+}
+
+/* The metric's own nvmlReturn: the scenario's gpm_error, else SUCCESS for a percent metric. */
+static int gpm_metric_code(const struct activity *a, unsigned int metric) {
+    for (int i = 0; i < a->nfails; i++)
+        if (a->fails[i].metric == metric) return a->fails[i].code;
+    return metric >= 1 && metric <= GPM_LAST_PERCENT_METRIC ? NVML_SUCCESS : NVML_ERROR_NOT_SUPPORTED;
+}
+
+/* The GPU instance exists on this card: a MIG device (compute instance) of it, or one without. */
+static int has_gpu_instance(const struct fake_dev *card, unsigned int gi) {
+    for (int s = 0; s < MAX_SLOTS; s++)
+        if (card->mig_dev[s] >= 0 && devs[card->mig_dev[s]].gi == gi) return 1;
+    for (int i = 0; i < card->activity.nbare; i++)
+        if (card->activity.bare_gi[i] == gi) return 1;
+    return 0;
+}
+
+static int live_index(const struct fake_gpm_sample *s) {
+    for (int i = 0; s && i < nlive_samples; i++)
+        if (live_samples[i] == s) return i;
+    return -1;
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *sample) {
+    int rc = system_call("nvmlGpmSampleAlloc");
+    if (rc) return rc;
+    if (!sample) return NVML_ERROR_INVALID_ARGUMENT;
+    struct fake_gpm_sample *s = calloc(1, sizeof *s);
+    if (!s) return NVML_ERROR_UNKNOWN;
+    pthread_mutex_lock(&gpm_lock);
+    if (nlive_samples == live_capacity) {
+        live_capacity = live_capacity ? 2 * live_capacity : 64;
+        live_samples = realloc(live_samples, sizeof(*live_samples) * (size_t)live_capacity);
+    }
+    live_samples[nlive_samples++] = s;
+    pthread_mutex_unlock(&gpm_lock);
+    *sample = s;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t sample) {
+    int rc = system_call("nvmlGpmSampleFree");
+    if (rc) return rc;
+    pthread_mutex_lock(&gpm_lock);
+    int i = live_index(sample);
+    if (i >= 0) live_samples[i] = live_samples[--nlive_samples];
+    pthread_mutex_unlock(&gpm_lock);
+    if (i < 0) return NVML_ERROR_INVALID_ARGUMENT; /* never allocated, or freed already */
+    free(sample);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t device, nvmlGpmSupport_t *support) {
+    DEVICE("nvmlGpmQueryDeviceSupport", device); /* a MIG handle answers as its card */
+    if (!support) return NVML_ERROR_INVALID_ARGUMENT;
+    if (support->version != NVML_GPM_SUPPORT_VERSION) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    support->isSupportedDevice = (unsigned int)card_of(d)->activity.gpm;
+    return NVML_SUCCESS;
+}
+
+/* Fill `sample`, if it is live, with (card, gi) at the fake clock's now. */
+static nvmlReturn_t take_sample(nvmlGpmSample_t sample, int card, long long gi) {
+    pthread_mutex_lock(&gpm_lock);
+    int i = live_index(sample);
+    if (i >= 0) *sample = (struct fake_gpm_sample){1, card, gi, fake_now_s()};
+    pthread_mutex_unlock(&gpm_lock);
+    return i >= 0 ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+/* A card, or a MIG handle's GPU instance; a card in MIG mode has no whole-card sample. */
+EXPORT nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t device, nvmlGpmSample_t sample) {
+    DEVICE("nvmlGpmSampleGet", device);
+    const struct fake_dev *card = card_of(d);
+    if (!card->activity.gpm) return NVML_ERROR_NOT_SUPPORTED;
+    if (d->slot >= 0) return take_sample(sample, d->card, d->gi);
+    if (mig_enabled(card)) return NVML_ERROR_NOT_SUPPORTED;
+    return take_sample(sample, d->card, WHOLE_CARD);
+}
+
+EXPORT nvmlReturn_t nvmlGpmMigSampleGet(nvmlDevice_t device, unsigned int gpuInstanceId, nvmlGpmSample_t sample) {
+    DEVICE("nvmlGpmMigSampleGet", device);
+    if (!card_of(d)->activity.gpm) return NVML_ERROR_NOT_SUPPORTED;
+    if (d->slot >= 0) return NVML_ERROR_INVALID_ARGUMENT; /* it takes the parent card and a GPU instance id */
+    if (!mig_enabled(d)) return NVML_ERROR_NOT_SUPPORTED;
+    if (!has_gpu_instance(d, gpuInstanceId)) return NVML_ERROR_NOT_FOUND;
+    return take_sample(sample, d->card, gpuInstanceId);
+}
+
+/* Reads and writes metrics[0:numMetrics] only, and never the struct's size (see nvmlGpmMetricsGet_t);
+ * a metric that fails keeps the value the caller left in it. */
+EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *get) {
+    int rc = system_call("nvmlGpmMetricsGet");
+    if (rc) return rc;
+    if (!get) return NVML_ERROR_INVALID_ARGUMENT;
+    if (get->version != NVML_GPM_METRICS_GET_VERSION) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    pthread_mutex_lock(&gpm_lock);
+    int live = live_index(get->sample1) >= 0 && live_index(get->sample2) >= 0;
+    struct fake_gpm_sample s1 = live ? *get->sample1 : (struct fake_gpm_sample){0};
+    struct fake_gpm_sample s2 = live ? *get->sample2 : (struct fake_gpm_sample){0};
+    pthread_mutex_unlock(&gpm_lock);
+    if (get->numMetrics == 0 || get->numMetrics > GPM_METRICS_MAX_OLDEST || !s1.filled || !s2.filled
+        || s1.card != s2.card || s1.gi != s2.gi)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct activity *a = &devs[card_dev[s2.card]].activity;
+    double seconds = s2.at_s - s1.at_s;
+    for (unsigned int i = 0; i < get->numMetrics; i++) {
+        nvmlGpmMetric_t *m = &get->metrics[i];
+        m->nvmlReturn = gpm_metric_code(a, m->metricId);
+        if (m->nvmlReturn != NVML_SUCCESS) continue;
+        double now = percent_at(a, s2.gi, m->metricId, s2.at_s);
+        if (!isfinite(now)) m->value = now; /* answered as it is, as the Python fake does */
+        else if (seconds < GPM_MIN_INTERVAL_S && seconds > -GPM_MIN_INTERVAL_S) m->value = 0;
+        else m->value = (seconds > 0 ? busy_percent_s(a, s2.gi, m->metricId, s1.at_s, s2.at_s)
+                                     : -busy_percent_s(a, s2.gi, m->metricId, s2.at_s, s1.at_s)) / seconds;
+    }
+    return NVML_SUCCESS;
+}
+
+/* NVML: "One utilization sample structure is returned per process running, that had some non-zero
+ * utilization during the last sample period": the scenario's samples are those, and the call
+ * answers the ones newer than lastSeen (us), NOT_FOUND when there is none; pynvml sizes with a NULL
+ * array and reads only after INSUFFICIENT_SIZE. In MIG mode the size query answers 1 and the read
+ * is refused: NOT_SUPPORTED on the card, INVALID_ARGUMENT on a MIG handle (a driver-535 report on
+ * an H100, .git/issue-39-research.md 1.5), as the Python fake. */
+EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *samples,
+                                                    unsigned int *count, unsigned long long lastSeen) {
+    DEVICE("nvmlDeviceGetProcessUtilization", device);
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    if (d->slot >= 0 || mig_enabled(d)) {
+        if (!samples) {
+            *count = 1;
+            return NVML_ERROR_INSUFFICIENT_SIZE;
+        }
+        return d->slot >= 0 ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
+    }
+    const struct activity *a = &d->activity;
+    unsigned int n = 0;
+    for (int i = 0; i < a->nputil; i++) n += a->putil[i].at_us > lastSeen;
+    if (!n) return NVML_ERROR_NOT_FOUND;
+    if (!samples || *count < n) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    *count = n;
+    for (int i = 0, j = 0; i < a->nputil; i++) {
+        const struct putil *p = &a->putil[i];
+        if (p->at_us > lastSeen)
+            samples[j++] = (nvmlProcessUtilizationSample_t){p->pid, p->at_us, p->sm, p->mem, p->enc, p->dec};
+    }
+    return NVML_SUCCESS;
+}
+
 /* ---- for tests/test_fake_libnvml.py: this file's layouts, to compare with pynvml's ---- */
 
 #define LAYOUT(T, f) if (!strcmp(what, #T "." #f)) return (long)offsetof(T, f);
@@ -1275,6 +1593,14 @@ EXPORT long fakeNvmlLayout(const char *what) {
     LAYOUT(nvmlUnrepairableMemory_v1_t, unrepairableMemory)
     SIZE(nvmlEventData_t) LAYOUT(nvmlEventData_t, device) LAYOUT(nvmlEventData_t, eventType) /* XID events' */
     LAYOUT(nvmlEventData_t, eventData) LAYOUT(nvmlEventData_t, gpuInstanceId) LAYOUT(nvmlEventData_t, computeInstanceId)
+    SIZE(nvmlGpmSupport_t) LAYOUT(nvmlGpmSupport_t, version) LAYOUT(nvmlGpmSupport_t, isSupportedDevice)
+    SIZE(nvmlGpmMetric_t) LAYOUT(nvmlGpmMetric_t, metricId) LAYOUT(nvmlGpmMetric_t, nvmlReturn)
+    LAYOUT(nvmlGpmMetric_t, value) LAYOUT(nvmlGpmMetric_t, metricInfo)
+    SIZE(nvmlGpmMetricInfo_t) LAYOUT(nvmlGpmMetricInfo_t, shortName) LAYOUT(nvmlGpmMetricInfo_t, longName)
+    LAYOUT(nvmlGpmMetricInfo_t, unit)
+    /* no SIZE: the metrics array's bound is the binding's (see nvmlGpmMetricsGet_t) */
+    LAYOUT(nvmlGpmMetricsGet_t, version) LAYOUT(nvmlGpmMetricsGet_t, numMetrics)
+    LAYOUT(nvmlGpmMetricsGet_t, sample1) LAYOUT(nvmlGpmMetricsGet_t, sample2) LAYOUT(nvmlGpmMetricsGet_t, metrics)
     if (!strcmp(what, "nvmlMemory_v2")) return (long)nvmlMemory_v2;
     if (!strcmp(what, "nvmlTemperature_v1")) return (long)nvmlTemperature_v1;
     SIZE(nvmlMarginTemperature_v1_t) LAYOUT(nvmlMarginTemperature_v1_t, version)
@@ -1299,5 +1625,6 @@ EXPORT long fakeNvmlLayout(const char *what) {
     CONSTANT(NVML_MEMORY_LOCATION_SRAM) CONSTANT(NVML_MEMORY_ERROR_TYPE_UNCORRECTED) CONSTANT(NVML_VOLATILE_ECC)
     CONSTANT(NVML_PAGE_RETIREMENT_CAUSE_COUNT) CONSTANT(NVML_VALUE_TYPE_UNSIGNED_INT)
     CONSTANT(NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION) CONSTANT(NVML_FI_DEV_PCIE_REPLAY_COUNTER) CONSTANT(RETIRED_AT)
+    CONSTANT(NVML_GPM_SUPPORT_VERSION) CONSTANT(NVML_GPM_METRICS_GET_VERSION)
     return -1;
 }

@@ -7,11 +7,18 @@ unknown value is left out, never written as 0. Sample output (demo)::
     mig_exporter_device_memory_used_bytes{card="0",index="1000",mig_profile="3g.40gb"} 1.2229541888e+10
     mig_exporter_process_memory_used_bytes{card="1",index="1",mig_profile="",pid="50102"} 2.147483648e+10
     mig_exporter_card_mig_instances{card="0"} 3.0
+
+The activity families (GPM per GPU instance and whole card, per process on whole cards) are
+written only where something was measured: a read path or card that measures none has no
+family at all, and ``mig_exporter_device_activity_unknown`` says why of each device::
+
+    mig_exporter_device_sm_activity_ratio{card="0",index="1000",mig_profile="3g.40gb"} 0.37
+    mig_exporter_device_activity_unknown{card="1",index="1",mig_profile="",reason="no_gpm"} 1.0
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import compress
 from typing import TypeVar, cast
 
@@ -27,7 +34,14 @@ from mig_exporter.model.readings import (
     PodReading,
     SlurmJobMapReading,
 )
-from mig_exporter.model.snapshot import Device, Snapshot
+from mig_exporter.model.snapshot import (
+    ACTIVITY_NOT_READ,
+    Activity,
+    Device,
+    PlacedProcessActivity,
+    Process,
+    Snapshot,
+)
 
 DEVICE_LABELS = ["index", "card", "mig_profile"]
 PROCESS_LABELS = [*DEVICE_LABELS, "pid"]
@@ -50,6 +64,7 @@ def snapshot_families(snapshot: Snapshot, pods: PodReading | None = None,
     ``owners`` their Slurm job, systemd unit and user (empty without it: /probe);
     ``process_series`` which processes get series of their own (--collector.processes)."""
     yield from _device_families(snapshot)
+    yield from _activity_families(snapshot)
     yield from _process_families(snapshot, pods, owners, process_series)
     yield from _card_families(snapshot)
     yield from health_families(snapshot)
@@ -96,15 +111,76 @@ def _device_families(snapshot: Snapshot) -> Iterator[Metric]:
 
 
 def _known(name: str, documentation: str, labels: list[str], columns: list[list[str]],
-           values: list[int | None]) -> GaugeColumns:
+           values: Sequence[float | None]) -> GaugeColumns:
     """A family of the rows whose value is known: an unknown one is left out, never written as 0."""
     if None in values:
         keep = [value is not None for value in values]
         columns = [list(compress(column, keep)) for column in columns]
         known = [value for value in values if value is not None]
     else:
-        known = cast("list[int]", values)
+        known = cast("list[float]", values)
     return GaugeColumns(name, documentation, labels=labels, columns=columns, values=known, count=len(known))
+
+
+# Each GPM ratio of ``Activity``: its family, and what it measures (NVML's GPM metric; DCGM's field).
+ACTIVITY_RATIOS = (
+    ("graphics_ratio", "mig_exporter_device_graphics_activity_ratio",
+     "Fraction of time the graphics or compute engine was busy: any kernel ran (GPM GRAPHICS_UTIL; DCGM's "
+     "GR_ENGINE_ACTIVE)"),
+    ("sm_ratio", "mig_exporter_device_sm_activity_ratio",
+     "Fraction of time the SMs had at least one warp, averaged over the SMs (GPM SM_UTIL; DCGM's SM_ACTIVE)"),
+    ("sm_occupancy_ratio", "mig_exporter_device_sm_occupancy_ratio",
+     "Warps resident on the SMs over the most they can hold, averaged over the SMs (GPM SM_OCCUPANCY; DCGM's "
+     "SM_OCCUPANCY)"),
+    ("tensor_ratio", "mig_exporter_device_tensor_activity_ratio",
+     "Fraction of time the tensor cores were busy (GPM ANY_TENSOR_UTIL; DCGM's PIPE_TENSOR_ACTIVE)"),
+    ("dram_bandwidth_ratio", "mig_exporter_device_dram_bandwidth_ratio",
+     "Fraction of the peak DRAM bandwidth used, of the GPU instance (GPM DRAM_BW_UTIL; DCGM's DRAM_ACTIVE)"),
+)
+_ACTIVITY_WHERE = (" over the last window (mig_exporter_device_activity_window_seconds), 0-1. Compute instances "
+                   "of one gpu_instance share what it reports. Left out where not measured "
+                   "(mig_exporter_device_activity_unknown says why).")
+
+
+def _activity_families(snapshot: Snapshot) -> Iterator[Metric]:
+    """GPM activity per device, written only where some device has it: a path or fleet that measures
+    none (nvidia-smi, an A100) has no such family at all, never one of zeros. Each device whose
+    activity is not measured gets ``mig_exporter_device_activity_unknown`` with the reason instead."""
+    devices = snapshot.devices
+    measured = [(d, d.activity) for d in devices if d.activity is not None]
+    if measured:
+        labels = [_device_labels(d) for d, _ in measured]
+        columns = [[x[0] for x in labels], [x[1] for x in labels], [x[2] for x in labels]]
+        for field, name, text in ACTIVITY_RATIOS:
+            values = [getattr(a, field) for _, a in measured]
+            if any(v is not None for v in values):
+                yield _known(name, text + _ACTIVITY_WHERE, DEVICE_LABELS, columns, values)
+        yield _known(
+            "mig_exporter_device_activity_window_seconds",
+            "The interval the device's activity ratios average over, in seconds: between the newest GPM sample "
+            "and the newest one at least --collector.activity.window older (else the oldest kept).",
+            DEVICE_LABELS, columns, [_window(a) for _, a in measured],
+        )
+    unknown = [d for d in devices if d.activity is None]
+    if unknown:
+        labels = [_device_labels(d) for d in unknown]
+        yield GaugeColumns(
+            "mig_exporter_device_activity_unknown",
+            "1 for a device whose activity is not measured, with why: no_gpm (the card has no GPM: before "
+            "Hopper), first_sample (a window needs two samples), no_compute_instance, not_measured (every metric "
+            "failed, NaN or Inf), read_failed, not_read (this read path does not read it). Absent where measured.",
+            labels=[*DEVICE_LABELS, "reason"],
+            columns=[[x[0] for x in labels], [x[1] for x in labels], [x[2] for x in labels],
+                     [d.activity_unknown or ACTIVITY_NOT_READ for d in unknown]],
+            values=1,
+            count=len(unknown),
+        )
+
+
+def _window(activity: Activity) -> float | None:
+    # A window that is not a positive number of seconds measured nothing: left out, never 0.
+    seconds = activity.window_seconds
+    return seconds if seconds > 0 else None
 
 
 def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: OwnerReading | None,
@@ -131,6 +207,8 @@ def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: Owner
         "With --collector.processes=top=N, pid=\"other\" holds the memory of a device's other processes.",
         PROCESS_LABELS, memory_columns, used,
     )
+    if snapshot.process_activity:
+        yield from _process_activity_families(snapshot.process_activity, processes, on, pid)
     # Without pods or owners (/probe, a node without them) each of their labels is one "" for all.
     in_pods = pods.processes if pods is not None else {}
     pod_columns: list[Column] = ["", "", "", ""]
@@ -158,6 +236,35 @@ def _process_families(snapshot: Snapshot, pods: PodReading | None, owners: Owner
         values=1,
         count=n,
     )
+
+
+def _process_activity_families(activity: Sequence[PlacedProcessActivity], processes: Sequence[Process],
+                               on: list[tuple[str, str, str]], pid: list[str]) -> Iterator[Metric]:
+    """Per-process activity on whole cards, for the processes written one by one (``processes``,
+    with their device labels ``on`` and ``pid``): a folded one (pid="other") has none, as a sum of
+    shares of different samples would be no share. Written only where some process has it."""
+    by_key = {(a.device_index, a.pid): a for a in activity}
+    found = ((i, by_key.get((p.device_index, p.pid))) for i, p in enumerate(processes))
+    rows = [(i, a) for i, a in found if a is not None]
+    if not rows:
+        return
+    columns = [[on[i][0] for i, _ in rows], [on[i][1] for i, _ in rows], [on[i][2] for i, _ in rows],
+               [pid[i] for i, _ in rows]]
+    for field, name, text in (
+        ("sm_ratio", "mig_exporter_process_sm_activity_ratio",
+         "Fraction of time the process ran a kernel on the whole card since the previous read (0-1)"),
+        ("memory_ratio", "mig_exporter_process_memory_activity_ratio",
+         "Fraction of time the process read or wrote device memory on the whole card since the previous read "
+         "(0-1)"),
+    ):
+        values = [getattr(a, field) for _, a in rows]
+        if any(v is not None for v in values):
+            yield _known(
+                name,
+                text + ": the driver's per-process samples (nvmlDeviceGetProcessUtilization, nvidia-smi pmon); 0 "
+                "for a listed process the driver sampled no activity of. Left out on cards in MIG mode, where "
+                "the driver does not give it, and for processes without their own series (--collector.processes).",
+                PROCESS_LABELS, columns, values)
 
 
 def _card_families(snapshot: Snapshot) -> Iterator[Metric]:

@@ -34,6 +34,7 @@ from mig_exporter.model.snapshot import (
     CardReading,
     Device,
     MigInstance,
+    PlacedProcessActivity,
     Process,
     ProcessReading,
     Snapshot,
@@ -77,12 +78,14 @@ def place(
     cards: list[Card] = []
     devices: list[Device] = []
     processes: list[Process] = []
+    activity: list[PlacedProcessActivity] = []
     found = list(problems)
     last = memo.cards if memo is not None else {}
     now: dict[int, tuple[_PlacementKey, _Placed]] = {}
     for reading in readings:
         key = (reading.index, reading.uuid, reading.name, reading.mig_current, reading.error, reading.memory,
-               reading.instances, reading.processes, reading.processes_known)
+               reading.instances, reading.processes, reading.processes_known, reading.activity,
+               reading.activity_unknown)
         klass = card_class(reading.name, reading.memory.total_bytes)
         in_mig = reading.mig_current is True and reading.error is None
         kept = last.get(reading.index)
@@ -97,6 +100,10 @@ def place(
         devices.extend(card_devices)
         processes.extend(card_processes)
         found.extend(card_problems)
+        if reading.process_activity is not None and not in_mig and reading.error is None:
+            # A whole card is one device, under the card's own index.
+            activity.extend(PlacedProcessActivity(a.pid, reading.index, a.sm_ratio, a.memory_ratio)
+                            for a in reading.process_activity)
     if memo is not None:
         memo.cards = now
     return Snapshot(
@@ -106,6 +113,7 @@ def place(
         devices=tuple(devices),
         processes=tuple(processes),
         problems=tuple(found),
+        process_activity=tuple(activity),
     )
 
 
@@ -159,6 +167,8 @@ def _place_whole_card(r: CardReading, klass: str | None) -> tuple[Device, list[P
         device_class=klass,
         memory=r.memory,
         processes_known=r.processes_known,
+        activity=r.activity,
+        activity_unknown=r.activity_unknown,
     )
     return device, _merge(r.processes, device.index)
 
@@ -193,6 +203,8 @@ def _place_mig_instances(r: CardReading, klass: str | None) -> tuple[list[Device
             memory=inst.memory,
             ecc_errors=inst.ecc_errors,
             processes_known=lists_whole and inst.gpu_instance_id is not None,
+            activity=inst.activity,
+            activity_unknown=inst.activity_unknown,
         )
         devices.append(device)
         if inst.gpu_instance_id is not None:

@@ -28,6 +28,40 @@ class Memory(NamedTuple):
     reserved_bytes: int | None = None
 
 
+class Activity(NamedTuple):
+    """What a device's engines did over a window, as ratios (0.0-1.0): NVML's GPU Performance
+    Monitoring (GPM, Hopper and later), between two samples ``window_seconds`` apart. Each value
+    is ``None`` where its metric was not measured (its own return code not success, NaN, Inf);
+    DRAM bandwidth is a GPU instance's, shared by its compute instances as its memory is."""
+
+    window_seconds: float
+    graphics_ratio: float | None = None
+    sm_ratio: float | None = None
+    sm_occupancy_ratio: float | None = None
+    tensor_ratio: float | None = None
+    dram_bandwidth_ratio: float | None = None
+
+
+# Why a device has no Activity: each case is left out, never a 0 (docs/metrics.md, doctor).
+ACTIVITY_NO_GPM = "no_gpm"  # the card has no GPM (before Hopper: A100, A30), or NVML says it has none
+ACTIVITY_FIRST_SAMPLE = "first_sample"  # one sample so far: a window needs two
+ACTIVITY_NO_COMPUTE_INSTANCE = "no_compute_instance"  # a GPU instance with no compute instance has no data
+ACTIVITY_NOT_MEASURED = "not_measured"  # every metric failed, or was NaN or Inf
+ACTIVITY_READ_FAILED = "read_failed"  # a GPM call failed (its error in the read's problems)
+ACTIVITY_NOT_READ = "not_read"  # this read path does not read it (nvidia-smi's XML)
+
+
+class ProcessActivity(NamedTuple):
+    """A process's share of a whole card's engines since the previous read, as ratios (0.0-1.0):
+    ``nvmlDeviceGetProcessUtilization`` on the NVML path, ``nvidia-smi pmon -s u`` on the
+    nvidia-smi path. A listed process with no sample was idle (the driver samples only processes
+    with activity). None on a card in MIG mode: the driver does not give it there."""
+
+    pid: int
+    sm_ratio: float | None
+    memory_ratio: float | None
+
+
 class MigInstance(NamedTuple):
     """One MIG device of a card, as read (before placement).
 
@@ -43,6 +77,9 @@ class MigInstance(NamedTuple):
     uuid: str | None = None
     # The instance's own ECC counts, where the driver gives them per instance.
     ecc_errors: tuple[EccCount, ...] = ()
+    # Its GPU instance's activity (GPM), or why there is none (an ACTIVITY_* reason).
+    activity: Activity | None = None
+    activity_unknown: str | None = ACTIVITY_NOT_READ
 
 
 # A process the driver lists is kept under the id it gives, whatever its size: a vGPU host
@@ -129,6 +166,13 @@ class CardReading:
     # "Insufficient Permissions" in its fb_memory_usage, NVML answers NO_PERMISSION to its
     # memory. On a card in MIG mode that is a container without the MIG monitor capability.
     aggregate_denied: bool = False
+    # A whole card's activity (GPM), or why there is none (an ACTIVITY_* reason); a card in MIG
+    # mode carries its instances' on them.
+    activity: Activity | None = None
+    activity_unknown: str | None = ACTIVITY_NOT_READ
+    # Each listed process's activity on a whole card; None where it was not measured (a card in
+    # MIG mode, a failed read, a path that does not read it).
+    process_activity: tuple[ProcessActivity, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +232,9 @@ class Device:
     # False when which processes run here is unknown: the card's list was N/A, or a MIG
     # instance's GPU instance id was (no process can be placed on it).
     processes_known: bool = True
+    # What its engines did over the last window (GPM), or why that is unknown (ACTIVITY_*).
+    activity: Activity | None = None
+    activity_unknown: str | None = ACTIVITY_NOT_READ
 
     @property
     def is_mig(self) -> bool:
@@ -210,6 +257,15 @@ class Process(NamedTuple):
     device_index: int
 
 
+class PlacedProcessActivity(NamedTuple):
+    """A process's activity on a whole card (``ProcessActivity``), by placement index."""
+
+    pid: int
+    device_index: int
+    sm_ratio: float | None
+    memory_ratio: float | None
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """One read: cards, the devices they are reported as, and the processes.
@@ -225,6 +281,8 @@ class Snapshot:
     devices: tuple[Device, ...]
     processes: tuple[Process, ...]
     problems: tuple[str, ...] = ()
+    # The processes' activity on whole cards where it was measured (one row per listed process).
+    process_activity: tuple[PlacedProcessActivity, ...] = ()
 
     def device(self, index: int) -> Device | None:
         return next((d for d in self.devices if d.index == index), None)

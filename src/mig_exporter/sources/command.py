@@ -10,9 +10,11 @@ killed too, at once (so a leftover holding our pipes does not hold the read to
 its deadline). Groups still running when the exporter stops are killed by
 ``kill_running()``.
 
-A read's commands (``-q -x`` and ``-L``) run side by side, read in the
-calling thread (``run_commands``): one wait covers both commands' pipes and
-exits, and no thread is started for them.
+A read's commands (``-q -x`` and ``-L``, and ``pmon`` where a whole card has
+processes) run side by side, read in the calling thread (``run_commands``):
+one wait covers all their pipes and exits, and no thread is started for them.
+A command the read can go without (pmon) may have a deadline of its own,
+sooner than the read's.
 
 The output cap is a read's, not a command's: the commands of one read share an
 ``OutputBudget``, and the first to take the read past it is killed.
@@ -164,10 +166,13 @@ def run_commands(
     deadline: Deadline,
     cancel: threading.Event | None = None,
     started: Callable[[], None] | None = None,
+    sooner: Sequence[Deadline | None] = (),
 ) -> list[CommandResult | CommandError]:
     """Run the commands side by side, each with its stdout budget, by ``deadline``; each one's
     result or error, in order (the errors ``run_command`` raises). ``started`` is called once
     every command is running (or failed to start), before their output is waited for.
+    ``sooner``: a deadline of a command's own, by position, for one the read can go without
+    (``nvidia-smi pmon``): it is killed then, and the others go on to ``deadline``.
 
     Read in the calling thread: one wait covers every pipe of every command. The later
     commands are started in a kept worker thread while the first starts here, so a read
@@ -175,15 +180,17 @@ def run_commands(
     the others are killed at once, each answered as cancelled; one that cannot be started at
     all raises its ``CommandNotFound`` and starts nothing more.
     """
-    runs = [_Run(tuple(argv), budget) for argv, budget in commands]
+    owns = [*sooner, *[None] * (len(commands) - len(sooner))]
+    runs = [_Run(tuple(argv), budget, deadline if own is None else min(deadline, own))
+            for (argv, budget), own in zip(commands, owns, strict=True)]
     try:
         _start_all(runs)
         if started is not None:
             started()
-        _collect(runs, deadline, cancel)
+        _collect(runs, cancel)
         for run in runs:
             if run.outcome == "eof" and run.proc is not None and run.proc.returncode is None:
-                run.outcome = _wait_exited(run.proc, deadline, cancel)  # no pidfd: polled
+                run.outcome = _wait_exited(run.proc, run.deadline, cancel)  # no pidfd: polled
     finally:
         # Also on KeyboardInterrupt or SystemExit: never leave a group behind.
         _finish(runs)
@@ -242,9 +249,10 @@ def _start(run: _Run) -> None:
 class _Run:
     """One command of ``run_commands``: its child, its output so far, how it ended."""
 
-    def __init__(self, argv: tuple[str, ...], budget: OutputBudget) -> None:
+    def __init__(self, argv: tuple[str, ...], budget: OutputBudget, deadline: Deadline) -> None:
         self.argv = argv
         self.budget = budget
+        self.deadline = deadline  # the read's, or a sooner one of its own
         self.started = time.monotonic()
         self.proc: subprocess.Popen[bytes] | None = None
         self.error: CommandError | None = None  # could not be started
@@ -257,6 +265,7 @@ class _Run:
         self.exited_at: float | None = None  # when its exit was seen, its pipes still open (until swept)
         self.swept = False  # a sweep that left nothing has run since it was reaped
         self.outcome = "interrupted"  # then "running", and at last "eof" or how it was stopped
+        self.stopped_at: float | None = None  # when it was stopped (its own deadline may come first)
 
     @property
     def done(self) -> bool:
@@ -267,7 +276,7 @@ class _Run:
         if self.error is not None:
             return self.error
         shown = " ".join(self.argv).replace("\n", "\\n")
-        elapsed = time.monotonic() - self.started
+        elapsed = (time.monotonic() if self.stopped_at is None else self.stopped_at) - self.started
         if self.outcome in ("timeout", "interrupted"):
             return CommandTimeout(f"{shown}: timed out after {elapsed:.1f}s; process group killed")
         if self.outcome == "cancelled":
@@ -297,6 +306,7 @@ class _Run:
     def stop(self, outcome: str, sel: selectors.BaseSelector) -> None:
         """Stop reading it (its group is killed by ``_finish``)."""
         self.outcome = outcome
+        self.stopped_at = time.monotonic()
         self.close(sel)
 
     def close(self, sel: selectors.BaseSelector) -> None:
@@ -409,9 +419,9 @@ def _spawn(argv: tuple[str, ...]) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | None) -> None:
+def _collect(runs: list[_Run], cancel: threading.Event | None) -> None:
     """Read every pipe of the started ``runs`` until each has ended: its pipes at EOF and its
-    exit seen ("eof"), or stopped: at the deadline ("timeout"), past its budget ("overflow"),
+    exit seen ("eof"), or stopped: at its deadline ("timeout"), past its budget ("overflow"),
     or cancelled ("cancelled": ``cancel`` set, or the first command failed).
 
     A command's exit is seen through its pidfd: what it left in its group is killed then, at
@@ -422,7 +432,7 @@ def _collect(runs: list[_Run], deadline: Deadline, cancel: threading.Event | Non
     with selectors.DefaultSelector() as sel:
         try:
             _register(live, sel)
-            while _step(runs, live, sel, deadline, cancel):
+            while _step(runs, live, sel, cancel):
                 pass
         finally:
             for run in live:
@@ -443,8 +453,7 @@ def _register(live: list[_Run], sel: selectors.BaseSelector) -> None:
             sel.register(run.pidfd, selectors.EVENT_READ, (run, None))
 
 
-def _step(runs: list[_Run], live: list[_Run], sel: selectors.BaseSelector, deadline: Deadline,
-          cancel: threading.Event | None) -> bool:
+def _step(runs: list[_Run], live: list[_Run], sel: selectors.BaseSelector, cancel: threading.Event | None) -> bool:
     """One wait of ``_collect``'s and what it brought; ``False`` once every run has ended."""
     if runs[0].failed():
         for run in live:
@@ -453,7 +462,13 @@ def _step(runs: list[_Run], live: list[_Run], sel: selectors.BaseSelector, deadl
     running = [run for run in live if not run.done]
     if not running:
         return False
-    remaining = _wait_for(deadline, cancel)
+    remaining = _wait_for(min(run.deadline for run in running), cancel)
+    if remaining == "timeout":
+        # Only those due: a command with a sooner deadline of its own ends alone.
+        for run in running:
+            if run.deadline.expired:
+                run.stop(remaining, sel)
+        return True
     if isinstance(remaining, str):
         for run in running:
             run.stop(remaining, sel)

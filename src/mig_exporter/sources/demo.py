@@ -10,7 +10,10 @@ view has something to show: a pending row remap and an uncorrectable DRAM error
 static sample whose brake held would have a counter that never moves), its PCIe
 link trained at x4 of x16, and a T.Limit margin; the MIG card's 0/mig0 counts an
 uncorrectable SRAM error of its own, and its clocks idle (gpu_idle). Its kernel log (``samples/demo-kmsg.txt``,
-on the clock of ``DEMO_BOOT_SECONDS``) has XIDs 13, 79 and 94 with their pids.
+on the clock of ``DEMO_BOOT_SECONDS``) has XIDs 13, 79 and 94 with their pids. ``nvidia-smi pmon -c 1 -s u``
+(``samples/demo-pmon.txt``) gives the whole A100's processes their activity: the training job busy at the
+card's 63 % SM and 41 % memory, the Vulkan llama-server beside it holding 20 GiB and computing nothing
+(memory held idle); the MIG card's processes print ``-`` there, as a real card in MIG mode does.
 Beside them, the host's processes (``samples/demo-proc.json``, /proc's own file
 contents) show the engine metrics, including a llama-server that runs on the CPU.
 """
@@ -25,6 +28,7 @@ from mig_exporter.core.deadline import Deadline
 from mig_exporter.host.procfs import PidNamespace, ProcTable, parse_process
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import snapshot_from_smi
+from mig_exporter.nvidia_smi.pmon import parse_pmon, with_process_activity
 
 # When the demo's machine booted, as its kernel log (samples/demo-kmsg.txt) counts: 5 minutes
 # before demo.xml's <timestamp>, so its XIDs came in the minutes before the sample was taken.
@@ -49,7 +53,8 @@ class DemoSource:
         return "demo (bundled sample: an A100 in MIG mode and a whole A100; not a real GPU)"
 
     def read(self, deadline: Deadline | None = None) -> Snapshot:
-        return snapshot_from_smi(sample_bytes("demo.xml"), sample_bytes("demo.L.txt"))
+        snapshot = snapshot_from_smi(sample_bytes("demo.xml"), sample_bytes("demo.L.txt"))
+        return with_process_activity(snapshot, parse_pmon(sample_bytes("demo-pmon.txt")))
 
 
 class DemoProcs:

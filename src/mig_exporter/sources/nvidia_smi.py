@@ -1,9 +1,12 @@
-"""The nvidia-smi read path: run ``nvidia-smi -q -x`` and ``nvidia-smi -L``.
+"""The nvidia-smi read path: run ``nvidia-smi -q -x`` and ``nvidia-smi -L``, and
+``nvidia-smi pmon -c 1 -s u`` where a whole card has processes.
 
 The full ``-q -x`` query is used rather than ``--query-compute-apps``, which
 lists compute processes only: a Vulkan llama.cpp is a graphics process and
 would read as on no GPU at all. ``-L`` runs beside it, in parallel, because
-only it names MIG profiles and MIG UUIDs.
+only it names MIG profiles and MIG UUIDs. pmon gives each process's SM and
+memory activity on a whole card (the driver gives none on a card in MIG mode,
+so it is not run for those); the read goes without it when it fails or hangs.
 
 The binary may also be an argv prefix, for an nvidia-smi reached through a
 wrapper: ``["chroot", "/host", "nvidia-smi"]`` runs
@@ -21,10 +24,22 @@ from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.errors import CommandError, CommandNotFound
 from mig_exporter.model.snapshot import Snapshot
 from mig_exporter.nvidia_smi.build import ReadMemo, snapshot_from_smi
-from mig_exporter.sources.command import DEFAULT_MAX_OUTPUT_BYTES, OutputBudget, run_commands
+from mig_exporter.nvidia_smi.pmon import parse_pmon, whole_card_processes, with_process_activity
+from mig_exporter.sources.command import (
+    DEFAULT_MAX_OUTPUT_BYTES,
+    CommandResult,
+    OutputBudget,
+    run_commands,
+)
 
 DEFAULT_BINARY = "nvidia-smi"
 DEFAULT_TIMEOUT_S = 10.0
+# One sample of each process's utilisation (sm, mem), then exit; -s u is pmon's default, named so
+# that a driver with another default still prints those columns.
+PMON_ARGS = ("pmon", "-c", "1", "-s", "u")
+# The share of the time the read has left that pmon may take: one that hangs is killed then, so
+# the memory read, and the scrape's other readers after it, still answer in time.
+PMON_SHARE_OF_TIME = 0.5
 
 
 def _why_not_executable(path: str) -> str:
@@ -42,9 +57,9 @@ class NvidiaSmiSource:
     """Reads through an nvidia-smi binary, at each call.
 
     ``binary`` is the binary (a path, or a name looked up on PATH), or an argv
-    prefix whose first element is one: the read appends ``-q -x`` and ``-L``.
-    ``max_output_bytes`` is the read's cap: what its two commands may write to
-    stdout, together.
+    prefix whose first element is one: the read appends ``-q -x``, ``-L`` and
+    ``pmon -c 1 -s u``. ``max_output_bytes`` is the read's cap: what its
+    commands may write to stdout, together.
     """
 
     name = "nvidia-smi"
@@ -63,6 +78,10 @@ class NvidiaSmiSource:
         self.max_output_bytes = max_output_bytes
         # What the last read made of the outputs' parts that rarely change (nvidia_smi/build.py).
         self._memo = ReadMemo()
+        # Whether the last read found a whole card with processes: pmon then runs beside -q -x
+        # and -L, costing the read no time of its own (it samples for a while). A read that finds
+        # one this flag did not foresee runs pmon after them.
+        self._pmon_alongside = False
 
     def resolve(self) -> str:
         """The binary's path (the first element of an argv prefix). Looked up
@@ -94,23 +113,54 @@ class NvidiaSmiSource:
 
     def read(self, deadline: Deadline | None = None, started: Callable[[], None] | None = None) -> Snapshot:
         """One read in the calling thread, its commands killed at ``deadline`` or at the
-        source's own timeout, whichever comes first; ``started`` is called once both are
-        running. Concurrent scrapes share one (``metrics/exporter.py``): this runs the
-        commands each time it is called."""
+        source's own timeout, whichever comes first (pmon at half the time left); ``started``
+        is called once -q -x and -L are running. Concurrent scrapes share one
+        (``metrics/exporter.py``): this runs the commands each time it is called."""
         deadline = Deadline.after(self.timeout_s) if deadline is None else deadline.within(self.timeout_s)
         prefix = self.resolve_command()
 
         # -L runs in parallel with -q -x so a read costs the slower of the two; both in this thread.
-        # The cap is the read's: both commands together hold at most max_output_bytes. -L prints a
-        # line per device (a few KiB on the largest node); -q -x gets the rest.
+        # The cap is the read's: its commands together hold at most max_output_bytes. -L prints a
+        # line per device (a few KiB on the largest node), pmon a line per process (a 64th of the
+        # cap, taken from -L's share); -q -x gets the rest.
         cap = self.max_output_bytes
-        query, listing = run_commands([
+        alongside = self._pmon_alongside
+        commands = [
             ([*prefix, "-q", "-x"], OutputBudget(cap - cap // 16, read_cap=cap)),
-            ([*prefix, "-L"], OutputBudget(cap // 16, read_cap=cap)),  # killed at once if -q -x fails
-        ], deadline, started=started)
+            # -L and pmon are killed at once if -q -x fails.
+            ([*prefix, "-L"], OutputBudget(cap // 16 - (cap // 64 if alongside else 0), read_cap=cap)),
+        ]
+        sooner: list[Deadline | None] = [None, None]
+        if alongside:
+            commands.append(([*prefix, *PMON_ARGS], OutputBudget(cap // 64, read_cap=cap)))
+            sooner.append(Deadline.after(deadline.left_s() * PMON_SHARE_OF_TIME))
+        query, listing, *pmon = run_commands(commands, deadline, started=started, sooner=sooner)
         if isinstance(query, CommandError):
             raise query
         if isinstance(listing, CommandError):
-            return snapshot_from_smi(query.stdout, None,
-                                     f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {listing}", self._memo)
-        return snapshot_from_smi(query.stdout, listing.stdout, None, self._memo)
+            snapshot = snapshot_from_smi(query.stdout, None,
+                                         f"nvidia-smi -L failed, MIG profiles and UUIDs unknown: {listing}",
+                                         self._memo)
+        else:
+            snapshot = snapshot_from_smi(query.stdout, listing.stdout, None, self._memo)
+
+        self._pmon_alongside = bool(whole_card_processes(snapshot))
+        if not self._pmon_alongside:
+            return snapshot
+        if not pmon:
+            # Not foreseen: run now, in what the read has left, within what -q -x and -L left of its cap.
+            spent = len(query.stdout) + (0 if isinstance(listing, CommandError) else len(listing.stdout))
+            budget = OutputBudget(max(min(cap // 64, cap - spent), 0), read_cap=cap)
+            try:
+                pmon = run_commands([([*prefix, *PMON_ARGS], budget)],
+                                    Deadline.after(deadline.left_s() * PMON_SHARE_OF_TIME))
+            except CommandError as e:  # could not be started: the binary went since -q -x
+                pmon = [e]
+        return _joined(snapshot, pmon[0])
+
+
+def _joined(snapshot: Snapshot, pmon: CommandResult | CommandError) -> Snapshot:
+    """The snapshot with pmon's rows on its whole cards, or with why they are unknown."""
+    if isinstance(pmon, CommandError):
+        return with_process_activity(snapshot, str(pmon))
+    return with_process_activity(snapshot, parse_pmon(pmon.stdout))

@@ -15,7 +15,10 @@ placement rules, so a dashboard cannot tell which path fed it except by the
 - temperature: ``GetTemperatureV`` where the driver has it, else ``GetTemperature`` (``gpu_temp``);
 - health (heat, power, wear; a MIG instance's own ECC count): sources/nvml_health.py;
 - processes: compute, graphics and MPS lists on each MIG handle, or on the
-  card (``processes/process_info``), v3 with a fallback to v2.
+  card (``processes/process_info``), v3 with a fallback to v2;
+- activity (sources/nvml_activity.py, docs/activity.md): GPM per GPU instance and whole card
+  (``nvidia-smi dmon --gpm-metrics``), each process's share of a whole card (``pmon -s u``). Read
+  after every card's memory and processes: GPM calls come last in a read.
 
 What a read costs: a big host lists hundreds of processes a read, so the per-process work is
 kept off pynvml's per-entry Python objects, keeping its ctypes layer. The process lists are
@@ -35,6 +38,7 @@ import operator
 import re
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pynvml
@@ -52,6 +56,7 @@ from mig_exporter.model.snapshot import (
     Snapshot,
     is_process_id,
 )
+from mig_exporter.sources.nvml_activity import DEFAULT_WINDOW_S, GpmBook, ProcessActivityReader
 from mig_exporter.sources.nvml_gateway import Nvml, NvmlCallError, NvmlUnavailable, error_name
 from mig_exporter.sources.nvml_health import CardKey, HealthReader
 
@@ -85,7 +90,8 @@ class NvmlSource:
 
     name = "nvml"
 
-    def __init__(self, nvml: Nvml | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, nvml: Nvml | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 activity_window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.nvml = nvml or Nvml()
         self.timeout_s = timeout_s
         # An NVML call can hang in the driver, where no deadline reaches: reads and readiness
@@ -102,6 +108,15 @@ class NvmlSource:
         # The board serial of each card (by UUID), asked once per initialisation: fixed per board.
         self._serials: dict[object, str | None] = {}
         self._serials_generation = -1
+        # GPM's samples, kept across reads (each scraper its own window), and each whole card's
+        # newest process utilisation timestamp; ``clock`` times the samples (tests drive it).
+        self.activity = GpmBook(self.nvml, activity_window_s, clock)
+        self._process_activity = ProcessActivityReader(self.nvml)
+
+    def close(self) -> None:
+        """Free the GPM samples kept, then shut NVML down (no read may run meanwhile)."""
+        self.activity.release()
+        self.nvml.shutdown()
 
     def ready(self) -> tuple[bool, str]:
         def late() -> tuple[bool, str]:
@@ -134,12 +149,18 @@ class NvmlSource:
     def _read_now(self) -> Snapshot:
         """One read, in the calling thread."""
         nv = self.nvml
+        # A driver-level error marked NVML to be initialised again: the samples of this
+        # initialisation are freed before the next one (the gateway has no hook for it).
+        if not nv._initialised:
+            self.activity.release()
         nv.ensure()
         driver = _text(nv.optional(pynvml.nvmlSystemGetDriverVersion))
         cuda = _cuda_version(nv.optional(pynvml.nvmlSystemGetCudaDriverVersion))
         count = nv.call(pynvml.nvmlDeviceGetCount)
         problems: list[str] = []
-        read = [self._read_card(index, problems) for index in range(count)]
+        handles: dict[int, Any] = {}
+        read = [self._read_card(index, problems, handles) for index in range(count)]
+        self._read_activity(read, handles, problems)
         asker: _NameAsker | None = None
         names: dict[int, str] = {}
         # A process listed as in the last read, under the same name, is the same immutable
@@ -167,23 +188,45 @@ class NvmlSource:
         self._readings = readings
         return place(cards, driver_version=driver, cuda_version=cuda, problems=problems, memo=self._placement)
 
-    def _read_card(self, index: int, problems: list[str]) -> CardReading | tuple[dict[str, Any], list[_Row]]:
+    def _read_activity(self, read: list[CardReading | tuple[dict[str, Any], list[_Row]]], handles: dict[int, Any],
+                       problems: list[str]) -> None:
+        """Each card's activity, into its values: once every card's memory and processes are read,
+        so that no GPM call comes before a memory read (a driver-535 report saw GPM calls disturb
+        later memory reads on MIG handles). What fails here fails no memory reading."""
+        with self.activity.reading() as gpm:
+            for card in read:
+                if isinstance(card, CardReading):
+                    gpm.failed_cards.add(card.uuid or card.index)  # its samples are kept for its return
+                    continue
+                values, rows = card
+                index = values["index"]
+                key, handle, where = values["uuid"] or index, handles[index], f"card {index}"
+                if values["mig_current"]:
+                    values["instances"] = gpm.gpu_instances(key, handle, values["instances"], where, problems)
+                    continue
+                values["activity"], values["activity_unknown"] = gpm.whole_card(key, handle, where, problems)
+                if values["processes_known"]:
+                    values["process_activity"] = self._process_activity.read(
+                        key, handle, (row[0] for row in rows), where, problems)
+
+    def _read_card(self, index: int, problems: list[str],
+                   handles: dict[int, Any]) -> CardReading | tuple[dict[str, Any], list[_Row]]:
         """One card: its ``CardReading``'s fields and process rows, to be named; or, where a
         call failed, the card marked (keeping what was read before it) instead of failing the
-        read, unless the whole library has gone."""
+        read, unless the whole library has gone. ``handles`` gets the card's handle."""
         identity: dict[str, Any] = {}
         try:
-            return self._read_card_values(index, identity, problems)
+            return self._read_card_values(index, identity, problems, handles)
         except NvmlCallError as e:
             if e.code in (pynvml.NVML_ERROR_UNINITIALIZED, pynvml.NVML_ERROR_DRIVER_NOT_LOADED):
                 raise
             return CardReading(index=index, error=f"{error_name(e.code)} in {e.function}",
                                lost=e.code == pynvml.NVML_ERROR_GPU_IS_LOST, **identity)
 
-    def _read_card_values(self, index: int, identity: dict[str, Any],
-                          problems: list[str]) -> tuple[dict[str, Any], list[_Row]]:
+    def _read_card_values(self, index: int, identity: dict[str, Any], problems: list[str],
+                          handles: dict[int, Any]) -> tuple[dict[str, Any], list[_Row]]:
         nv = self.nvml
-        handle = nv.call(pynvml.nvmlDeviceGetHandleByIndex, index)
+        handles[index] = handle = nv.call(pynvml.nvmlDeviceGetHandleByIndex, index)
         identity["uuid"] = _text(nv.text("nvmlDeviceGetUUID", handle, _UUID_BYTES))
         identity["name"] = _text(nv.text("nvmlDeviceGetName", handle, _NAME_BYTES))
         identity["serial"] = self._serial(identity["uuid"] or index, handle)

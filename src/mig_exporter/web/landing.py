@@ -24,6 +24,12 @@ share its memory: they are one row, naming each of their devices, not several
 full bars. The page names the node (its host name) it describes. Above the
 cards, the inference engines on no GPU's process list (running on the CPU),
 counted as EngineHoldsNoGPUMemory counts them.
+
+Where the hardware measures activity, a row says how busy its engines were over the last window
+(GPM: graphics and SM activity, the GPU instance's for its compute instances) and each process on a
+whole card its share of the SMs; memory held under 1% activity is marked idle, as
+GPUMemoryHeldIdle judges it (the alert waits 2 hours; the page shows one window). Where activity
+is not measured the page says nothing of it (``mig-exporter doctor`` says why): never a 0.
 """
 
 from __future__ import annotations
@@ -38,13 +44,16 @@ from mig_exporter.metrics.scrape import ReadOutcome
 from mig_exporter.model.capacity import count_by_class
 from mig_exporter.model.health import Verdict, instance_uncorrectable
 from mig_exporter.model.readings import EngineReading, ProcessOwner, ProcessPod
-from mig_exporter.model.snapshot import MIB, Card, Device, Memory, Process
+from mig_exporter.model.snapshot import MIB, Activity, Card, Device, Memory, PlacedProcessActivity, Process
 
 BAR_WIDTH = 360  # px: the widest row on the page (the largest card) spans this
 BAR_HEIGHT = 22
 TOP_PROCESSES = 3
 # A reason comes from a command's stderr and the like: shown, but bounded.
 _REASON_CHARS = 300
+# GPUMemoryHeldIdle's defaults (deploy/prometheus/alerts.yml): held above this, active under that.
+IDLE_HELD_BYTES = 1024 * MIB
+IDLE_RATIO = 0.01
 CONTENT_SECURITY_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; "
                            "form-action 'none'; frame-ancestors 'none'")
 
@@ -113,8 +122,9 @@ def page(outcome: ReadOutcome, *, version: str, source: str, probes: ProbeLinks 
         scale_bytes = max((sum(r.memory.total_bytes or 0 for r in rs) for rs in card_rows.values()), default=0)
         work = _work(outcome.pods.processes if outcome.pods is not None else {},
                      outcome.owners.processes if outcome.owners is not None else {})
+        shares = {(a.device_index, a.pid): a for a in snapshot.process_activity}
         for index in sorted(card_rows):
-            parts.append(_card(index, cards.get(index), card_rows[index], scale_bytes, work))
+            parts.append(_card(index, cards.get(index), card_rows[index], scale_bytes, work, shares))
         if not card_rows:
             parts.append("<p class=\"empty\">The driver lists no cards.</p>\n")
     if outcome.problems:
@@ -232,7 +242,7 @@ def _health(found: Verdict | None) -> str:
 
 
 def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int,
-          work: dict[int, tuple[str, str]]) -> str:
+          work: dict[int, tuple[str, str]], shares: dict[tuple[int, int], PlacedProcessActivity]) -> str:
     name = card.name if card is not None and card.name else "unknown card"
     head = (f"<section class=\"card\" id=\"card-{index}\">\n<h2><span class=\"index\">GPU {index}</span> "
             f"<span class=\"product\">{_n(name)}</span>{' ' + _mode(card) if card is not None else ''}</h2>\n")
@@ -247,7 +257,7 @@ def _card(index: int, card: Card | None, card_rows: list[Row], scale_bytes: int,
         notes.append("<p class=\"empty\">MIG is on and nothing is carved: no MIG instances.</p>\n")
     table = ""
     if card_rows:
-        body = "".join(_row(r, scale_bytes, work) for r in card_rows)
+        body = "".join(_row(r, scale_bytes, work, shares) for r in card_rows)
         table = ("<table class=\"devices\">\n<colgroup><col class=\"c-name\"><col class=\"c-profile\">"
                  "<col class=\"c-bar\"><col class=\"c-used\"><col class=\"c-processes\"></colgroup>\n"
                  "<thead><tr><th>Device</th><th>Profile</th><th>Memory</th>"
@@ -265,7 +275,29 @@ def _ecc_mark(devices: Iterable[Device]) -> str:
             f"error{'s' if errors != 1 else ''}</div>")
 
 
-def _row(row: Row, scale_bytes: int, work: dict[int, tuple[str, str]]) -> str:
+def _activity(row: Row) -> str:
+    """How busy the row's engines were over the last window (GPM: its GPU instance's, which its
+    compute instances share), and an idle mark where it holds memory under 1% activity. Nothing
+    where activity is not measured: unknown is not idle."""
+    activity: Activity | None = row.devices[0].activity
+    if activity is None:
+        return ""
+    measured = [(label, v) for label, v in (("graphics", activity.graphics_ratio), ("SM", activity.sm_ratio))
+                if v is not None]
+    if not measured:
+        return ""
+    window = f"over the last {activity.window_seconds:.0f} s"
+    shown = " · ".join(f"{label} {100 * v:.0f}%" for label, v in measured)
+    used = row.memory.used_bytes
+    if max(v for _, v in measured) < IDLE_RATIO and used is not None and used > IDLE_HELD_BYTES:
+        return (f"<div class=\"activity idle\" data-idle-mib=\"{used // MIB}\" title=\"{_e(shown)} {window}: memory "
+                f"held by work that computes nothing (GPUMemoryHeldIdle fires after 2 hours)\">idle: "
+                f"{used // MIB} MiB held, under 1% activity {window}</div>")
+    return f"<div class=\"activity\" title=\"GPM activity {window}\">{shown}</div>"
+
+
+def _row(row: Row, scale_bytes: int, work: dict[int, tuple[str, str]],
+         shares: dict[tuple[int, int], PlacedProcessActivity]) -> str:
     names = [d.display_name for d in row.devices]
     profiles = [d.profile or "" for d in row.devices]
     shown_profiles = "<br>".join(_n(p) for p in profiles if p) or ("whole card" if not row.devices[0].is_mig else "")
@@ -279,12 +311,14 @@ def _row(row: Row, scale_bytes: int, work: dict[int, tuple[str, str]]) -> str:
     if memory.used_bytes is not None and memory.total_bytes:
         used_total += f" <span class=\"ratio\">({100 * memory.used_bytes / memory.total_bytes:.0f}%)</span>"
     ecc = _ecc_mark(row.devices)
-    return (f"<tr class=\"device{' ecc-error' if ecc else ''}\" data-devices=\"{_e(' '.join(names))}\">"
+    activity = _activity(row)
+    idle = " idle" if "activity idle" in activity else ""
+    return (f"<tr class=\"device{' ecc-error' if ecc else ''}{idle}\" data-devices=\"{_e(' '.join(names))}\">"
             f"<td class=\"name\">{'<br>'.join(_n(n) for n in names)}{ecc}</td>"
             f"<td class=\"profile\">{shown_profiles}</td>"
-            f"<td class=\"bar\">{_bar(row, names, scale_bytes)}{shared}</td>"
+            f"<td class=\"bar\">{_bar(row, names, scale_bytes)}{shared}{activity}</td>"
             f"<td class=\"used-total\">{used_total}</td>"
-            f"<td class=\"processes\">{_processes(row, work)}</td></tr>\n")
+            f"<td class=\"processes\">{_processes(row, work, shares)}</td></tr>\n")
 
 
 def _bar(row: Row, names: list[str], scale_bytes: int) -> str:
@@ -307,7 +341,22 @@ def _bar(row: Row, names: list[str], scale_bytes: int) -> str:
             f"height=\"{BAR_HEIGHT - 1}\" rx=\"3\" fill=\"{fill}\" data-mib=\"{_mib(used)}\"/></svg>")
 
 
-def _processes(row: Row, work: dict[int, tuple[str, str]]) -> str:
+def _share(process: Process, shares: dict[tuple[int, int], PlacedProcessActivity]) -> str:
+    """A process's share of a whole card's SMs since the previous read, marked idle where it holds
+    memory under 1% of both SMs and memory; nothing where it was not measured (MIG, no sample row)."""
+    found = shares.get((process.device_index, process.pid))
+    if found is None or found.sm_ratio is None:
+        return ""
+    busiest = max(v for v in (found.sm_ratio, found.memory_ratio) if v is not None)
+    if busiest < IDLE_RATIO and process.used_bytes is not None and process.used_bytes > IDLE_HELD_BYTES:
+        return (" <span class=\"share idle\" title=\"under 1% of the card's SMs and memory since the previous "
+                "read\">idle</span>")
+    return (f" <span class=\"share\" title=\"its share of the card's SMs since the previous read\">"
+            f"SM {100 * found.sm_ratio:.0f}%</span>")
+
+
+def _processes(row: Row, work: dict[int, tuple[str, str]],
+               shares: dict[tuple[int, int], PlacedProcessActivity]) -> str:
     if not row.processes:
         return "<span class=\"none\">none</span>"
     ranked = sorted(row.processes, key=lambda p: (-(p.used_bytes if p.used_bytes is not None else -1), p.pid))
@@ -319,7 +368,7 @@ def _processes(row: Row, work: dict[int, tuple[str, str]]) -> str:
         of = f" <span class=\"{kind}\">{_n(_short(name))}</span>" if name else ""
         held = "N/A" if p.used_bytes is None else f"{p.used_bytes // MIB} MiB"
         items.append(f"<li><span class=\"pid\">{p.pid}</span> <span class=\"pname\">{_n(p.name)}</span> "
-                     f"<span class=\"pmem\">{held}</span>{where}{of}</li>")
+                     f"<span class=\"pmem\">{held}</span>{_share(p, shares)}{where}{of}</li>")
     if len(ranked) > TOP_PROCESSES:
         items.append(f"<li class=\"more\">+{len(ranked) - TOP_PROCESSES} more</li>")
     return "<ul>" + "".join(items) + "</ul>"
@@ -371,6 +420,11 @@ tr.ecc-error td.name {{ color: #8a1c1c; }}
 .ecc {{ font-size: 11px; font-weight: 600; color: #8a1c1c; background: #fde8e8; border-radius: 6px; padding: 1px 6px;
   margin-top: 3px; display: block; white-space: normal; line-height: 1.25; font-family: system-ui, sans-serif; }}
 .problems li {{ color: #8a1c1c; }}
+.activity {{ font-size: 12px; color: #52606d; }}
+.activity.idle {{ color: #8d5b00; background: #fff3c4; border-radius: 6px; padding: 1px 6px; display: inline-block;
+  font-weight: 600; margin-top: 2px; }}
+.share {{ font-size: 12px; color: #52606d; }}
+.share.idle {{ color: #8d5b00; background: #fff3c4; border-radius: 6px; padding: 0 6px; font-weight: 600; }}
 .health {{ margin: 0 0 8px; display: flex; align-items: baseline; gap: 10px; }}
 .health .mark {{ font-size: 12px; font-weight: 700; padding: 2px 10px; border-radius: 10px; white-space: nowrap;
   text-transform: uppercase; letter-spacing: 0.03em; }}

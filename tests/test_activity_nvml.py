@@ -1,0 +1,449 @@
+"""Activity on the NVML path (sources/nvml_activity.py, docs/activity.md): GPM per GPU instance and
+whole card, and each process's share of a whole card, with the real pynvml over the fake
+libnvidia-ml (tests/fake_nvml.py), whose GPM counters count against its own clock, which these
+tests drive."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pynvml
+import pytest
+from click.testing import CliRunner
+
+from fake_nvml import (
+    GPU_BURN,
+    SAMPLED_AT_US,
+    SCENARIOS,
+    FakeUtilSample,
+    gpm,
+)
+from mig_exporter import cli as cli_module
+from mig_exporter.cli import cli
+from mig_exporter.model.snapshot import (
+    ACTIVITY_FIRST_SAMPLE,
+    ACTIVITY_NO_GPM,
+    ACTIVITY_NOT_MEASURED,
+    ACTIVITY_READ_FAILED,
+    Activity,
+)
+from mig_exporter.sources.nvml import NvmlSource
+from mig_exporter.sources.nvml_activity import window_bounds
+
+T0 = 1000.0
+FIELDS = ("graphics_ratio", "sm_ratio", "sm_occupancy_ratio", "tensor_ratio", "dram_bandwidth_ratio")
+GPM_CALLS = ("nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmMigSampleGet",
+             "nvmlGpmMetricsGet", "nvmlGpmSampleFree")
+
+
+def ratios(script: dict[int, float]) -> tuple[float, ...]:
+    """The five ratios a GPM script (percent) should read."""
+    ids = (pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL, pynvml.NVML_GPM_METRIC_SM_UTIL, pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+           pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL)
+    return tuple(script.get(i, 0.0) / 100 for i in ids)
+
+
+def values(activity: Activity) -> tuple[float | None, ...]:
+    return tuple(getattr(activity, f) for f in FIELDS)
+
+
+def by_gpu_instance(snapshot) -> dict[int, tuple[Activity | None, str | None]]:
+    return {d.gpu_instance_id: (d.activity, d.activity_unknown) for d in snapshot.devices if d.is_mig}
+
+
+def with_scripts(scenario, scripts: dict[int, dict[int, float]], card: int = 0):
+    """``scenario`` with card ``card``'s GPU instances at ``scripts`` (GPU instance id -> GPM percent)."""
+    c = scenario.cards[card]
+    migs = tuple(dataclasses.replace(m, activity=scripts.get(m.gpu_instance_id, m.activity)) for m in c.mig_devices)
+    cards = list(scenario.cards)
+    cards[card] = dataclasses.replace(c, mig_devices=migs)
+    return dataclasses.replace(scenario, cards=tuple(cards))
+
+
+def start(fake_nvml_lib, scenario, **kwargs):
+    fake = fake_nvml_lib(scenario)
+    fake.set_clock(T0)
+    return fake, NvmlSource(clock=fake.now, **kwargs)
+
+
+def read_at(fake, source, at: float):
+    fake.set_clock(at)
+    return source.read()
+
+
+# -- GPM per GPU instance: the window ----------------------------------------------------------
+
+
+def _varying(t: float) -> float:
+    """GPU instance 3's graphics percent: 80 and 20 by turns, each for 20 s, from T0 + 3 s."""
+    return 80.0 if math.floor((t - T0 - 3) / 20) % 2 == 0 else 20.0
+
+
+def _script_of(percent: float) -> dict[int, float]:
+    return gpm(graphics=percent, sm=percent * 0.9, occupancy=percent / 2, tensor=percent / 4, dram=percent / 3)
+
+
+def _average(t_from: float, t_to: float) -> float:
+    """The time average of ``_varying`` over [t_from, t_to], by its pieces."""
+    edges = [t_from, *(T0 + 3 + 20 * k for k in range(-1, 100) if t_from < T0 + 3 + 20 * k < t_to), t_to]
+    return sum(_varying((a + b) / 2) * (b - a) for a, b in itertools.pairwise(edges)) / (t_to - t_from)
+
+
+def test_two_scrapers_at_15s_and_60s_phases_each_get_each_gpu_instances_activity(fake_nvml_lib):
+    """Two Prometheus servers scrape one exporter, every 15 s from T0 and every 60 s from T0 + 7 s.
+    Each read measures from the newest sample at least a window (30 s) old: both get a window of
+    30 to 45 s, and each GPU instance its scripted activity within a percentage point, constant or
+    changing every 20 s (there, the average over the read's own window), never the 15 s the
+    other scraper left."""
+    steady = {9: GPU_BURN, 10: gpm(graphics=25.0, sm=20.0, occupancy=12.0, tensor=5.0, dram=30.0)}
+    scenario = with_scripts(SCENARIOS["h100-mig-processes"](), {**steady, 3: _script_of(_varying(T0))})
+    fake, source = start(fake_nvml_lib, scenario)
+    scrapes = [(T0 + 15 * k, "a") for k in range(40)] + [(T0 + 7 + 60 * k, "b") for k in range(10)]
+    changes = [(T0 + 3 + 20 * k, "change") for k in range(31)]
+    checked = {"a": 0, "b": 0}
+    for at, who in sorted(scrapes + changes):
+        if who == "change":
+            fake.set_clock(at)
+            fake.set_scenario(with_scripts(fake.scenario, {3: _script_of(_varying(at))}))
+            continue
+        found = by_gpu_instance(read_at(fake, source, at))
+        if at < T0 + 60:
+            continue  # the first reads: a window still growing
+        for gi, (activity, reason) in found.items():
+            assert reason is None and activity is not None, (who, at, gi, reason)
+            assert 30 <= activity.window_seconds <= 45, (who, at, activity.window_seconds)
+            if gi == 3:
+                expected = ratios(_script_of(_average(at - activity.window_seconds, at)))
+            else:
+                expected = ratios(steady.get(gi, {}))
+            assert values(activity) == pytest.approx(expected, abs=0.01), (who, at, gi)
+        checked[who] += 1
+    assert checked == {"a": 36, "b": 9}
+    assert fake.exceptions == []
+
+
+def test_the_first_read_gives_first_sample_and_a_read_within_a_second_shares_its_sample(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "h100-mig-processes")
+    first = by_gpu_instance(source.read())
+    assert first == dict.fromkeys((2, 3, 9, 10), (None, ACTIVITY_FIRST_SAMPLE))
+    assert fake.gpm_samples_held == 4
+    again = by_gpu_instance(read_at(fake, source, T0 + 0.5))
+    assert again == first and fake.called("nvmlGpmMigSampleGet") == 4, "no sample under a second apart"
+    # Short of a window, the oldest kept sample: a 10 s window, said as such.
+    activity, reason = by_gpu_instance(read_at(fake, source, T0 + 10))[9]
+    assert reason is None and activity.window_seconds == pytest.approx(10)
+    assert values(activity) == pytest.approx(ratios(GPU_BURN))
+    idle, reason = by_gpu_instance(source.read())[2]
+    assert values(idle) == (0.0,) * 5 and reason is None, "a measured zero: memhogs that compute nothing"
+    assert fake.exceptions == []
+
+
+def test_compute_instances_of_one_gpu_instance_share_its_one_sample(fake_nvml_lib):
+    scenario = with_scripts(SCENARIOS["h200-shared-gpu-instance"](), {1: gpm(graphics=50.0, dram=20.0)})
+    fake, source = start(fake_nvml_lib, scenario)
+    source.read()
+    snapshot = read_at(fake, source, T0 + 30)
+    shared = [d for d in snapshot.devices if d.gpu_instance_id == 1]
+    assert len(shared) == 2 and shared[0].activity == shared[1].activity
+    assert shared[0].activity.graphics_ratio == pytest.approx(0.5)
+    assert shared[0].activity.dram_bandwidth_ratio == pytest.approx(0.2)
+    gi_args = [c.args[0] for c in fake.calls if c.function == "nvmlGpmMigSampleGet"]
+    assert sorted(gi_args) == sorted([1, 5, 11, 12] * 2), "one sample per GPU instance and read"
+
+
+def test_an_a100_gives_no_activity_and_says_no_gpm(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "demo")
+    for at in (T0, T0 + 30, T0 + 60):
+        snapshot = read_at(fake, source, at)
+        assert {(d.index, d.activity, d.activity_unknown) for d in snapshot.devices} == {
+            (d.index, None, ACTIVITY_NO_GPM) for d in snapshot.devices}
+    # Asked once per card, of the card; nothing sampled.
+    assert [(c.function, c.device) for c in fake.calls if c.function.startswith("nvmlGpm")] == [
+        ("nvmlGpmQueryDeviceSupport", "card0"), ("nvmlGpmQueryDeviceSupport", "card1")]
+
+
+def test_a_card_whose_support_query_fails_has_no_gpm(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    refusing = dataclasses.replace(base.cards[0], errors={"nvmlGpmQueryDeviceSupport": pynvml.NVML_ERROR_NOT_SUPPORTED})
+    fake, source = start(fake_nvml_lib, dataclasses.replace(base, cards=(refusing,)))
+    source.read()
+    snapshot = read_at(fake, source, T0 + 30)
+    assert {d.activity_unknown for d in snapshot.devices} == {ACTIVITY_NO_GPM}
+    assert fake.called("nvmlGpmQueryDeviceSupport") == 1 and fake.called("nvmlGpmSampleAlloc") == 0
+
+
+def test_gpm_support_is_asked_of_the_card_only_and_again_after_a_new_initialisation(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "h100-mig-processes")
+    for at in (T0, T0 + 15, T0 + 30):
+        read_at(fake, source, at)
+    asked = [c.device for c in fake.calls if c.function == "nvmlGpmQueryDeviceSupport"]
+    assert asked == ["card0"]
+    assert all(c.device == "card0" for c in fake.calls if c.function in ("nvmlGpmMigSampleGet",))
+    fake.set_scenario(dataclasses.replace(fake.scenario,
+                                          system_errors={"nvmlDeviceGetCount_v2": pynvml.NVML_ERROR_UNINITIALIZED}))
+    with pytest.raises(Exception, match="NVML_ERROR_UNINITIALIZED"):
+        read_at(fake, source, T0 + 45)
+    fake.set_scenario(SCENARIOS["h100-mig-processes"]())
+    read_at(fake, source, T0 + 60)
+    assert [c.device for c in fake.calls if c.function == "nvmlGpmQueryDeviceSupport"] == ["card0", "card0"]
+
+
+def test_memory_and_processes_are_read_before_any_gpm_call_on_every_card(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    twin = dataclasses.replace(base.cards[0], uuid="GPU-11111111-2222-3333-4444-555555555555", mig_devices=tuple(
+        dataclasses.replace(m, uuid=m.uuid[:-4] + "0000") for m in base.cards[0].mig_devices))
+    fake, source = start(fake_nvml_lib, dataclasses.replace(base, cards=(base.cards[0], twin)))
+    source.read()
+    before = len(fake.calls)
+    read_at(fake, source, T0 + 30)
+    calls = [c.function for c in fake.calls[before:]]
+    first_gpm = min(i for i, name in enumerate(calls) if name.startswith("nvmlGpm"))
+    last_memory = max(i for i, name in enumerate(calls)
+                      if name.startswith("nvmlDeviceGetMemoryInfo") or "RunningProcesses" in name)
+    assert last_memory < first_gpm
+    assert {"nvmlGpmMigSampleGet", "nvmlGpmMetricsGet"} <= set(calls[first_gpm:])
+
+
+# -- what is left out ---------------------------------------------------------------------------
+
+
+def test_a_failing_metric_code_leaves_only_that_metric_out(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    card = dataclasses.replace(base.cards[0], gpm_metric_errors={
+        pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: pynvml.NVML_ERROR_NOT_SUPPORTED})
+    fake, source = start(fake_nvml_lib, dataclasses.replace(base, cards=(card,)))
+    source.read()
+    activity, reason = by_gpu_instance(read_at(fake, source, T0 + 30))[9]
+    assert reason is None
+    assert values(activity) == pytest.approx((0.99, 0.97, None, 0.0, 0.10))
+    assert activity.sm_occupancy_ratio is None
+
+
+def test_nan_and_inf_leave_their_metric_out_and_all_failed_is_not_measured(fake_nvml_lib):
+    nan, inf = float("nan"), float("inf")
+    scripts = {9: {**GPU_BURN, pynvml.NVML_GPM_METRIC_SM_UTIL: nan, pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: inf}}
+    fake, source = start(fake_nvml_lib, with_scripts(SCENARIOS["h100-mig-processes"](), scripts))
+    source.read()
+    activity, reason = by_gpu_instance(read_at(fake, source, T0 + 30))[9]
+    assert reason is None and values(activity) == pytest.approx((0.99, None, 0.48, 0.0, None))
+    everything = dict.fromkeys(range(1, 14), pynvml.NVML_ERROR_UNKNOWN)
+    fake.set_scenario(dataclasses.replace(fake.scenario, cards=(
+        dataclasses.replace(fake.scenario.cards[0], gpm_metric_errors=everything),)))
+    assert set(by_gpu_instance(read_at(fake, source, T0 + 60)).values()) == {(None, ACTIVITY_NOT_MEASURED)}
+
+
+def test_a_failing_gpm_call_is_read_failed_with_a_problem_and_memory_stays(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    fake, source = start(fake_nvml_lib, base)
+    good = source.read()
+    failing = dataclasses.replace(base.cards[0], errors={"nvmlGpmMigSampleGet": pynvml.NVML_ERROR_UNKNOWN})
+    fake.set_scenario(dataclasses.replace(base, cards=(failing,)))
+    snapshot = read_at(fake, source, T0 + 30)
+    assert set(by_gpu_instance(snapshot).values()) == {(None, ACTIVITY_READ_FAILED)}
+    assert [d.memory for d in snapshot.devices] == [d.memory for d in good.devices]
+    assert "card 0 GPU instance 9: GPM sample not taken (nvmlGpmMigSampleGet: NVML_ERROR_UNKNOWN" in \
+        "\n".join(snapshot.problems)
+    assert fake.gpm_samples_held == 4, "the sample not taken is freed; the earlier ones are kept"
+    fake.set_scenario(base)
+    activity, reason = by_gpu_instance(read_at(fake, source, T0 + 60))[9]
+    assert reason is None and activity.window_seconds == pytest.approx(60), "the window survives a failed read"
+
+
+def test_a_gpu_instance_without_a_compute_instance_is_not_seen_and_not_sampled(fake_nvml_lib):
+    """NVML gives no MIG device handle for a GPU instance without a compute instance: our read
+    (nvmlDeviceGetMigDeviceHandleByIndex over every slot) cannot see it, so it is no device and has
+    no activity series, and its id is never sampled (DCGM: "no data available")."""
+    base = SCENARIOS["h100-mig-processes"]()
+    fake, source = start(fake_nvml_lib, dataclasses.replace(base, cards=(
+        dataclasses.replace(base.cards[0], empty_gpu_instances=(1,)),)))
+    source.read()
+    snapshot = read_at(fake, source, T0 + 30)
+    assert sorted(by_gpu_instance(snapshot)) == [2, 3, 9, 10]
+    assert 1 not in {c.args[0] for c in fake.calls if c.function == "nvmlGpmMigSampleGet"}
+
+
+# -- samples kept, and freed ---------------------------------------------------------------------
+
+
+def test_a_gpu_instance_made_again_under_its_id_starts_a_fresh_window_and_its_samples_are_freed(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    fake, source = start(fake_nvml_lib, base)
+    for at in (T0, T0 + 15, T0 + 30):
+        read_at(fake, source, at)
+    assert fake.gpm_samples_held == 12
+    freed = fake.called("nvmlGpmSampleFree")
+    # GPU instance 9 destroyed and made again at once (ids are reused): a new MIG UUID, idle now.
+    remade = tuple(dataclasses.replace(m, uuid="MIG-99999999-9999-5999-9999-999999999999", activity={})
+                   if m.gpu_instance_id == 9 else m for m in base.cards[0].mig_devices)
+    fake.set_scenario(dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], mig_devices=remade),)))
+    found = by_gpu_instance(read_at(fake, source, T0 + 45))
+    assert found[9] == (None, ACTIVITY_FIRST_SAMPLE)
+    assert fake.called("nvmlGpmSampleFree") - freed == 3, "the old instance's three samples"
+    assert found[2][1] is None, "the others keep their windows"
+    activity, _ = by_gpu_instance(read_at(fake, source, T0 + 60))[9]
+    assert activity.window_seconds == pytest.approx(15) and values(activity) == (0.0,) * 5
+
+
+def test_a_gpu_instance_that_goes_away_has_its_samples_freed(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    fake, source = start(fake_nvml_lib, base)
+    read_at(fake, source, T0)
+    read_at(fake, source, T0 + 15)
+    fake.set_scenario(dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], mig_devices=tuple(
+        m for m in base.cards[0].mig_devices if m.gpu_instance_id != 10)),)))
+    read_at(fake, source, T0 + 30)
+    assert fake.gpm_samples_held == 3 * 3 and source.activity.samples_held == 9
+
+
+def test_samples_are_freed_on_close_and_before_nvml_is_initialised_again(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "h100-mig-processes")
+    read_at(fake, source, T0)
+    read_at(fake, source, T0 + 15)
+    assert fake.gpm_samples_held == 8
+    # A driver-level error: the next read initialises NVML again, after freeing what it held.
+    healthy = fake.scenario
+    fake.set_scenario(dataclasses.replace(healthy, system_errors={"nvmlDeviceGetCount_v2":
+                                                                  pynvml.NVML_ERROR_UNINITIALIZED}))
+    with pytest.raises(Exception, match="NVML_ERROR_UNINITIALIZED"):
+        read_at(fake, source, T0 + 30)
+    fake.set_scenario(healthy)
+    before = len(fake.calls)
+    found = by_gpu_instance(read_at(fake, source, T0 + 45))
+    calls = [c.function for c in fake.calls[before:]]
+    assert calls.index("nvmlInitWithFlags") > max(i for i, c in enumerate(calls) if c == "nvmlGpmSampleFree")
+    assert calls.count("nvmlGpmSampleFree") == 8
+    assert set(found.values()) == {(None, ACTIVITY_FIRST_SAMPLE)}, "no window across initialisations"
+    assert fake.gpm_samples_held == 4
+    before = len(fake.calls)
+    source.close()
+    assert [c.function for c in fake.calls[before:]] == ["nvmlGpmSampleFree"] * 4 + ["nvmlShutdown"]
+    assert fake.gpm_samples_held == 0
+    assert fake.exceptions == []
+
+
+def test_the_sample_lists_are_bounded_in_count_and_age(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "h100-mig-processes", activity_window_s=10)
+    most, oldest = window_bounds(10)
+    assert (most, oldest) == (12, 25.0)
+    for k in range(40):  # a read every second: the count bound holds, and still reaches a window back
+        read_at(fake, source, T0 + k)
+    assert source.activity.samples_held == 4 * most
+    activity, _ = by_gpu_instance(source.read())[9]
+    assert activity.window_seconds == pytest.approx(10)
+    for k in range(1, 6):  # then every 12 s: only samples within 25 s are kept
+        read_at(fake, source, T0 + 39 + 12 * k)
+    assert source.activity.samples_held == 4 * 3
+    assert fake.gpm_samples_held == source.activity.samples_held
+    # A lone scraper slower than the age bound has no sample left to measure from.
+    assert set(by_gpu_instance(read_at(fake, source, T0 + 39 + 60 + 26)).values()) == {(None, ACTIVITY_FIRST_SAMPLE)}
+
+
+def test_a_steady_scrapers_read_fills_its_oldest_sample_again_rather_than_free_and_allocate(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "h100-mig-processes")
+    for k in range(8):  # a lone 15 s scraper: 75 s of samples, 6 a GPU instance
+        read_at(fake, source, T0 + 15 * k)
+    assert source.activity.samples_held == 4 * 6 == fake.gpm_samples_held
+    before = len(fake.calls)
+    found = by_gpu_instance(read_at(fake, source, T0 + 15 * 8))
+    calls = [c.function for c in fake.calls[before:] if c.function.startswith("nvmlGpm")]
+    assert sorted(calls) == ["nvmlGpmMetricsGet"] * 4 + ["nvmlGpmMigSampleGet"] * 4
+    assert values(found[9][0]) == pytest.approx(ratios(GPU_BURN)) and found[9][0].window_seconds == 30
+
+
+# -- whole cards ---------------------------------------------------------------------------------
+
+
+def test_a_whole_hopper_card_gets_its_activity(fake_nvml_lib):
+    base = SCENARIOS["one-lost-one-no-permission"]()
+    busy = dataclasses.replace(base.cards[2], activity=gpm(graphics=87.0, sm=80.0, occupancy=40.0, tensor=33.0,
+                                                            dram=52.0))
+    fake, source = start(fake_nvml_lib, dataclasses.replace(base, cards=(*base.cards[:2], busy)))
+    assert source.read().device(2).activity_unknown == ACTIVITY_FIRST_SAMPLE
+    device = read_at(fake, source, T0 + 30).device(2)
+    assert device.activity_unknown is None
+    assert values(device.activity) == pytest.approx((0.87, 0.80, 0.40, 0.33, 0.52))
+    assert [c.device for c in fake.calls if c.function == "nvmlGpmSampleGet"] == ["card2", "card2"]
+
+
+# -- per-process activity on whole cards ----------------------------------------------------------
+
+
+def process_rows(snapshot) -> dict[int, tuple[float | None, float | None]]:
+    return {a.pid: (a.sm_ratio, a.memory_ratio) for a in snapshot.process_activity}
+
+
+def test_process_activity_on_a_whole_card_matches_the_driver_samples_and_idle_is_zero(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "demo")
+    snapshot = source.read()
+    # The training job's two samples averaged; llama.cpp, listed without a sample, idle.
+    assert process_rows(snapshot) == {50102: (0.0, 0.0), 50318: (pytest.approx(0.63), pytest.approx(0.41))}
+    assert {a.device_index for a in snapshot.process_activity} == {1}, "the whole card only"
+    asked = [c for c in fake.calls if c.function == "nvmlDeviceGetProcessUtilization"]
+    assert {c.device for c in asked} == {"card1"}, "never on the card in MIG mode"
+    # Nothing newer than the last sample seen: NOT_FOUND, every listed process idle.
+    assert process_rows(source.read()) == {50318: (0.0, 0.0), 50102: (0.0, 0.0)}
+    assert [c.args[0] for c in fake.calls if c.function == "nvmlDeviceGetProcessUtilization"][-1] == \
+        SAMPLED_AT_US + 166_667
+    # New samples: only those since the last read, a pid the card does not list left out, a value
+    # over 100 (no measurement) left out.
+    card = fake.scenario.cards[1]
+    later = (*card.process_samples, FakeUtilSample(50102, SAMPLED_AT_US + 1_000_000, 30, 10),
+             FakeUtilSample(50102, SAMPLED_AT_US + 1_166_667, 50, 14),
+             FakeUtilSample(77777, SAMPLED_AT_US + 1_000_000, 90, 9),
+             FakeUtilSample(50318, SAMPLED_AT_US + 1_000_000, 4_000_000_000, 20))
+    fake.set_scenario(dataclasses.replace(fake.scenario, cards=(fake.scenario.cards[0],
+                                                                dataclasses.replace(card, process_samples=later))))
+    assert process_rows(source.read()) == {50102: (pytest.approx(0.40), pytest.approx(0.12)),
+                                           50318: (None, pytest.approx(0.20))}
+    assert fake.exceptions == []
+
+
+def test_process_activity_is_none_on_a_card_in_mig_mode_and_on_failure(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, "h100-mig-processes")
+    assert source.read().process_activity == ()
+    assert fake.called("nvmlDeviceGetProcessUtilization") == 0
+    base = SCENARIOS["a100-mig-pending"]()
+    fake, source = start(fake_nvml_lib, base)
+    assert process_rows(source.read()) == {900: (pytest.approx(0.12), pytest.approx(0.03))}
+    failing = dataclasses.replace(base.cards[0], errors={"nvmlDeviceGetProcessUtilization": pynvml.NVML_ERROR_UNKNOWN})
+    fake.set_scenario(dataclasses.replace(base, cards=(failing,)))
+    snapshot = source.read()
+    assert snapshot.process_activity == ()
+    assert snapshot.device(0).memory.used_bytes is not None
+    assert any(p.startswith("card 0: process utilisation not read (nvmlDeviceGetProcessUtilization: "
+                            "NVML_ERROR_UNKNOWN") for p in snapshot.problems)
+
+
+def test_a_card_without_process_utilisation_is_not_asked_again(fake_nvml_lib):
+    base = SCENARIOS["a100-mig-pending"]()
+    card = dataclasses.replace(base.cards[0],
+                               errors={"nvmlDeviceGetProcessUtilization": pynvml.NVML_ERROR_NOT_SUPPORTED})
+    fake, source = start(fake_nvml_lib, dataclasses.replace(base, cards=(card,)))
+    for _ in range(3):
+        snapshot = source.read()
+        assert snapshot.process_activity == () and snapshot.problems == ()
+    assert fake.called("nvmlDeviceGetProcessUtilization") == 1
+
+
+# -- the flag -------------------------------------------------------------------------------------
+
+
+def test_the_window_flag_reaches_the_nvml_source(fake_nvml_lib, monkeypatch):
+    fake_nvml_lib("h100-mig-processes")
+    made = []
+
+    class Recording(NvmlSource):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("activity_window_s"))
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(cli_module, "NvmlSource", Recording)
+    runner = CliRunner()
+    assert runner.invoke(cli, ["read", "--source", "nvml", "--collector.activity.window", "12"]).exit_code == 0
+    assert runner.invoke(cli, ["read", "--source", "nvml"],
+                         env={"MIG_EXPORTER_COLLECTOR_ACTIVITY_WINDOW": "45"}).exit_code == 0
+    assert runner.invoke(cli, ["read", "--source", "nvml"]).exit_code == 0
+    assert made == [12.0, 45.0, 30.0]
+    refused = runner.invoke(cli, ["read", "--source", "nvml", "--collector.activity.window", "0.5"])
+    assert refused.exit_code == 2 and "--collector.activity.window" in refused.output
