@@ -287,8 +287,10 @@ def test_read_output_writes_the_file_atomically(tmp_path: Path) -> None:
     # 215: issue 37 added 35 to the demo's 180: its kernel log's 3 XIDs (count, time, process: 9),
     # whether it reads (1) and its lines dropped by reason (2), card 1's margin (1), 10 clock-event
     # counters, 8 PCIe link values and 4 health reasons; 219: issue 38 the clamped-timeout and
-    # client-timeout counters (2) and the XID series folded, by reason (2).
-    assert written.endswith("mig_exporter_scrape_series 219.0\n")
+    # client-timeout counters (2) and the XID series folded, by reason (2); 227: issue 39 the
+    # per-process SM and memory activity of card 1's two processes (4, from the demo's pmon) and
+    # each device's activity_unknown{reason="not_read"} (4: the XML gives no GPM).
+    assert written.endswith("mig_exporter_scrape_series 227.0\n")
     assert without_duration(written) == without_duration(printed.stdout)
     assert stat.S_IMODE(target.stat().st_mode) == 0o644
     assert target.stat().st_ino != old_inode, "the file was rewritten in place, not renamed over"

@@ -57,7 +57,9 @@ def test_each_scrape_reads_afresh(serve, fake_nvidia_smi):
     _get(url + "/metrics")
     _get(url + "/metrics")
     calls = (smi.parent / "calls.log").read_text().splitlines()
-    assert sorted(line.split(" ", 1)[1] for line in calls) == ["-L", "-L", "-q -x", "-q -x"]
+    # pmon too: the pending card is still whole, with processes (per-process activity).
+    assert sorted(line.split(" ", 1)[1] for line in calls) == ["-L", "-L", "-q -x", "-q -x", "pmon -c 1 -s u",
+                                                               "pmon -c 1 -s u"]
 
 
 def test_openmetrics_and_gzip_are_negotiated(serve):
