@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 import pytest
@@ -444,6 +445,27 @@ def fake_kubelet(podresources_pb):
 
 
 # --- the 10 000-case fuzz runs: behind --fuzz, which scripts/test adds under CI ---------------
+
+@pytest.fixture(scope="session")
+def shared_buildah(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """buildah over a private storage shared by tests/test_container.py and tests/test_release.py,
+    so that the image is built once a run (a build is about 40 s); everything in it is removed at
+    the end of the run, whether the builds and tests passed or not, and the removal is checked."""
+    from buildah_store import Buildah
+    store = Buildah(tmp_path_factory.mktemp("buildah"))
+    yield store
+    store.destroy()
+
+
+@pytest.fixture(scope="session")
+def shared_image(shared_buildah: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The repository's Dockerfile built over the debootstrapped base, once a run."""
+    from buildah_store import build_base_image, build_image
+    return build_image(shared_buildah, build_base_image(shared_buildah, tmp_path_factory), SHARED_IMAGE)
+
+
+SHARED_IMAGE = "localhost/mig-exporter:test"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fuzz", action="store_true", default=False,

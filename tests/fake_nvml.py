@@ -43,8 +43,12 @@ Activity: per card ``gpm_supported`` (the Hopper cards' ``H100``/``H200`` say ye
 (``gpm(graphics=..., sm=...)``), counted against the fake's clock (``FakeNvml.now``, held by
 ``advance``/``set_clock``): a window of N s at a scripted activity reads that activity;
 ``gpm_metric_errors`` (each metric's own return code), ``empty_gpu_instances`` (a GPU instance
-with no compute instance); ``process_samples`` (``FakeUtilSample``, nvmlDeviceGetProcessUtilization
-on a whole card). ``FakeNvml.gpm_samples_held`` counts the GPM samples not freed.
+with no compute instance); ``process_samples`` (fixed ``FakeUtilSample`` entries of
+nvmlDeviceGetProcessUtilization on a whole card) and ``process_activity`` (pid -> (sm %, mem %):
+one sample a driver period, ``process_sample_period_us``, made as the fake's clock runs, stamped by
+its wall clock, ``FakeNvml.wall_time``, which ``step_wall_clock`` moves as NTP would);
+``process_samples_merged`` (one sample a process a call, as drivers in the field answer).
+``FakeNvml.gpm_samples_held`` counts the GPM samples not freed.
 
 What a caller did is recorded: ``fake.calls`` (every C call, with the device it
 named), ``fake.missing_lookups`` (symbols pynvml asked for and did not get),
@@ -292,8 +296,17 @@ class FakeCard:
     gpm_metric_errors: Mapping[int, int] = field(default_factory=dict)
     empty_gpu_instances: tuple[int, ...] = ()
     # nvmlDeviceGetProcessUtilization's samples on a whole card: only processes with activity, each
-    # with the driver's CPU timestamp in microseconds.
+    # with the driver's CPU timestamp in microseconds. ``process_samples`` are fixed; those of
+    # ``process_activity`` (pid -> (sm %, mem %), while not both 0) are made as the fake's clock
+    # runs, one a process every ``process_sample_period_us`` (NVML: between 1 s and 1/6 s), stamped
+    # by the fake's wall clock, and kept PROCESS_SAMPLE_BUFFER_S (see "Process utilisation" below).
+    # ``process_samples_merged``: one sample a process a call instead, its mean over the samples
+    # newer than the timestamp asked, stamped at its newest (go-nvml #51 and nvtop #110 show drivers
+    # answering so: one sample a pid, each pid's timestamp its own).
     process_samples: tuple[FakeUtilSample, ...] = ()
+    process_activity: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    process_sample_period_us: int = 166_667
+    process_samples_merged: bool = False
 
     def __post_init__(self) -> None:
         if (self.gpu_util_percent is None) != (self.memory_util_percent is None):
@@ -616,6 +629,16 @@ class _FakeEvents:
         self.queue: list[tuple[int, int, int, int]] = []  # card, xid, gpu instance, compute instance
 
 
+# -- Process utilisation ------------------------------------------------------------------------------
+# The driver samples a whole card's processes once a period and keeps the samples for a while; how
+# long is not documented (nvmlDeviceGetProcessUtilization: "all the samples maintained by the driver's
+# internal sample buffer"). The fake's choice: the last two minutes. A period's samples carry the
+# wall-clock time (us) at its end; the fake's periods end on multiples of the period of its own
+# monotonic clock, so a wall clock stepped back stamps the next ones earlier than the last, as a
+# driver stamping with the CPU's clock would.
+PROCESS_SAMPLE_BUFFER_S = 120.0
+
+
 # -- GPM (src/mig_exporter/sources/nvml_activity.py) --------------------------------------------------
 # A sample (nvmlGpmSampleAlloc) is a token of its own, never a device handle. Filling it
 # (nvmlGpmMigSampleGet on the parent card and a GPU instance id, nvmlGpmSampleGet on a whole card)
@@ -741,6 +764,12 @@ class FakeNvml:
         self._strings: dict[int, ctypes.Array] = {}  # nvmlErrorString buffers, kept alive
         # The fake's clock (seconds): None follows time.monotonic; ``advance`` and ``set_clock`` hold it.
         self.clock_s: float | None = None
+        # The wall clock (the driver's process utilisation timestamps): the monotonic one plus this.
+        self.wall_offset_s = time.time() - time.monotonic()
+        # Process utilisation: each whole card's samples (taken at, monotonic us; timestamp, wall us;
+        # pid, sm, mem), oldest first, and the monotonic time (us) up to which its periods were sampled.
+        self._util_samples: dict[str, list[tuple[int, int, int, int, int]]] = {}
+        self._util_made_to_us: dict[str, int] = {}
         # GPM: the counters (key -> integrated up to, metric -> percent x seconds) and the samples
         # allocated and not freed (token -> what it holds, None until filled).
         self._gpm_counters: dict[_GpmKey, tuple[float, dict[int, float]]] = {}
@@ -795,6 +824,7 @@ class FakeNvml:
         under the new ones from now; those of a GPU instance or card that is gone are dropped.
         """
         now = self.now()
+        self._util_make(now)  # the old scripts' samples up to now
         old = _gpm_scripts(self.scenario)
         for key in list(self._gpm_counters):
             if key in old:
@@ -821,6 +851,20 @@ class FakeNvml:
             raise ValueError("the fake's clock goes forward only")
         self.clock_s = self.now() + seconds
         return self.clock_s
+
+    def wall_time(self) -> float:
+        """The fake's wall clock in seconds: what the driver stamps process utilisation samples with."""
+        return self.now() + self.wall_offset_s
+
+    def set_wall_clock(self, seconds: float) -> None:
+        """Set the wall clock to ``seconds`` now (before any sample is made: see ``step_wall_clock``)."""
+        self.wall_offset_s = seconds - self.now()
+
+    def step_wall_clock(self, seconds: float) -> None:
+        """Step the wall clock by ``seconds`` (back where negative), as NTP's step does: the samples
+        up to now keep their stamps, the next ones are stamped on the new clock."""
+        self._util_make(self.now())
+        self.wall_offset_s += seconds
 
     @property
     def gpm_samples_held(self) -> int:
@@ -1392,7 +1436,7 @@ class FakeNvml:
                 size.value = 1
                 return NVML_ERROR_INSUFFICIENT_SIZE
             return NVML_ERROR_INVALID_ARGUMENT if t.mig else NVML_ERROR_NOT_SUPPORTED
-        found = [s for s in t.card.process_samples if s.timestamp_us > since]
+        found = self._util_answer(t.card, since)
         if not found:
             return NVML_ERROR_NOT_FOUND
         if samples is None or size.value < len(found):
@@ -1404,6 +1448,40 @@ class FakeNvml:
             slot.pid, slot.timeStamp, slot.smUtil, slot.memUtil = s.pid, s.timestamp_us, s.sm_percent, s.memory_percent
             slot.encUtil, slot.decUtil = s.encoder_percent, s.decoder_percent
         return NVML_SUCCESS
+
+    def _util_make(self, now: float) -> None:
+        """Sample every whole card's scripted processes (``process_activity``) for each period ended
+        by ``now``, under the scenario as it is; keep PROCESS_SAMPLE_BUFFER_S of them. A card seen
+        for the first time has a full buffer behind it, as under a driver running since boot."""
+        now_us = int(now * 1e6)
+        offset_us = int(self.wall_offset_s * 1e6)
+        buffer_us = int(PROCESS_SAMPLE_BUFFER_S * 1e6)
+        for card in self.scenario.cards:
+            kept = self._util_samples.setdefault(card.uuid, [])
+            made = self._util_made_to_us.get(card.uuid, now_us - buffer_us)
+            self._util_made_to_us[card.uuid] = now_us
+            if not card.mig_enabled:
+                period = card.process_sample_period_us
+                for k in range(max(made, now_us - buffer_us) // period + 1, now_us // period + 1):
+                    kept.extend((k * period, k * period + offset_us, pid, sm, mem)
+                                for pid, (sm, mem) in card.process_activity.items() if sm or mem)
+            while kept and kept[0][0] <= now_us - buffer_us:
+                kept.pop(0)
+
+    def _util_answer(self, card: FakeCard, since: int) -> list[FakeUtilSample]:
+        """The samples newer than ``since``: the fixed ones, then those made; merged one a process
+        (its mean, at its newest timestamp) where the card says so."""
+        self._util_make(self.now())
+        found = [s for s in card.process_samples if s.timestamp_us > since]
+        made = self._util_samples.get(card.uuid, ())
+        found += [FakeUtilSample(pid, stamp, sm, mem) for _, stamp, pid, sm, mem in made if stamp > since]
+        if not card.process_samples_merged:
+            return found
+        by_pid: dict[int, list[FakeUtilSample]] = {}
+        for sample in found:
+            by_pid.setdefault(sample.pid, []).append(sample)
+        return [FakeUtilSample(pid, max(s.timestamp_us for s in its), round(sum(s.sm_percent for s in its) / len(its)),
+                               round(sum(s.memory_percent for s in its) / len(its))) for pid, its in by_pid.items()]
 
     # -- GPM (see "GPM" above the class) ---------------------------------------
 

@@ -1,13 +1,15 @@
 """Activity on the NVML path (sources/nvml_activity.py, docs/activity.md): GPM per GPU instance and
 whole card, and each process's share of a whole card, with the real pynvml over the fake
-libnvidia-ml (tests/fake_nvml.py), whose GPM counters count against its own clock, which these
-tests drive."""
+libnvidia-ml (tests/fake_nvml.py), whose GPM counters count, and whose driver samples processes,
+against its own clocks (monotonic and wall), which these tests drive."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import math
+import tracemalloc
 
 import pynvml
 import pytest
@@ -17,7 +19,6 @@ from fake_nvml import (
     GPU_BURN,
     SAMPLED_AT_US,
     SCENARIOS,
-    FakeUtilSample,
     gpm,
 )
 from mig_exporter import cli as cli_module
@@ -30,7 +31,7 @@ from mig_exporter.model.snapshot import (
     Activity,
 )
 from mig_exporter.sources.nvml import NvmlSource
-from mig_exporter.sources.nvml_activity import window_bounds
+from mig_exporter.sources.nvml_activity import SPACINGS, Bounds, window_bounds
 
 T0 = 1000.0
 FIELDS = ("graphics_ratio", "sm_ratio", "sm_occupancy_ratio", "tensor_ratio", "dram_bandwidth_ratio")
@@ -65,7 +66,7 @@ def with_scripts(scenario, scripts: dict[int, dict[int, float]], card: int = 0):
 def start(fake_nvml_lib, scenario, **kwargs):
     fake = fake_nvml_lib(scenario)
     fake.set_clock(T0)
-    return fake, NvmlSource(clock=fake.now, **kwargs)
+    return fake, NvmlSource(clock=fake.now, wall_clock=fake.wall_time, **kwargs)
 
 
 def read_at(fake, source, at: float):
@@ -325,8 +326,8 @@ def test_samples_are_freed_on_close_and_before_nvml_is_initialised_again(fake_nv
 
 def test_the_sample_lists_are_bounded_in_count_and_age(fake_nvml_lib):
     fake, source = start(fake_nvml_lib, "h100-mig-processes", activity_window_s=10)
-    most, oldest = window_bounds(10)
-    assert (most, oldest) == (12, 25.0)
+    most = window_bounds(10).max_samples
+    assert window_bounds(10) == Bounds(12, 25.0, 1.0)
     for k in range(40):  # a read every second: the count bound holds, and still reaches a window back
         read_at(fake, source, T0 + k)
     assert source.activity.samples_held == 4 * most
@@ -352,6 +353,182 @@ def test_a_steady_scrapers_read_fills_its_oldest_sample_again_rather_than_free_a
     assert values(found[9][0]) == pytest.approx(ratios(GPU_BURN)) and found[9][0].window_seconds == 30
 
 
+def test_a_long_window_keeps_as_few_samples_as_a_short_one_and_each_read_still_gets_its_window(fake_nvml_lib):
+    """--collector.activity.window 3600 with a 1 s scraper kept 3602 samples a GPU instance (some 200 000
+    on big-mig). Past the newest, samples are kept a sixteenth of the window apart: 18 at most, and a
+    baseline at least a window old is always there, at most a spacing and a read further."""
+    assert [window_bounds(w) for w in (30, 3600)] == [Bounds(18, 75.0, 1.875), Bounds(18, 9000.0, 225.0)]
+    window = 160.0  # a spacing of 10 s: the same bound, in fewer reads
+    fake, source = start(fake_nvml_lib, "h100-mig-processes", activity_window_s=window)
+    spacing = window / SPACINGS
+    most = 0
+    for k in range(0, 400):  # a 1 s scraper, and a 60 s one at another phase
+        for at in (T0 + k, *((T0 + k + 0.5,) if k % 60 == 7 else ())):
+            found = by_gpu_instance(read_at(fake, source, at))
+            most = max(most, source.activity.samples_held)
+            if at >= T0 + window + 1:
+                activity, reason = found[9]
+                assert reason is None and window <= activity.window_seconds <= window + spacing + 1, (at, activity)
+                assert values(activity) == pytest.approx(ratios(GPU_BURN))
+    assert most <= 4 * (SPACINGS + 2) and fake.gpm_samples_held == source.activity.samples_held
+    assert fake.exceptions == []
+
+
+def test_the_gpm_samples_kept_cost_a_few_hundred_bytes_each_on_our_side(fake_nvml_lib):
+    """docs/activity.md's figure: what the exporter's own Python holds per kept GPM sample (its
+    ctypes handle and its place in the list), measured with tracemalloc on big-mig's 56 GPU
+    instances; the sample's buffer behind the handle is the driver's (nvmlGpmSampleAlloc)."""
+    from benchmarks import scenarios
+    fake, source = start(fake_nvml_lib, scenarios.nvml_scenario(scenarios.BIG_MIG))
+    source.read()
+    tracemalloc.start()
+    try:
+        before = _ours(tracemalloc.take_snapshot())
+        held = source.activity.samples_held
+        for k in range(1, 6):
+            read_at(fake, source, T0 + 15 * k)
+        added = source.activity.samples_held - held
+        per_sample = (_ours(tracemalloc.take_snapshot()) - before) / added
+    finally:
+        tracemalloc.stop()
+    assert added == 5 * 56
+    print(f"bytes per kept GPM sample, ours: {per_sample:.0f}")
+    assert 100 < per_sample < 400
+
+
+def _ours(snapshot: tracemalloc.Snapshot) -> int:
+    """Bytes allocated by the exporter's activity module (where the kept samples are made)."""
+    return sum(s.size for s in snapshot.filter_traces([tracemalloc.Filter(True, "*/nvml_activity.py")]).statistics(
+        "filename"))
+
+
+def test_a_gpm_value_out_of_range_is_left_out_and_a_rounding_overshoot_held_at_the_edge(fake_nvml_lib):
+    """150 % or -20 % is no measurement (counters across a GPU instance remade unseen): left out, as
+    DCGM blanks it, never clamped into a false 100 % or a false idle; half a percent past either edge is
+    rounding, and held there."""
+    script = gpm(graphics=150.0, sm=-20.0, occupancy=100.3, tensor=-0.3, dram=10.0)
+    fake, source = start(fake_nvml_lib, with_scripts(SCENARIOS["h100-mig-processes"](), {9: script}))
+    source.read()
+    activity, reason = by_gpu_instance(read_at(fake, source, T0 + 30))[9]
+    assert reason is None and values(activity) == (None, None, 1.0, 0.0, pytest.approx(0.10))
+
+
+def test_a_passing_support_query_error_is_read_failed_and_asked_again(fake_nvml_lib):
+    """Only a definite answer is kept: an UNKNOWN at start-up must not make a Hopper card "no_gpm" until
+    the exporter restarts (nor a lost card); NOT_SUPPORTED is kept (see above)."""
+    base = SCENARIOS["h100-mig-processes"]()
+    for code in (pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_GPU_IS_LOST):
+        failing = dataclasses.replace(base.cards[0], errors={"nvmlGpmQueryDeviceSupport": code})
+        fake, source = start(fake_nvml_lib, dataclasses.replace(base, cards=(failing,)))
+        snapshot = source.read()
+        assert set(by_gpu_instance(snapshot).values()) == {(None, ACTIVITY_READ_FAILED)}
+        assert any(p.startswith("card 0: GPM support not known (nvmlGpmQueryDeviceSupport: ")
+                   for p in snapshot.problems)
+        assert snapshot.device(1000).memory.used_bytes is not None
+        fake.set_scenario(base)
+        assert set(by_gpu_instance(read_at(fake, source, T0 + 1)).values()) == {(None, ACTIVITY_FIRST_SAMPLE)}
+        activity, reason = by_gpu_instance(read_at(fake, source, T0 + 31))[9]
+        assert reason is None and values(activity) == pytest.approx(ratios(GPU_BURN))
+        assert fake.called("nvmlGpmQueryDeviceSupport") == 2, "asked again after the error, then kept"
+
+
+def test_a_driver_without_the_mig_sample_call_fails_no_memory_read(fake_nvml_lib):
+    """A libnvidia-ml with nvmlGpmQueryDeviceSupport but not nvmlGpmMigSampleGet (CUDA 12.4's notes:
+    "NVML running against older drivers will report FUNCTION_NOT_FOUND in some cases"): every memory
+    and process reading stays, the GPU instances are read_failed, with the reason."""
+    base = SCENARIOS["h100-mig-processes"]()
+    fake, source = start(fake_nvml_lib, dataclasses.replace(base, missing_functions=frozenset({"nvmlGpmMigSampleGet"})))
+    for at in (T0, T0 + 30):
+        snapshot = read_at(fake, source, at)
+        assert set(by_gpu_instance(snapshot).values()) == {(None, ACTIVITY_READ_FAILED)}
+        assert [d.memory.used_bytes for d in snapshot.devices] == [m.memory.used_bytes
+                                                                  for m in base.cards[0].mig_devices]
+        assert [p.pid for p in snapshot.processes] == [21180, 21181, 21198]
+        assert "card 0 GPU instance 9: GPM sample not taken (nvmlGpmMigSampleGet: NVML_ERROR_FUNCTION_NOT_FOUND" \
+            in "\n".join(snapshot.problems)
+    assert fake.gpm_samples_held == 0, "each sample allocated for a take that failed is freed"
+    assert fake.exceptions == []
+
+
+class _OtherMetric(ctypes.Structure):
+    """A c_nvmlGpmMetric_t of another size, as a future pynvml might lay it out."""
+
+    _fields_ = [("metricId", ctypes.c_uint), ("nvmlReturn", ctypes.c_uint), ("value", ctypes.c_double),
+                ("extra", ctypes.c_char * 64)]
+
+
+class _OtherUtilSample(ctypes.Structure):
+    """A c_nvmlProcessUtilizationSample_t whose utilisations shrank to 2 bytes."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("timeStamp", ctypes.c_ulonglong), ("smUtil", ctypes.c_ushort),
+                ("memUtil", ctypes.c_ushort), ("encUtil", ctypes.c_uint), ("decUtil", ctypes.c_uint)]
+
+
+def test_a_pynvml_of_another_layout_leaves_memory_and_the_other_activity_intact(fake_nvml_lib, monkeypatch):
+    """The layout checks were AssertionErrors that failed the whole read: now the card's GPM or its
+    processes' activity is read_failed (unknown), with a problem line, and nothing else changes."""
+    base = SCENARIOS["h100-mig-processes"]()
+    fake, source = start(fake_nvml_lib, base)
+    good = source.read()
+    monkeypatch.setattr(pynvml, "c_nvmlGpmMetric_t", _OtherMetric)
+    snapshot = read_at(fake, source, T0 + 30)
+    assert set(by_gpu_instance(snapshot).values()) == {(None, ACTIVITY_READ_FAILED)}
+    assert [d.memory for d in snapshot.devices] == [d.memory for d in good.devices]
+    assert snapshot.problems == ("card 0: activity not read (ActivityUnreadable: unexpected layout of pynvml's "
+                                 "c_nvmlGpmMetricsGet_t: activity not read); activity unknown",)
+
+    whole = busy_whole_card({900: (70, 30)})
+    fake, source = start(fake_nvml_lib, whole)
+    monkeypatch.setattr(pynvml, "c_nvmlProcessUtilizationSample_t", _OtherUtilSample)
+    snapshot = source.read()
+    assert snapshot.process_activity == ()
+    assert snapshot.device(0).activity_unknown == ACTIVITY_FIRST_SAMPLE, "GPM read as ever"
+    assert [p for p in snapshot.problems if "process activity not read (ActivityUnreadable: " in p]
+
+
+def test_samples_are_freed_before_a_readiness_check_initialises_nvml_again(fake_nvml_lib):
+    """/-/ready (and --source auto's choice) runs every few seconds: after a driver-level error it is
+    usually what initialises NVML again, before the next read. The samples of the old initialisation
+    are freed before the new one, whoever initialises."""
+    fake, source = start(fake_nvml_lib, "h100-mig-processes")
+    read_at(fake, source, T0)
+    read_at(fake, source, T0 + 15)
+    assert fake.gpm_samples_held == 8
+    healthy = fake.scenario
+    fake.set_scenario(dataclasses.replace(healthy, system_errors={"nvmlDeviceGetCount_v2":
+                                                                  pynvml.NVML_ERROR_UNINITIALIZED}))
+    with pytest.raises(Exception, match="NVML_ERROR_UNINITIALIZED"):
+        read_at(fake, source, T0 + 30)
+    fake.set_scenario(healthy)
+    before = len(fake.calls)
+    assert source.ready()[0]
+    calls = [c.function for c in fake.calls[before:]]
+    assert calls.count("nvmlGpmSampleFree") == 8 and fake.gpm_samples_held == 0
+    assert calls.index("nvmlInitWithFlags") > max(i for i, c in enumerate(calls) if c == "nvmlGpmSampleFree")
+    found = by_gpu_instance(read_at(fake, source, T0 + 45))
+    assert set(found.values()) == {(None, ACTIVITY_FIRST_SAMPLE)} and fake.gpm_samples_held == 4
+    assert fake.exceptions == []
+
+
+def test_a_card_failing_before_its_uuid_keeps_its_windows_for_a_while_then_frees_them(fake_nvml_lib):
+    base = SCENARIOS["h100-mig-processes"]()
+    fake, source = start(fake_nvml_lib, base)
+    read_at(fake, source, T0)
+    read_at(fake, source, T0 + 15)
+    lost = dataclasses.replace(base, cards=(dataclasses.replace(
+        base.cards[0], errors={"nvmlDeviceGetUUID": pynvml.NVML_ERROR_GPU_IS_LOST}),))
+    fake.set_scenario(lost)
+    assert read_at(fake, source, T0 + 30).cards[0].uuid is None
+    assert fake.gpm_samples_held == 8, "kept under the UUID the last good read saw"
+    fake.set_scenario(base)
+    activity, reason = by_gpu_instance(read_at(fake, source, T0 + 45))[9]
+    assert reason is None and activity.window_seconds == pytest.approx(30), "its window survived"
+    fake.set_scenario(lost)
+    for at in (T0 + 60, T0 + 100, T0 + 140):  # failing for longer than the age bound (75 s)
+        read_at(fake, source, at)
+    assert fake.gpm_samples_held == 0 and source.activity.samples_held == 0
+
+
 # -- whole cards ---------------------------------------------------------------------------------
 
 
@@ -374,30 +551,111 @@ def process_rows(snapshot) -> dict[int, tuple[float | None, float | None]]:
     return {a.pid: (a.sm_ratio, a.memory_ratio) for a in snapshot.process_activity}
 
 
+def busy_whole_card(script: dict[int, tuple[int, int]], *, period_us: int = 166_667, merged: bool = False,
+                    pids: tuple[int, ...] = (900, 901)):
+    """a100-mig-pending's whole A100 as an H100, listing ``pids`` (compute), its driver sampling
+    ``script`` (pid -> sm %, mem %) once a ``period_us``, one sample a process a call where ``merged``."""
+    base = SCENARIOS["a100-mig-pending"]()
+    card = base.cards[0]
+    listed = tuple(dataclasses.replace(card.compute_processes[0], pid=pid) for pid in pids)
+    card = dataclasses.replace(card, gpm_supported=True, compute_processes=listed, process_samples=(),
+                               process_activity=script, process_sample_period_us=period_us,
+                               process_samples_merged=merged)
+    return dataclasses.replace(base, cards=(card,))
+
+
 def test_process_activity_on_a_whole_card_matches_the_driver_samples_and_idle_is_zero(fake_nvml_lib):
     fake, source = start(fake_nvml_lib, "demo")
+    fake.set_wall_clock((SAMPLED_AT_US + 166_667) / 1e6)  # just after the driver's last sample
     snapshot = source.read()
-    # The training job's two samples averaged; llama.cpp, listed without a sample, idle.
+    # The training job's two samples averaged (each a period); llama.cpp, listed without a sample, idle.
     assert process_rows(snapshot) == {50102: (0.0, 0.0), 50318: (pytest.approx(0.63), pytest.approx(0.41))}
     assert {a.device_index for a in snapshot.process_activity} == {1}, "the whole card only"
     asked = [c for c in fake.calls if c.function == "nvmlDeviceGetProcessUtilization"]
     assert {c.device for c in asked} == {"card1"}, "never on the card in MIG mode"
-    # Nothing newer than the last sample seen: NOT_FOUND, every listed process idle.
-    assert process_rows(source.read()) == {50318: (0.0, 0.0), 50102: (0.0, 0.0)}
+    # A second reader a tenth of a second later: nothing newer (NOT_FOUND), the same window, the same
+    # values (the old reader's "since the last read" made the job idle here).
+    fake.advance(0.1)
+    assert process_rows(source.read()) == process_rows(snapshot)
     assert [c.args[0] for c in fake.calls if c.function == "nvmlDeviceGetProcessUtilization"][-1] == \
-        SAMPLED_AT_US + 166_667
-    # New samples: only those since the last read, a pid the card does not list left out, a value
-    # over 100 (no measurement) left out.
-    card = fake.scenario.cards[1]
-    later = (*card.process_samples, FakeUtilSample(50102, SAMPLED_AT_US + 1_000_000, 30, 10),
-             FakeUtilSample(50102, SAMPLED_AT_US + 1_166_667, 50, 14),
-             FakeUtilSample(77777, SAMPLED_AT_US + 1_000_000, 90, 9),
-             FakeUtilSample(50318, SAMPLED_AT_US + 1_000_000, 4_000_000_000, 20))
-    fake.set_scenario(dataclasses.replace(fake.scenario, cards=(fake.scenario.cards[0],
-                                                                dataclasses.replace(card, process_samples=later))))
-    assert process_rows(source.read()) == {50102: (pytest.approx(0.40), pytest.approx(0.12)),
-                                           50318: (None, pytest.approx(0.20))}
+        SAMPLED_AT_US + 166_667, "only what is newer than the newest kept is asked"
     assert fake.exceptions == []
+
+
+def test_two_readers_a_moment_or_a_second_apart_both_see_a_busy_process_busy(fake_nvml_lib):
+    """Two HA Prometheus servers (or a landing-page view) read within a driver period of each other:
+    the second got NOT_FOUND, and every process read idle; now each read averages the window (30 s)
+    ending at its own time. 901 is listed and never sampled: idle."""
+    for period_us in (166_667, 1_000_000):
+        fake, source = start(fake_nvml_lib, busy_whole_card({900: (70, 30)}, period_us=period_us))
+        for at in (T0, T0 + 15, T0 + 15.1, T0 + 15.3, T0 + 16, T0 + 30, T0 + 30.05):
+            rows = process_rows(read_at(fake, source, at))
+            assert rows == {900: (pytest.approx(0.70, abs=0.005), pytest.approx(0.30, abs=0.005)), 901: (0.0, 0.0)}, \
+                (period_us, at)
+        assert fake.exceptions == []
+
+
+def test_a_process_busy_for_half_the_window_reads_half_its_load(fake_nvml_lib):
+    """The value is the time average over the window: the samples' percent over the time they stand
+    for (a driver period each), and 0 where the driver sampled none of the process."""
+    scenario = busy_whole_card({900: (70, 30), 901: (40, 10)})
+    fake, source = start(fake_nvml_lib, scenario)
+    source.read()
+    fake.set_clock(T0 + 15)
+    fake.set_scenario(dataclasses.replace(scenario, cards=(dataclasses.replace(
+        scenario.cards[0], process_activity={901: (40, 10)}),)))  # 900 idle from now on, still listed
+    rows = process_rows(read_at(fake, source, T0 + 30))
+    assert rows == {900: (pytest.approx(0.35, abs=0.01), pytest.approx(0.15, abs=0.01)),
+                    901: (pytest.approx(0.40, abs=0.005), pytest.approx(0.10, abs=0.005))}
+    assert process_rows(read_at(fake, source, T0 + 45)) == {
+        900: (pytest.approx(0.0, abs=0.005), pytest.approx(0.0, abs=0.005)), 901: rows[901]}
+    assert fake.exceptions == []
+
+
+def test_a_driver_answering_one_sample_a_process_a_call_reads_the_same(fake_nvml_lib):
+    """Drivers in the field answer one sample a process a call (its mean since the timestamp asked,
+    stamped at its newest: go-nvml #51, nvtop #110): each stands for the time since the timestamp asked."""
+    scenario = busy_whole_card({900: (70, 30)}, merged=True)
+    fake, source = start(fake_nvml_lib, scenario)
+    for at in (T0, T0 + 15, T0 + 15.1, T0 + 16):
+        assert process_rows(read_at(fake, source, at)) == {
+            900: (pytest.approx(0.70, abs=0.005), pytest.approx(0.30, abs=0.005)), 901: (0.0, 0.0)}, at
+    idle = dataclasses.replace(scenario.cards[0], process_activity={})
+    fake.set_scenario(dataclasses.replace(scenario, cards=(idle,)))
+    # Idle from T0 + 16; at T0 + 31 the window ends a (presumed) 1 s driver period back: busy 16 s of 30.
+    rows = process_rows(read_at(fake, source, T0 + 31))
+    assert rows == {900: (pytest.approx(0.70 * 16 / 30, abs=0.005), pytest.approx(0.30 * 16 / 30, abs=0.005)),
+                    901: (0.0, 0.0)}
+
+
+def test_the_wall_clock_stepping_resets_the_window_and_never_reads_idle(fake_nvml_lib):
+    """The driver stamps its samples with the wall clock. Stepped back 10 s, the newest seen lay ahead of
+    every new sample, and every process read idle until the clock caught up: now the step is seen, that
+    read says unknown (with a problem line), and the next ones measure again. Forward likewise."""
+    fake, source = start(fake_nvml_lib, busy_whole_card({900: (70, 30)}))
+    busy = {900: (pytest.approx(0.70, abs=0.005), pytest.approx(0.30, abs=0.005)), 901: (0.0, 0.0)}
+    read_at(fake, source, T0)
+    assert process_rows(read_at(fake, source, T0 + 15)) == busy
+    for step in (-10.0, 100.0):
+        fake.step_wall_clock(step)
+        stepped = read_at(fake, source, fake.now() + 15)
+        assert process_rows(stepped) == {900: (None, None), 901: (None, None)}
+        assert f"card 0: the wall clock stepped {step:+.1f}s; process activity unknown this read" in \
+            "\n".join(stepped.problems)
+        for later in (1, 15):
+            assert process_rows(read_at(fake, source, fake.now() + later)) == busy, (step, later)
+    assert fake.exceptions == []
+
+
+def test_a_sample_over_100_is_no_measurement_and_the_kept_spans_are_bounded(fake_nvml_lib):
+    fake, source = start(fake_nvml_lib, busy_whole_card({900: (150, 20), 901: (40, 10)}), activity_window_s=3600)
+    assert process_rows(source.read()) == {900: (None, pytest.approx(0.20)), 901: (pytest.approx(0.40),
+                                                                                  pytest.approx(0.10))}
+    for k in range(1, 121):  # two hours of a 60 s scraper, a sample every 1/6 s
+        rows = process_rows(read_at(fake, source, T0 + 60 * k))
+    assert rows == {900: (None, pytest.approx(0.20)), 901: (pytest.approx(0.40), pytest.approx(0.10))}
+    # 21 600 driver samples a process in the window, kept as at most 2 x 120 spans (+ the edges).
+    assert source._process_activity.spans_held <= 2 * (2 * 120 + 2)
 
 
 def test_process_activity_is_none_on_a_card_in_mig_mode_and_on_failure(fake_nvml_lib):
@@ -406,6 +664,7 @@ def test_process_activity_is_none_on_a_card_in_mig_mode_and_on_failure(fake_nvml
     assert fake.called("nvmlDeviceGetProcessUtilization") == 0
     base = SCENARIOS["a100-mig-pending"]()
     fake, source = start(fake_nvml_lib, base)
+    fake.set_wall_clock(SAMPLED_AT_US / 1e6)
     assert process_rows(source.read()) == {900: (pytest.approx(0.12), pytest.approx(0.03))}
     failing = dataclasses.replace(base.cards[0], errors={"nvmlDeviceGetProcessUtilization": pynvml.NVML_ERROR_UNKNOWN})
     fake.set_scenario(dataclasses.replace(base, cards=(failing,)))

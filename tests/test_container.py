@@ -22,36 +22,33 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 
-from buildah_store import BASE_IMAGE, DOCKERFILE, Buildah, build_base_image, build_image
-from conftest import require_tool
+from buildah_store import BASE_IMAGE, DOCKERFILE, Buildah
+from conftest import SHARED_IMAGE, require_tool
 
 # The first run debootstraps the base and the build pip-installs: well past the default 120 s.
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 
-IMAGE = "localhost/mig-exporter:test"
+IMAGE = SHARED_IMAGE
 
 
 @pytest.fixture(scope="module")
-def buildah(tmp_path_factory) -> Iterator[Buildah]:
-    """buildah over this module's private storage; everything in it is removed at the end,
-    whether the builds and tests passed or not, and the removal is checked."""
-    store = Buildah(tmp_path_factory.mktemp("buildah"))
-    yield store
-    store.destroy()
+def buildah(shared_buildah) -> Buildah:
+    """buildah over the run's private storage (tests/conftest.py, shared with test_release.py)."""
+    return shared_buildah
 
 
 @pytest.fixture(scope="module")
-def base_image(buildah, tmp_path_factory) -> str:
-    return build_base_image(buildah, tmp_path_factory)
+def image(shared_image) -> str:
+    """The image, built once a run over the debootstrapped base (``BASE_IMAGE``)."""
+    return shared_image
 
 
 @pytest.fixture(scope="module")
-def image(buildah, base_image) -> str:
-    return build_image(buildah, base_image, IMAGE)
+def base_image(image) -> str:
+    return BASE_IMAGE
 
 
 @pytest.fixture

@@ -204,7 +204,8 @@ def test_every_join_and_aggregation_keeps_job_and_instance():
 
 def test_the_idle_memory_panel_is_the_alert():
     """One definition of memory held idle: GPUMemoryHeldIdle's expression, read from alerts.yml when
-    the dashboards are generated, verbatim in the overview's panel, per device, and never where
+    the dashboards are generated, verbatim in the overview's panel, per whole card or GPU instance
+    (named by one of its devices) or process, and never where
     activity is not measured (the device activity panel reads only measured ratios)."""
     (rule,) = [r for g in yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())["groups"]
                for r in g["rules"] if r.get("alert") == "GPUMemoryHeldIdle"]
@@ -213,7 +214,8 @@ def test_the_idle_memory_panel_is_the_alert():
     (target,) = panel["targets"]
     assert target["expr"] == (
         f'(({expr}) and on (job, instance) mig_exporter_build_info{{instance=~"$node"}}) '
-        f'* on (job, instance, index) group_left (device) mig_exporter_device_info{{instance=~"$node"}}')
+        f'* on (job, instance, card, gpu_instance) group_left (device) '
+        f'topk by (job, instance, card, gpu_instance) (1, mig_exporter_device_info{{instance=~"$node"}})')
     assert panel["fieldConfig"]["defaults"]["unit"] == "bytes"
     (activity,) = [p for p in _dashboards()["overview.json"]["panels"] if p["title"] == "Activity by device"]
     assert [t["expr"].split("{")[0] for t in activity["targets"]] == [

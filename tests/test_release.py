@@ -39,7 +39,7 @@ import yaml
 from helm_python import chart as helm
 from helm_python import registry as helm_registry
 
-from buildah_store import Buildah, build_base_image, build_image
+from buildah_store import Buildah
 from conftest import REPO, require_tool
 from mig_exporter import __version__
 from test_prometheus import _free_port, _stop
@@ -49,7 +49,6 @@ pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 
 RELEASE_CHART = REPO / "scripts" / "release-chart"
 CHART = REPO / "deploy" / "helm" / "mig-exporter"
-IMAGE = "localhost/mig-exporter:release-test"
 VERSION = __version__
 HOME = Path.home()
 # What a push, a pull or a build could write to outside our directories, were it not kept in them.
@@ -150,15 +149,15 @@ def helm_home(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def buildah(tmp_path_factory) -> Iterator[Buildah]:
-    store = Buildah(tmp_path_factory.mktemp("buildah"))
-    yield store
-    store.destroy()
+def buildah(shared_buildah) -> Buildah:
+    """buildah over the run's private storage (tests/conftest.py, shared with test_container.py)."""
+    return shared_buildah
 
 
 @pytest.fixture(scope="module")
-def image(buildah, tmp_path_factory) -> str:
-    return build_image(buildah, build_base_image(buildah, tmp_path_factory), IMAGE)
+def image(shared_image) -> str:
+    """The image test_container.py checks, built once a run: the one released."""
+    return shared_image
 
 
 @dataclass

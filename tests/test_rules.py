@@ -172,7 +172,8 @@ def test_every_alert_input_rides_through_failed_reads():
                 assert re.search(WINDOWED.format(name=name), expr), (rule["alert"], m.group(0))
                 continue
             if held:
-                assert re.search(rf"(last|max)_over_time\({name}(\{{[^}}]*\}})?\[3m\]\)", expr), (rule["alert"], name)
+                assert re.search(rf"(last|max|count)_over_time\({name}(\{{[^}}]*\}})?\[3m\]\)", expr), (
+                    rule["alert"], name)
                 continue
             selector = f"{name}{matchers or ''}"
             assert f"last_over_time({selector}{HOLD})" in expr or (
@@ -293,24 +294,42 @@ def test_the_engine_count_counts_what_the_engine_alert_counts():
 
 
 def test_memory_held_idle_is_one_definition_judged_only_where_activity_is_measured():
-    """Issue 39: the recording rule is GPUMemoryHeldIdle's expr summed per device, word for word
-    (the alert's `for:` aside); the alert reads activity only as measured ratios (an absent series
-    is never idle), leaves out a device that reported its activity unknown within 3 minutes, and
-    judges a whole card's processes rather than the card where they have activity of their own."""
+    """Issue 39: the recording rule is GPUMemoryHeldIdle's expr summed per whole card or GPU
+    instance, word for word (the alert's `for:` aside); the alert reads activity only as measured
+    ratios (an absent series is never idle), judges a MIG GPU instance once (its compute instances
+    each report its memory and GPM), leaves out a device that reported its activity unknown within
+    3 minutes and a process listed within 3 minutes without its shares, and judges a whole card's
+    processes rather than the card where they have activity of their own."""
     by_name = {r.get("alert") or r["record"]: r for r in _rules()}
     alert = _words(by_name["GPUMemoryHeldIdle"]["expr"])
     record = _words(by_name[IDLE_RECORD]["expr"])
     assert alert.endswith(PROBE_GUARD)
     core = alert[: -len(PROBE_GUARD)].strip()
-    assert record == f"sum by (job, instance, node, card, index) ( {core} ) {PROBE_GUARD}"
-    assert "unless on (job, instance, index) (max_over_time(mig_exporter_device_activity_unknown[3m]) == 1)" in alert
-    assert "unless on (job, instance, index) max_over_time(mig_exporter_process_sm_activity_ratio[3m])" in alert
+    assert record == f"sum by (job, instance, node, card, gpu_instance) ( {core} ) {PROBE_GUARD}"
+    # Each device series joined to its GPU instance as GPUProcessesInvisible and
+    # GPUDeviceMemoryNearlyFull do: memory, activity and the unknown each once per GPU instance.
+    join = ("* on (job, instance, index, mig_profile) group_left (gpu_instance) topk by (job, instance, index, "
+            "mig_profile) (1, mig_exporter_device_info or (last_over_time(mig_exporter_device_info[3m]) "
+            f"{HELD_GATE}) )")
+    assert alert.count(join) == 3
+    assert "max by (job, instance, node, card, gpu_instance, mig_profile) ( last_over_time(" \
+           "mig_exporter_device_memory_used_bytes[3m]) " + join in alert
+    assert ("unless on (job, instance, card, gpu_instance) ( (max_over_time(mig_exporter_device_activity_unknown[3m])"
+            " == 1) " + join) in alert
+    assert ("unless on (job, instance, card) ( max_over_time(mig_exporter_process_sm_activity_ratio[3m]) "
+            "or max_over_time(mig_exporter_process_memory_activity_ratio[3m]) )") in alert
+    # A process's unknown: a scrape that listed it (its memory) without a share of it.
+    assert ("unless on (job, instance, index, pid) ( count_over_time(mig_exporter_process_memory_used_bytes[3m]) "
+            "> on (job, instance, index, pid) min by (job, instance, index, pid) ( "
+            "count_over_time(mig_exporter_process_sm_activity_ratio[3m]) or label_replace(count_over_time("
+            'mig_exporter_process_memory_activity_ratio[3m]), "activity", "memory", "", "") ) )') in alert
     # Under 1% of the highest measured ratio, above 1 GiB (the chart replaces these two numbers).
     assert alert.count(") < 0.01") == 2 and alert.count("> 1073741824") == 2
     assert "or vector(" not in alert and "absent(" not in alert, "nothing stands in for an unmeasured ratio"
-    # Its labels name the device, and the process where a process is judged; the target's pod
-    # labels (an Operator scrape's: the exporter's own pod) are aggregated away, not routed on.
-    assert "max by (job, instance, node, card, index, mig_profile) (" in alert
+    # Its labels name the GPU instance (or the whole card), and the process where a process is
+    # judged; the target's pod labels (an Operator scrape's: the exporter's own pod) are
+    # aggregated away, not routed on.
+    assert "max by (job, instance, node, card, gpu_instance, mig_profile) (" in alert
     assert "max by (job, instance, node, card, index, mig_profile, pid) (" in alert
 
 

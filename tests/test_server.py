@@ -58,8 +58,8 @@ def test_each_scrape_reads_afresh(serve, fake_nvidia_smi):
     _get(url + "/metrics")
     calls = (smi.parent / "calls.log").read_text().splitlines()
     # pmon too: the pending card is still whole, with processes (per-process activity).
-    assert sorted(line.split(" ", 1)[1] for line in calls) == ["-L", "-L", "-q -x", "-q -x", "pmon -c 1 -s u",
-                                                               "pmon -c 1 -s u"]
+    assert sorted(line.split(" ", 1)[1] for line in calls) == ["-L", "-L", "-q -x", "-q -x", "pmon -c 1 -s u -i 0",
+                                                               "pmon -c 1 -s u -i 0"]
 
 
 def test_openmetrics_and_gzip_are_negotiated(serve):

@@ -17,6 +17,7 @@ import pynvml
 import pytest
 from click.testing import CliRunner
 
+import fake_nvml
 from conftest import MIB, fixture_bytes, sample_value, samples_of, scenario
 from fake_nvml import OLD_DRIVER_MISSING, SCENARIOS
 from mig_exporter.cli import cli
@@ -109,12 +110,14 @@ def test_nvml_demo_equals_the_bundled_demo(fake_nvml_lib):
 
 def test_nvml_process_activity_on_the_demo_equals_the_bundled_pmon(fake_nvml_lib):
     """The same whole card's processes, measured on both paths: NVML's samples (the training job's
-    two averaged, llama.cpp's none: idle) and the demo's pmon capture."""
-    fake_nvml_lib("demo")
+    two averaged, llama.cpp's none: idle), read just after the driver took the second, and the demo's
+    pmon capture."""
+    fake = fake_nvml_lib("demo")
+    fake.set_wall_clock(fake_nvml.SAMPLED_AT_US / 1e6 + 1 / 6)
     def rows(snapshot):
         return sorted((a.pid, a.device_index, round(a.sm_ratio, 9), round(a.memory_ratio, 9))
                       for a in snapshot.process_activity)
-    via_nvml = rows(NvmlSource().read())
+    via_nvml = rows(NvmlSource(wall_clock=fake.wall_time).read())
     assert via_nvml == rows(DemoSource().read())
     assert via_nvml == [(50102, 1, 0.0, 0.0), (50318, 1, 0.63, 0.41)]
 

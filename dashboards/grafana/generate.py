@@ -142,11 +142,15 @@ def engines_without_memory(sel: str) -> str:
 
 
 def memory_held_idle(sel: str) -> str:
-    """What GPUMemoryHeldIdle judges idle now, on the chosen nodes, with each device's name: its
-    own expression (the alert's `for:` aside), one series per device, or per process where a whole
-    card's processes are judged; they never overlap, so they stack to a node's total."""
-    return with_device(f"(({alert_expr('GPUMemoryHeldIdle')}) and on (job, instance) mig_exporter_build_info{{{sel}}})",
-                       sel)
+    """What GPUMemoryHeldIdle judges idle now, on the chosen nodes, with a device's name: its own
+    expression (the alert's `for:` aside), one series per whole card or MIG GPU instance (its
+    compute instances counted once), or per process where a whole card's processes are judged;
+    they never overlap, so they stack to a node's total. A GPU instance's series is keyed by card
+    and gpu_instance, so the name joined is one of its devices' (topk of equal values keeps one):
+    the alert's own annotation names them all."""
+    return (f"(({alert_expr('GPUMemoryHeldIdle')}) and on (job, instance) mig_exporter_build_info{{{sel}}}) "
+            f"* on (job, instance, card, gpu_instance) group_left (device) "
+            f"topk by (job, instance, card, gpu_instance) (1, mig_exporter_device_info{{{sel}}})")
 
 
 def target(expr: str, legend: str = "", ref: str = "A", instant: bool = False, fmt: str = "time_series") -> dict:
@@ -350,8 +354,9 @@ def overview() -> dict:
                                   "line, never a 0: mig_exporter_device_activity_unknown says why."), 12, 8)
     lay.add(timeseries("GPU memory held idle", [target(memory_held_idle(SEL), "{{instance}} {{device}} {{pid}}")],
                        "bytes", stack=True,
-                       description="Memory held by work measured idle now: a device, or a process on a whole card, "
-                                   "holding more than 1 GiB under 1% activity. The GPUMemoryHeldIdle alert's own "
+                       description="Memory held by work measured idle now: a whole card or MIG GPU instance (its "
+                                   "compute instances counted once, named by one of them), or a process on a whole "
+                                   "card, holding more than 1 GiB under 1% activity. The GPUMemoryHeldIdle alert's own "
                                    "expression; the alert fires when it has lasted 2 hours, naming the pod, Slurm job, "
                                    "unit or engine. Where activity is not measured nothing is counted idle."), 12, 8)
     # Used and Total: the same labels on both queries (the device's identity joined

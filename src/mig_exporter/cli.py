@@ -196,9 +196,10 @@ def _activity_window_option() -> Callable[..., Any]:
         "--collector.activity.window", "activity_window", type=click.FloatRange(min=MIN_INTERVAL_S, max=3600),
         default=DEFAULT_WINDOW_S, show_default=True, metavar="SECONDS", envvar=_env("COLLECTOR_ACTIVITY_WINDOW"),
         show_envvar=True,
-        help="The least time each GPM activity value (NVML, Hopper and later) averages over: every scraper gets "
-             "about this window, whatever its phase, from samples kept about 2.5 windows (a scraper slower than "
-             "that sees first_sample). docs/activity.md.")
+        help="The least time each GPM activity value (NVML, Hopper and later) averages over, and the time each "
+             "process's activity on a whole card averages over (NVML): every scraper gets about this window, "
+             "whatever its phase, from samples kept about 2.5 windows (a scraper slower than that sees "
+             "first_sample). docs/activity.md.")
 
 
 def _make_pod_reader(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
@@ -775,7 +776,7 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
         nvml = NvmlSource(timeout_s=timeout)
         source = NvidiaSmiSource(nvidia_smi, timeout)
         with _signals_kill_commands():
-            _first_activity_sample(nvml)
+            _first_activity_sample(nvml, timeout)
             # One after the other, each with the whole --timeout (each source's own).
             nvml_read, smi_read = timed_read("nvml", nvml.read), timed_read("nvidia-smi", source.read)
         host_pids = _sees_host_pids(proc_root)
@@ -793,12 +794,18 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     sys.exit(report.exit_code)
 
 
-def _first_activity_sample(nvml: NvmlSource) -> None:
+# The share of --timeout doctor's first NVML read may take: it only takes GPM's first sample, and
+# a driver that hangs must not cost doctor its whole timeout twice.
+FIRST_SAMPLE_SHARE_OF_TIMEOUT = 0.25
+
+
+def _first_activity_sample(nvml: NvmlSource, timeout_s: float) -> None:
     """GPM gives a device's activity between two samples at least a second apart: where a first
     read finds GPM, wait that second, so the read doctor shows has the activity, not
-    "first_sample" (issue 39). What this read finds wrong, the timed read finds again."""
+    "first_sample" (issue 39): doctor's window is that second, whatever --collector.activity.window
+    (its output says "over the last 1 s"). What this read finds wrong, the timed read finds again."""
     try:
-        snapshot = nvml.read()
+        snapshot = nvml.read(Deadline.after(timeout_s * FIRST_SAMPLE_SHARE_OF_TIMEOUT))
     except Exception:  # reported by the timed read that follows
         return
     if any(d.activity_unknown == ACTIVITY_FIRST_SAMPLE for d in snapshot.devices):

@@ -252,10 +252,11 @@ def _process_activity_families(activity: Sequence[PlacedProcessActivity], proces
                [pid[i] for i, _ in rows]]
     for field, name, text in (
         ("sm_ratio", "mig_exporter_process_sm_activity_ratio",
-         "Fraction of time the process ran a kernel on the whole card since the previous read (0-1)"),
+         "Fraction of time the process ran a kernel on the whole card (0-1): over --collector.activity.window "
+         "on the NVML path, pmon's one sample on the nvidia-smi path (docs/activity.md)"),
         ("memory_ratio", "mig_exporter_process_memory_activity_ratio",
-         "Fraction of time the process read or wrote device memory on the whole card since the previous read "
-         "(0-1)"),
+         "Fraction of time the process read or wrote device memory on the whole card (0-1), over the same window "
+         "or sample"),
     ):
         values = [getattr(a, field) for _, a in rows]
         if any(v is not None for v in values):

@@ -52,7 +52,9 @@ ACTIVITY_NOT_READ = "not_read"  # this read path does not read it (nvidia-smi's 
 
 
 class ProcessActivity(NamedTuple):
-    """A process's share of a whole card's engines since the previous read, as ratios (0.0-1.0):
+    """A process's share of a whole card's engines over the window ending at the read (NVML) or in
+    pmon's one sample (nvidia-smi), as ratios (0.0-1.0); ``None`` where it is not known (not yet a
+    driver period of samples, a clock step, a value the driver gave out of range):
     ``nvmlDeviceGetProcessUtilization`` on the NVML path, ``nvidia-smi pmon -s u`` on the
     nvidia-smi path. A listed process with no sample was idle (the driver samples only processes
     with activity). None on a card in MIG mode: the driver does not give it there."""

@@ -1,5 +1,5 @@
 """The nvidia-smi read path: run ``nvidia-smi -q -x`` and ``nvidia-smi -L``, and
-``nvidia-smi pmon -c 1 -s u`` where a whole card has processes.
+``nvidia-smi pmon -c 1 -s u -i ...`` where a whole card has processes.
 
 The full ``-q -x`` query is used rather than ``--query-compute-apps``, which
 lists compute processes only: a Vulkan llama.cpp is a graphics process and
@@ -7,6 +7,9 @@ would read as on no GPU at all. ``-L`` runs beside it, in parallel, because
 only it names MIG profiles and MIG UUIDs. pmon gives each process's SM and
 memory activity on a whole card (the driver gives none on a card in MIG mode,
 so it is not run for those); the read goes without it when it fails or hangs.
+It is asked for those cards only (``-i``), at most four a run, the runs side by
+side: pmon monitors a limited number of devices (4 by a third party's account,
+16 by NVIDIA's current documentation), and without ``-i`` only the first ones.
 
 The binary may also be an argv prefix, for an nvidia-smi reached through a
 wrapper: ``["chroot", "/host", "nvidia-smi"]`` runs
@@ -34,9 +37,16 @@ from mig_exporter.sources.command import (
 
 DEFAULT_BINARY = "nvidia-smi"
 DEFAULT_TIMEOUT_S = 10.0
-# One sample of each process's utilisation (sm, mem), then exit; -s u is pmon's default, named so
-# that a driver with another default still prints those columns.
+# One sample of each process's utilisation (sm, mem, the media engines), then exit; -s u is pmon's
+# default, named so that a driver with another default still prints those columns. `-i` and the
+# cards follow.
 PMON_ARGS = ("pmon", "-c", "1", "-s", "u")
+# The most cards one pmon run is asked for. kylrth/gpublame's README: pmon "monitoring is limited
+# to a maximum of 4 devices"; NVIDIA's current nvidia-smi documentation (docs.nvidia.com/deploy/
+# nvidia-smi, "nvidia-smi pmon"): "one or more GPUs (up to 16 devices)". 4 fits both. pmon's `gpu`
+# column is taken to be the card's own index under -i too, as without it (to be seen on a lent
+# node with several cards: scripts/device-check).
+PMON_MAX_CARDS = 4
 # The share of the time the read has left that pmon may take: one that hangs is killed then, so
 # the memory read, and the scrape's other readers after it, still answer in time.
 PMON_SHARE_OF_TIME = 0.5
@@ -58,7 +68,7 @@ class NvidiaSmiSource:
 
     ``binary`` is the binary (a path, or a name looked up on PATH), or an argv
     prefix whose first element is one: the read appends ``-q -x``, ``-L`` and
-    ``pmon -c 1 -s u``. ``max_output_bytes`` is the read's cap: what its
+    ``pmon -c 1 -s u -i CARDS``. ``max_output_bytes`` is the read's cap: what its
     commands may write to stdout, together.
     """
 
@@ -78,10 +88,10 @@ class NvidiaSmiSource:
         self.max_output_bytes = max_output_bytes
         # What the last read made of the outputs' parts that rarely change (nvidia_smi/build.py).
         self._memo = ReadMemo()
-        # Whether the last read found a whole card with processes: pmon then runs beside -q -x
-        # and -L, costing the read no time of its own (it samples for a while). A read that finds
-        # one this flag did not foresee runs pmon after them.
-        self._pmon_alongside = False
+        # The whole cards with processes the last read found: pmon runs for them beside -q -x and
+        # -L, so its sampling (it waits for the driver's sample) overlaps theirs. Cards this read
+        # finds that the last did not foresee are asked after them.
+        self._pmon_cards: tuple[int, ...] = ()
 
     def resolve(self) -> str:
         """The binary's path (the first element of an argv prefix). Looked up
@@ -122,19 +132,23 @@ class NvidiaSmiSource:
         # -L runs in parallel with -q -x so a read costs the slower of the two; both in this thread.
         # The cap is the read's: its commands together hold at most max_output_bytes. -L prints a
         # line per device (a few KiB on the largest node), pmon a line per process (a 64th of the
-        # cap, taken from -L's share); -q -x gets the rest.
+        # cap for all its runs, taken from -L's share); -q -x gets the rest.
         cap = self.max_output_bytes
-        alongside = self._pmon_alongside
+        foreseen = _groups(self._pmon_cards)
+        pmon_budget = OutputBudget(cap // 64, read_cap=cap)
         commands = [
             ([*prefix, "-q", "-x"], OutputBudget(cap - cap // 16, read_cap=cap)),
             # -L and pmon are killed at once if -q -x fails.
-            ([*prefix, "-L"], OutputBudget(cap // 16 - (cap // 64 if alongside else 0), read_cap=cap)),
+            ([*prefix, "-L"], OutputBudget(cap // 16 - (cap // 64 if foreseen else 0), read_cap=cap)),
         ]
         sooner: list[Deadline | None] = [None, None]
-        if alongside:
-            commands.append(([*prefix, *PMON_ARGS], OutputBudget(cap // 64, read_cap=cap)))
-            sooner.append(Deadline.after(deadline.left_s() * PMON_SHARE_OF_TIME))
-        query, listing, *pmon = run_commands(commands, deadline, started=started, sooner=sooner)
+        if foreseen:
+            # Each run may take the same share of the time left: they run side by side.
+            pmon_deadline = Deadline.after(deadline.left_s() * PMON_SHARE_OF_TIME)
+            for group in foreseen:
+                commands.append((_pmon_argv(prefix, group), pmon_budget))
+                sooner.append(pmon_deadline)
+        query, listing, *answers = run_commands(commands, deadline, started=started, sooner=sooner)
         if isinstance(query, CommandError):
             raise query
         if isinstance(listing, CommandError):
@@ -144,23 +158,40 @@ class NvidiaSmiSource:
         else:
             snapshot = snapshot_from_smi(query.stdout, listing.stdout, None, self._memo)
 
-        self._pmon_alongside = bool(whole_card_processes(snapshot))
-        if not self._pmon_alongside:
-            return snapshot
-        if not pmon:
+        self._pmon_cards = tuple(whole_card_processes(snapshot))
+        runs = list(zip(foreseen, answers, strict=True))
+        asked = {card for group in foreseen for card in group}
+        unforeseen = _groups(tuple(card for card in self._pmon_cards if card not in asked))
+        if unforeseen:
             # Not foreseen: run now, in what the read has left, within what -q -x and -L left of its cap.
             spent = len(query.stdout) + (0 if isinstance(listing, CommandError) else len(listing.stdout))
             budget = OutputBudget(max(min(cap // 64, cap - spent), 0), read_cap=cap)
+            # (run_commands ends the others when its first fails: rare, and only for this read.)
             try:
-                pmon = run_commands([([*prefix, *PMON_ARGS], budget)],
+                late = run_commands([(_pmon_argv(prefix, group), budget) for group in unforeseen],
                                     Deadline.after(deadline.left_s() * PMON_SHARE_OF_TIME))
             except CommandError as e:  # could not be started: the binary went since -q -x
-                pmon = [e]
-        return _joined(snapshot, pmon[0])
+                late = [e] * len(unforeseen)
+            runs.extend(zip(unforeseen, late, strict=True))
+        for group, answer in runs:
+            snapshot = _joined(snapshot, group, answer)
+        return snapshot
 
 
-def _joined(snapshot: Snapshot, pmon: CommandResult | CommandError) -> Snapshot:
-    """The snapshot with pmon's rows on its whole cards, or with why they are unknown."""
+def _groups(cards: Sequence[int]) -> list[tuple[int, ...]]:
+    """``cards`` in runs of at most PMON_MAX_CARDS, in order."""
+    return [tuple(cards[i:i + PMON_MAX_CARDS]) for i in range(0, len(cards), PMON_MAX_CARDS)]
+
+
+def _pmon_argv(prefix: Sequence[str], cards: Sequence[int]) -> list[str]:
+    """pmon for these cards only: ``-i`` takes a comma-separated list of indexes."""
+    return [*prefix, *PMON_ARGS, "-i", ",".join(str(card) for card in cards)]
+
+
+def _joined(snapshot: Snapshot, cards: Sequence[int], pmon: CommandResult | CommandError) -> Snapshot:
+    """The snapshot with the rows of the pmon run for ``cards`` on those of its whole cards that
+    still have processes, or with why they are unknown. A card the run printed but was not asked
+    for is not taken from it."""
     if isinstance(pmon, CommandError):
-        return with_process_activity(snapshot, str(pmon))
-    return with_process_activity(snapshot, parse_pmon(pmon.stdout))
+        return with_process_activity(snapshot, str(pmon), cards)
+    return with_process_activity(snapshot, parse_pmon(pmon.stdout), cards)

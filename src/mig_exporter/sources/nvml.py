@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import operator
 import re
 import struct
@@ -49,6 +50,7 @@ from mig_exporter.core.flight import Flights
 from mig_exporter.core.visible import bounded_name
 from mig_exporter.model.placement import PlacementMemo, place
 from mig_exporter.model.snapshot import (
+    ACTIVITY_READ_FAILED,
     CardReading,
     Memory,
     MigInstance,
@@ -59,6 +61,8 @@ from mig_exporter.model.snapshot import (
 from mig_exporter.sources.nvml_activity import DEFAULT_WINDOW_S, GpmBook, ProcessActivityReader
 from mig_exporter.sources.nvml_gateway import Nvml, NvmlCallError, NvmlUnavailable, error_name
 from mig_exporter.sources.nvml_health import CardKey, HealthReader
+
+log = logging.getLogger("mig_exporter")
 
 DEFAULT_TIMEOUT_S = 10.0
 _EMPTY_SLOT = frozenset({pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT})
@@ -91,7 +95,8 @@ class NvmlSource:
     name = "nvml"
 
     def __init__(self, nvml: Nvml | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 activity_window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 activity_window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.nvml = nvml or Nvml()
         self.timeout_s = timeout_s
         # An NVML call can hang in the driver, where no deadline reaches: reads and readiness
@@ -108,10 +113,20 @@ class NvmlSource:
         # The board serial of each card (by UUID), asked once per initialisation: fixed per board.
         self._serials: dict[object, str | None] = {}
         self._serials_generation = -1
-        # GPM's samples, kept across reads (each scraper its own window), and each whole card's
-        # newest process utilisation timestamp; ``clock`` times the samples (tests drive it).
+        # GPM's samples and each whole card's process utilisation, kept across reads (each scraper
+        # its own window); ``clock`` times GPM's samples, ``wall_clock`` is the clock of the driver's
+        # process utilisation timestamps (tests drive both). Freed before NVML is initialised again,
+        # whoever asks for it first (a read or a readiness check).
         self.activity = GpmBook(self.nvml, activity_window_s, clock)
-        self._process_activity = ProcessActivityReader(self.nvml)
+        self._process_activity = ProcessActivityReader(self.nvml, activity_window_s, clock, wall_clock)
+        self.nvml.on_reinit(self._before_reinit)
+        # Each card's UUID as the last read that got it saw it, by index: a card whose read fails
+        # before its UUID keeps its windows under that UUID.
+        self._uuids: dict[int, str] = {}
+
+    def _before_reinit(self) -> None:
+        self.activity.release()
+        self._process_activity.reset()
 
     def close(self) -> None:
         """Free the GPM samples kept, then shut NVML down (no read may run meanwhile)."""
@@ -149,10 +164,6 @@ class NvmlSource:
     def _read_now(self) -> Snapshot:
         """One read, in the calling thread."""
         nv = self.nvml
-        # A driver-level error marked NVML to be initialised again: the samples of this
-        # initialisation are freed before the next one (the gateway has no hook for it).
-        if not nv._initialised:
-            self.activity.release()
         nv.ensure()
         driver = _text(nv.optional(pynvml.nvmlSystemGetDriverVersion))
         cuda = _cuda_version(nv.optional(pynvml.nvmlSystemGetCudaDriverVersion))
@@ -192,22 +203,41 @@ class NvmlSource:
                        problems: list[str]) -> None:
         """Each card's activity, into its values: once every card's memory and processes are read,
         so that no GPM call comes before a memory read (a driver-535 report saw GPM calls disturb
-        later memory reads on MIG handles). What fails here fails no memory reading."""
+        later memory reads on MIG handles). What fails here fails no memory reading: whatever a
+        card's activity raises (a function the driver lacks, a pynvml of another layout) leaves
+        that card's activity read_failed, with a problem line."""
         with self.activity.reading() as gpm:
             for card in read:
                 if isinstance(card, CardReading):
-                    gpm.failed_cards.add(card.uuid or card.index)  # its samples are kept for its return
+                    # Its windows are kept for its return, under the UUID its last good read saw.
+                    gpm.failed_cards.add(card.uuid or self._uuids.get(card.index, card.index))
                     continue
                 values, rows = card
                 index = values["index"]
+                if values["uuid"]:
+                    self._uuids[index] = values["uuid"]
                 key, handle, where = values["uuid"] or index, handles[index], f"card {index}"
-                if values["mig_current"]:
-                    values["instances"] = gpm.gpu_instances(key, handle, values["instances"], where, problems)
+                try:
+                    if values["mig_current"]:
+                        values["instances"] = gpm.gpu_instances(key, handle, values["instances"], where, problems)
+                    else:
+                        values["activity"], values["activity_unknown"] = gpm.whole_card(key, handle, where, problems)
+                except Exception as e:
+                    _activity_failed(where, "activity", e, problems)
+                    gpm.failed_cards.add(key)  # its windows are kept, as a failed card's
+                    if values["mig_current"]:
+                        values["instances"] = tuple(i._replace(activity=None, activity_unknown=ACTIVITY_READ_FAILED)
+                                                    for i in values["instances"])
+                    else:
+                        values["activity"], values["activity_unknown"] = None, ACTIVITY_READ_FAILED
+                if values["mig_current"] or not values["processes_known"]:
                     continue
-                values["activity"], values["activity_unknown"] = gpm.whole_card(key, handle, where, problems)
-                if values["processes_known"]:
+                try:
                     values["process_activity"] = self._process_activity.read(
                         key, handle, (row[0] for row in rows), where, problems)
+                except Exception as e:
+                    _activity_failed(where, "process activity", e, problems)
+                    values["process_activity"] = None
 
     def _read_card(self, index: int, problems: list[str],
                    handles: dict[int, Any]) -> CardReading | tuple[dict[str, Any], list[_Row]]:
@@ -409,6 +439,12 @@ class NvmlSource:
             if code != pynvml.NVML_ERROR_INSUFFICIENT_SIZE or attempt == _LIST_ATTEMPTS:
                 nv.check(name, code)
         raise AssertionError("unreachable: the last attempt raises")
+
+
+def _activity_failed(where: str, what: str, e: Exception, problems: list[str]) -> None:
+    """What a card's activity raised beyond NVML's own errors (those are problem lines already)."""
+    log.warning("%s: %s not read", where, what, exc_info=e)
+    problems.append(f"{where}: {what} not read ({type(e).__name__}: {e}); {what} unknown")
 
 
 # (pid, type letter, used bytes, GPU instance id, compute instance id): a process as listed, before its name.

@@ -96,24 +96,43 @@ class Nvml:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # Held across an initialisation and the hooks run before it (``on_reinit``): apart from
+        # ``_lock``, which a hook's own failing call takes (``_failed``) while a read may hold the
+        # hook's lock and wait for ``_lock``.
+        self._init_lock = threading.Lock()
+        self._before_reinit: list[Callable[[], None]] = []
         self._initialised = False
         # Counts initialisations: what was learnt of the library (an unsupported call) holds
         # until the next one, which may be a reloaded or upgraded driver.
         self.generation = 0
 
+    def on_reinit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` before NVML is initialised again (after a driver-level error), whoever
+        asks for it first: a read, or a readiness check. What it frees belongs to the old
+        initialisation, and must go before the new one hands out its own."""
+        self._before_reinit.append(callback)
+
     def ensure(self) -> None:
         """Initialise if needed. Raises ``NvmlUnavailable`` with the reason."""
-        with self._lock:
-            if self._initialised:
-                return
-            try:
-                pynvml.nvmlInit()
-            except pynvml.NVMLError as e:
-                raise NvmlUnavailable(f"NVML cannot be initialised: {_describe(e)}") from None
-            except OSError as e:  # the shared library itself would not load
-                raise NvmlUnavailable(f"libnvidia-ml cannot be loaded: {e}") from None
-            self._initialised = True
-            self.generation += 1
+        if self._initialised:
+            return
+        with self._init_lock:
+            with self._lock:
+                if self._initialised:
+                    return
+                again = self.generation > 0
+            if again:
+                for callback in self._before_reinit:
+                    callback()
+            with self._lock:
+                try:
+                    pynvml.nvmlInit()
+                except pynvml.NVMLError as e:
+                    raise NvmlUnavailable(f"NVML cannot be initialised: {_describe(e)}") from None
+                except OSError as e:  # the shared library itself would not load
+                    raise NvmlUnavailable(f"libnvidia-ml cannot be loaded: {e}") from None
+                self._initialised = True
+                self.generation += 1
 
     def shutdown(self) -> None:
         with self._lock:
