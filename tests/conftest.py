@@ -320,13 +320,17 @@ def fake_nvidia_smi(tmp_path: Path) -> FakeSmi:
 def serve():
     """Start an ``ExporterServer`` in this process, on 127.0.0.1, and give its URL:
     ``serve(source_or_scraper, timeout_s=10.0, offset_s=0.5, prober=None, limits=None)``, the
-    scrape and the prober's counters composed as serve composes them;
-    ``serve.servers`` holds them. Every server started is shut down at the end of the test."""
+    scrape and the prober's counters composed as serve composes them (or an ``Exporter`` made by
+    the test, served as it is); ``serve.servers`` holds them. Every server started is shut down at
+    the end of the test."""
     servers: list[ExporterServer] = []
 
     def start(source, timeout_s: float = 10.0, offset_s: float = 0.5, prober=None, limits=None) -> str:
-        scraper = source if isinstance(source, Scraper) else Scraper(source)
-        exporter = Exporter(scraper, *([prober] if prober is not None else []), timeout_s=timeout_s)
+        if isinstance(source, Exporter):
+            exporter = source
+        else:
+            scraper = source if isinstance(source, Scraper) else Scraper(source)
+            exporter = Exporter(scraper, *([prober] if prober is not None else []), timeout_s=timeout_s)
         server = ExporterServer(("127.0.0.1", 0), exporter, timeout_offset_s=offset_s, prober=prober, limits=limits)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)

@@ -6,10 +6,9 @@ counts (CPython 3.14's borrowed references, free-threaded builds). A failed read
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from prometheus_client.core import GaugeMetricFamily
@@ -63,21 +62,12 @@ class Fixed(Exporter):
 
 
 @pytest.fixture
-def served() -> Iterator[Callable[[Exporter], ExporterServer]]:
-    started: list[tuple[ExporterServer, threading.Thread]] = []
-
-    def serve(exporter: Exporter) -> ExporterServer:
-        server = ExporterServer(("127.0.0.1", 0), exporter)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        started.append((server, thread))
-        return server
-
-    yield serve
-    for server, thread in started:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+def served(serve) -> Callable[[Exporter], ExporterServer]:
+    """conftest's ``serve`` of an exporter made here, giving the server itself (its loop is checked)."""
+    def start(exporter: Exporter) -> ExporterServer:
+        serve(exporter)
+        return serve.servers[-1]
+    return start
 
 
 

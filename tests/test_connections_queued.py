@@ -11,10 +11,9 @@ import dataclasses
 import http.client
 import selectors
 import socket
-import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from prometheus_client.core import GaugeMetricFamily
@@ -57,22 +56,12 @@ class Shared(Exporter):
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[..., ExporterServer]]:
-    started: list[tuple[ExporterServer, threading.Thread]] = []
-
+def serve(serve) -> Callable[..., ExporterServer]:
+    """conftest's ``serve`` of a ``Big`` answer (or ``exporter``) under ``limits``, giving the server."""
     def start(exporter: type[Exporter] = Big, **limits: int | float) -> ExporterServer:
-        server = ExporterServer(("127.0.0.1", 0), exporter(Scraper(DemoSource()), timeout_s=10),
-                                limits=Limits(**limits))  # type: ignore[arg-type]
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        started.append((server, thread))
-        return server
-
-    yield start
-    for server, thread in started:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+        serve(exporter(Scraper(DemoSource()), timeout_s=10), limits=Limits(**limits))  # type: ignore[arg-type]
+        return serve.servers[-1]
+    return start
 
 
 @pytest.fixture

@@ -38,6 +38,14 @@ log = logging.getLogger("mig_exporter")
 # ``web/probe.py`` reuses a probe target's answer by the same rule.
 REUSE_S = 1.0
 
+
+def reusable(answer: Answer | None, ended_at: float, now: float) -> bool:
+    """The reuse rule of ``/metrics`` and ``/probe``: a finished read's ``answer`` (``ended_at``,
+    ``time.monotonic()``) is given to a request arriving ``now`` within ``REUSE_S`` of its end while
+    a connection still has its bytes queued."""
+    return answer is not None and now - ended_at <= REUSE_S and answer.queued()
+
+
 _SCRAPE = "scrape"  # the one key of the exporter's flights: every scrape reads the same
 
 
@@ -155,7 +163,7 @@ class Exporter:
         if a caller still waits to take it (``core/flight.py``)."""
         started = time.monotonic()
         last = self._last
-        if last is not None and started - last[0] <= REUSE_S and last[1].queued():
+        if last is not None and reusable(last[1], last[0], started):
             return last[1]  # a connection still holds its bytes: the same bytes, not another copy
         # The scrape runs under the server's own limit, never a caller's shorter deadline: a
         # client that asks for 0.1s (the scrape-timeout header) must not cut short the read that

@@ -41,7 +41,7 @@ from mig_exporter.core.deadline import Deadline
 from mig_exporter.core.flight import FlightFailed, FlightNotStarted, Flights
 from mig_exporter.core.logs import shown
 from mig_exporter.core.ratelog import RateLimitedLog
-from mig_exporter.metrics.exporter import REUSE_S, Answer
+from mig_exporter.metrics.exporter import REUSE_S, Answer, reusable
 from mig_exporter.metrics.families import snapshot_families
 from mig_exporter.metrics.scrape import ReadOutcome, Scraper
 from mig_exporter.sources.nvidia_smi import DEFAULT_TIMEOUT_S, NvidiaSmiSource
@@ -121,7 +121,7 @@ class SharedAnswer:
         ``REUSE_S`` of the run's end while a connection has its bytes queued."""
         with self._lock:
             answer = self._answer
-        return now - self.ended_at <= REUSE_S and answer is not None and answer.queued()
+        return reusable(answer, self.ended_at, now)
 
 
 class Prober:
