@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python -m benchmarks --fleet          # 50 nodes, 10 minutes per mode, 15 s scrape interval (~35 minutes)
-    python -m benchmarks --fleet --quick  # 5 nodes, 18 s per mode, 5 s interval: a smoke run, not a measurement
+    python -m benchmarks --fleet --quick  # 5 nodes, 9 s per mode, 2 s interval: a smoke run, not a measurement
     python -m benchmarks --fleet --fleet-nodes 20 --fleet-minutes 5 --json fleet.json --fleet-picture fleet.png
 
 For each mode (``all``, ``top=3``, ``none``) it starts, afresh:
@@ -72,7 +72,7 @@ class Settings:
     def make(cls, quick: bool, nodes: int | None = None, minutes: float | None = None,
              turnover_s: int | None = None) -> Settings:
         if quick:
-            return cls(nodes or 5, minutes or 0.3, turnover_s or 10, 5, True)
+            return cls(nodes or 5, minutes or 0.15, turnover_s or 5, 2, True)
         return cls(nodes or 50, minutes or 10.0, turnover_s or 600, 15, False)
 
     @property

@@ -404,7 +404,8 @@ def fake_libnvml_dir() -> Path:
 @pytest.fixture
 def fake_libnvml_env(fake_libnvml_dir, tmp_path):
     """``fake_libnvml_env(name_or_scenario, **modes)``: the environment for a process that loads
-    the C fake libnvidia-ml serving that scenario (modes: ``hang``, ``grow``; tests/fake_nvml_c.py)."""
+    the C fake libnvidia-ml serving that scenario (modes: ``hang``, ``grow``, ``clock_file``, ``later``,
+    ``wall_clock``; tests/fake_nvml_c.py's scenario_text)."""
     from fake_nvml import SCENARIOS
     from fake_nvml_c import environment, write_scenario
 

@@ -290,21 +290,23 @@ class FakeCard:
     # with 0; an error is injected through ``errors``); the whole card's activity while not in MIG
     # mode (metric id -> percent, as FakeMig.activity); each metric's own nvmlReturn in
     # nvmlGpmMetricsGet, on the card and its GPU instances alike; and the ids of GPU instances that
-    # have no compute instance, so no MIG device (nvmlGpmMigSampleGet samples them, at no activity).
+    # have no compute instance, so no MIG device (nvmlGpmMigSampleGet samples them; their metrics
+    # answer NO_DATA).
     gpm_supported: bool = False
     activity: Mapping[int, float] = field(default_factory=dict)
     gpm_metric_errors: Mapping[int, int] = field(default_factory=dict)
     empty_gpu_instances: tuple[int, ...] = ()
     # nvmlDeviceGetProcessUtilization's samples on a whole card: only processes with activity, each
     # with the driver's CPU timestamp in microseconds. ``process_samples`` are fixed; those of
-    # ``process_activity`` (pid -> (sm %, mem %), while not both 0) are made as the fake's clock
-    # runs, one a process every ``process_sample_period_us`` (NVML: between 1 s and 1/6 s), stamped
+    # ``process_activity`` (pid -> (sm %, mem %) or (sm %, mem %, enc %, dec %), while not all 0)
+    # are made as the fake's clock runs, one a process every ``process_sample_period_us`` (NVML:
+    # between 1 s and 1/6 s), stamped
     # by the fake's wall clock, and kept PROCESS_SAMPLE_BUFFER_S (see "Process utilisation" below).
     # ``process_samples_merged``: one sample a process a call instead, its mean over the samples
     # newer than the timestamp asked, stamped at its newest (go-nvml #51 and nvtop #110 show drivers
     # answering so: one sample a pid, each pid's timestamp its own).
     process_samples: tuple[FakeUtilSample, ...] = ()
-    process_activity: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    process_activity: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     process_sample_period_us: int = 166_667
     process_samples_merged: bool = False
 
@@ -325,7 +327,7 @@ class FakeCard:
 
     def gpu_instances(self) -> dict[int, tuple[frozenset[tuple[int, str]], Mapping[int, float]]]:
         """GPU instance id -> (its members, (compute instance id, MIG UUID), and its activity script),
-        while in MIG mode; those without a compute instance too (no members, no activity)."""
+        while in MIG mode; those without a compute instance too (no members, no script: no data)."""
         if not self.mig_enabled:
             return {}
         found: dict[int, tuple[frozenset[tuple[int, str]], Mapping[int, float]]] = {
@@ -663,7 +665,9 @@ PROCESS_SAMPLE_BUFFER_S = 120.0
 #   or written, at nvml.h's offsets, and the struct's size is never checked: pynvml sizes it by its
 #   own NVML_GPM_METRIC_MAX (210 in 13.580.65, 477 in 13.615.71) under the same version. The
 #   percent metrics (ids 1-13) answer; any other id answers NOT_SUPPORTED in its own nvmlReturn;
-#   a scripted NaN or Inf is answered as it is, with SUCCESS.
+#   a scripted NaN or Inf is answered as it is, with SUCCESS; a GPU instance without a compute
+#   instance samples, but each of its metrics answers NO_DATA (DCGM's DcgmGpmManager.cpp skips such a
+#   GPU instance and answers blank values: it has no data, never a measured 0).
 _SIGNATURES.update({
     "nvmlGpmQueryDeviceSupport": ((_P, _P), c_int),
     "nvmlGpmSampleAlloc": ((_P,), c_int),
@@ -768,7 +772,7 @@ class FakeNvml:
         self.wall_offset_s = time.time() - time.monotonic()
         # Process utilisation: each whole card's samples (taken at, monotonic us; timestamp, wall us;
         # pid, sm, mem), oldest first, and the monotonic time (us) up to which its periods were sampled.
-        self._util_samples: dict[str, list[tuple[int, int, int, int, int]]] = {}
+        self._util_samples: dict[str, list[tuple[int, int, int, tuple[int, int, int, int]]]] = {}
         self._util_made_to_us: dict[str, int] = {}
         # GPM: the counters (key -> integrated up to, metric -> percent x seconds) and the samples
         # allocated and not freed (token -> what it holds, None until filled).
@@ -1463,8 +1467,8 @@ class FakeNvml:
             if not card.mig_enabled:
                 period = card.process_sample_period_us
                 for k in range(max(made, now_us - buffer_us) // period + 1, now_us // period + 1):
-                    kept.extend((k * period, k * period + offset_us, pid, sm, mem)
-                                for pid, (sm, mem) in card.process_activity.items() if sm or mem)
+                    kept.extend((k * period, k * period + offset_us, pid, (*shares, 0, 0)[:4])
+                                for pid, shares in card.process_activity.items() if any(shares))
             while kept and kept[0][0] <= now_us - buffer_us:
                 kept.pop(0)
 
@@ -1474,14 +1478,16 @@ class FakeNvml:
         self._util_make(self.now())
         found = [s for s in card.process_samples if s.timestamp_us > since]
         made = self._util_samples.get(card.uuid, ())
-        found += [FakeUtilSample(pid, stamp, sm, mem) for _, stamp, pid, sm, mem in made if stamp > since]
+        found += [FakeUtilSample(pid, stamp, *shares) for _, stamp, pid, shares in made if stamp > since]
         if not card.process_samples_merged:
             return found
         by_pid: dict[int, list[FakeUtilSample]] = {}
         for sample in found:
             by_pid.setdefault(sample.pid, []).append(sample)
-        return [FakeUtilSample(pid, max(s.timestamp_us for s in its), round(sum(s.sm_percent for s in its) / len(its)),
-                               round(sum(s.memory_percent for s in its) / len(its))) for pid, its in by_pid.items()]
+        return [FakeUtilSample(pid, max(s.timestamp_us for s in its),
+                               *(round(sum(getattr(s, share) for s in its) / len(its)) for share in
+                                 ("sm_percent", "memory_percent", "encoder_percent", "decoder_percent")))
+                for pid, its in by_pid.items()]
 
     # -- GPM (see "GPM" above the class) ---------------------------------------
 
@@ -1569,11 +1575,13 @@ class FakeNvml:
             return NVML_ERROR_INVALID_ARGUMENT
         card = next((c for c in self.scenario.cards if c.uuid == second.key[0]), None)
         errors = card.gpm_metric_errors if card is not None else {}
+        bare = second.key[1] is not None and not second.key[2]  # a GPU instance without a compute instance
         seconds = second.at_s - first.at_s
         for i in range(count):
             at = address + _GPM_METRICS_AT + _GPM_METRIC_BYTES * i
             metric = c_uint.from_address(at).value
-            code = errors.get(metric, NVML_SUCCESS if metric in GPM_PERCENT_METRICS else NVML_ERROR_NOT_SUPPORTED)
+            code = pynvml.NVML_ERROR_NO_DATA if bare else errors.get(
+                metric, NVML_SUCCESS if metric in GPM_PERCENT_METRICS else NVML_ERROR_NOT_SUPPORTED)
             c_uint.from_address(at + 4).value = code
             if code != NVML_SUCCESS:
                 continue

@@ -189,20 +189,35 @@ def _activity(card: FakeCard) -> list[str]:
     lines += [f"gpu_instance {gi}" for gi in card.empty_gpu_instances]
     lines += [f"putil {u.pid} {u.timestamp_us} {u.sm_percent} {u.memory_percent} {u.encoder_percent} "
               f"{u.decoder_percent}" for u in card.process_samples]
+    lines += [f"pactivity {pid} {_shares(shares)} -" for pid, shares in card.process_activity.items()]
+    if card.process_activity:
+        lines.append(f"putil_period {card.process_sample_period_us}")
+    if card.process_samples_merged:
+        lines.append("putil_merged")
     return lines
 
 
-def _later_activity(card: FakeCard, from_s: float) -> list[str]:
-    """The card's scripts from ``from_s`` on: every percent metric, so that one the new script
-    leaves out is idle from then, as under the Python fake's set_scenario."""
+def _shares(shares: Sequence[int]) -> str:
+    """A process_activity entry, (sm, mem) or (sm, mem, enc, dec), as pactivity's four numbers."""
+    return " ".join(str(int(s)) for s in (*shares, 0, 0, 0, 0)[:4])
+
+
+def _later_activity(card: FakeCard, from_s: float, pids: Sequence[int]) -> list[str]:
+    """The card's scripts from ``from_s`` on: every percent metric, and every process of ``pids`` (those
+    scripted on the card at any time), so that one the new script leaves out is idle from then, as
+    under the Python fake's set_scenario."""
     return [f"activity {target} {metric} {float(script.get(metric, 0.0))!r} {float(from_s)!r}"
-            for target, script in _scripts(card).items() for metric in sorted(GPM_PERCENT_METRICS)]
+            for target, script in _scripts(card).items() for metric in sorted(GPM_PERCENT_METRICS)] + [
+        f"pactivity {pid} {_shares(card.process_activity.get(pid, ()))} {float(from_s)!r}" for pid in pids]
 
 
 def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = None,
                   grow: Mapping[tuple[int, int | None], int] | None = None, clock_file: Path | None = None,
-                  later: Sequence[tuple[float, FakeNvmlScenario]] = ()) -> str:
-    """The file the C library reads at nvmlInit (format: tests/fake_libnvml/README.md)."""
+                  later: Sequence[tuple[float, FakeNvmlScenario]] = (),
+                  wall_clock: Sequence[tuple[float | None, float]] = ()) -> str:
+    """The file the C library reads at nvmlInit (format: tests/fake_libnvml/README.md). ``wall_clock``:
+    (from fake time, or None since always; the wall clock less the fake clock from then on), as the
+    Python fake's set_wall_clock and step_wall_clock; without it, the real wall clock's offset."""
     if scenario.missing_functions:
         # A shared object's symbols are fixed at build time; the Python fake covers this.
         raise ValueError("the C fake libnvidia-ml cannot leave functions out (missing_functions)")
@@ -218,6 +233,7 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
         lines.append(f"hang {_text(hang[0])} {hang[1]}")
     if clock_file is not None:
         lines.append(f"clock_file {_text(str(clock_file))}")
+    lines += [f"wall_clock {float(offset)!r} {'-' if at is None else repr(float(at))}" for at, offset in wall_clock]
     lines += [f"process_name {pid} {_text(name)}" for pid, name in scenario.process_names.items()]
     for _, after in later:
         if len(after.cards) != len(scenario.cards):
@@ -236,8 +252,10 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
         if card.gpu_util_percent is not None:
             lines.append(f"utilization {card.gpu_util_percent} {card.memory_util_percent}")
         lines += _health(card, scenario.driver_version) + _device(card.errors, card) + _activity(card)
+        pids = list(dict.fromkeys(pid for s in (scenario, *(after for _, after in later))
+                                  for pid in s.cards[index].process_activity))
         for from_s, after in later:
-            lines += _later_activity(after.cards[index], from_s)
+            lines += _later_activity(after.cards[index], from_s, pids)
         if (index, None) in grow:
             lines.append(f"grow C {grow.pop((index, None))}")
         for mig in card.mig_devices:

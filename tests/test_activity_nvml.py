@@ -658,6 +658,22 @@ def test_a_sample_over_100_is_no_measurement_and_the_kept_spans_are_bounded(fake
     assert source._process_activity.spans_held <= 2 * (2 * 120 + 2)
 
 
+def test_a_process_busy_on_a_media_engine_alone_is_unknown_never_idle(fake_nvml_lib):
+    """A transcoder on NVENC/NVDEC: the driver samples it (encUtil, decUtil) with SM and memory at 0.
+    It is not idle memory, and has no SM share to give: unknown, as a pmon row busy on enc alone.
+    Once it computes too, its shares are measured again."""
+    scenario = busy_whole_card({900: (0, 0, 95, 0), 901: (0, 0, 0, 40)}, pids=(900, 901, 902))
+    fake, source = start(fake_nvml_lib, scenario)
+    read_at(fake, source, T0)
+    assert process_rows(read_at(fake, source, T0 + 15)) == {900: (None, None), 901: (None, None), 902: (0.0, 0.0)}
+    fake.set_scenario(dataclasses.replace(scenario, cards=(dataclasses.replace(
+        scenario.cards[0], process_activity={900: (20, 5, 95, 0), 901: (0, 0, 0, 40)}),)))
+    rows = process_rows(read_at(fake, source, T0 + 60))
+    assert rows[900] == (pytest.approx(0.20, abs=0.005), pytest.approx(0.05, abs=0.005))
+    assert rows[901] == (None, None) and rows[902] == (0.0, 0.0)
+    assert fake.exceptions == []
+
+
 def test_process_activity_is_none_on_a_card_in_mig_mode_and_on_failure(fake_nvml_lib):
     fake, source = start(fake_nvml_lib, "h100-mig-processes")
     assert source.read().process_activity == ()

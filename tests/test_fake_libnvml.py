@@ -376,7 +376,9 @@ def test_the_exporter_reads_the_same_health_over_the_library_as_over_the_python_
     assert via_c.returncode == 0 and via_python.exit_code == 0, via_c.stderr
 
     def series(text: str) -> list[str]:
-        return [line for line in text.splitlines() if not line.startswith("mig_exporter_read_duration_seconds{")]
+        # read's GPM window is the time between its two samples on the real clock: its length differs
+        return [line for line in text.splitlines() if not line.startswith(
+            ("mig_exporter_read_duration_seconds{", "mig_exporter_device_activity_window_seconds{"))]
 
     assert series(via_c.stdout) == series(via_python.stdout)
     health = [line for line in series(via_c.stdout) if line.startswith("mig_exporter_card_")
@@ -613,6 +615,95 @@ def test_activity_through_the_library_answers_as_the_python_fake(fake_libnvml_en
     assert over_c["windows"]["get card1"][0] == [GRAPHICS, 0, "40.0"]
 
 
+# -- process utilisation made as the clock runs: the same samples from both fakes --------------------
+
+WALL_LESS_FAKE_S = 1_717_170_000.0  # the wall clock less the fake clock, until it steps back 10 s at 1020
+_MADE_PROBE = r"""
+def answers(pynvml, set_clock):
+    pynvml.nvmlInit()
+    card = pynvml.nvmlDeviceGetHandleByIndex(1)
+
+    def ask(since):
+        try:
+            return [[s.pid, s.timeStamp, s.smUtil, s.memUtil, s.encUtil, s.decUtil]
+                    for s in pynvml.nvmlDeviceGetProcessUtilization(card, since)]
+        except pynvml.NVMLError as e:
+            return f"E{e.value}"
+
+    out, newest = [], 0
+    for at in (1000.0, 1000.1, 1010.0, 1015.0, 1020.0, 1030.0, 1200.0):
+        set_clock(at)
+        since_newest, everything = ask(newest), ask(0)
+        out.append([at, newest, since_newest, everything])
+        if isinstance(since_newest, list) and since_newest:
+            newest = max(newest, max(s[1] for s in since_newest))
+    pynvml.nvmlShutdown()
+    return out
+"""
+
+
+def _made_scenarios(period_us: int, merged: bool) -> tuple[FakeNvmlScenario, FakeNvmlScenario]:
+    """The demo's whole card (index 1) as an H100 whose driver samples a training job (900), a
+    transcoder busy on NVENC alone (901) and nothing of 902; from 1015 on, 900 idle and 901 computing."""
+    demo = SCENARIOS["demo"]()
+    whole = dataclasses.replace(demo.cards[1], **fake_nvml.H100, process_samples=(), process_sample_period_us=period_us,
+                                process_samples_merged=merged,
+                                process_activity={900: (70, 30), 901: (0, 0, 95, 0), 902: (0, 0)})
+    later = dataclasses.replace(whole, process_activity={901: (40, 10, 95, 3)})
+    return (dataclasses.replace(demo, cards=(demo.cards[0], whole)),
+            dataclasses.replace(demo, cards=(demo.cards[0], later)))
+
+
+@pytest.mark.parametrize(("period_us", "merged"), [(166_667, False), (1_000_000, True)])
+def test_process_samples_made_as_the_clock_runs_are_the_python_fakes(fake_libnvml_env, fake_nvml_lib, period_us,
+                                                                     merged):
+    """nvmlDeviceGetProcessUtilization over the C library and over the Python fake, at the same fake
+    times: a sample a period of each scripted process while any share is above 0, stamped by the wall
+    clock (which steps back 10 s at 1020), the script changed at 1015, 120 s kept; one sample a process
+    a call where merged. Asked since 0 and since the newest stamp seen, as the exporter asks."""
+    first, later = _made_scenarios(period_us, merged)
+    env = fake_libnvml_env(first, later=((1015.0, later),),
+                           wall_clock=((None, WALL_LESS_FAKE_S), (1020.0, WALL_LESS_FAKE_S - 10)))
+    code = _MADE_PROBE + (
+        "\nimport ctypes, json, pynvml\n"
+        "def set_clock(seconds):\n"
+        "    pynvml.nvmlLib.fakeNvmlSetClock(ctypes.c_double(seconds))\n"
+        "print(json.dumps(answers(pynvml, set_clock)))\n")
+    over_c = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                       check=True, timeout=60).stdout)
+    fake = fake_nvml_lib(first)
+
+    def set_clock(seconds: float) -> None:
+        fake.set_clock(seconds)
+        if seconds == 1000.0:
+            fake.set_wall_clock(1000.0 + WALL_LESS_FAKE_S)
+        elif seconds == 1015.0:
+            fake.set_scenario(later)
+        elif seconds == 1020.0:
+            fake.step_wall_clock(-10.0)
+
+    probe: dict = {}
+    exec(_MADE_PROBE, probe)
+    over_python = json.loads(json.dumps(probe["answers"](pynvml, set_clock)))
+    assert fake.exceptions == []
+    assert [row[:2] for row in over_c] == [row[:2] for row in over_python]
+    for c_row, python_row in zip(over_c, over_python, strict=True):
+        assert c_row == python_row, c_row[0]
+    # and what they agree on is the script: at 1000, 120 s of samples of 900 and 901, none of 902
+    everything = over_c[0][3]
+    per_process = 1 if merged else 120_000_000 // period_us
+    assert sorted({s[0] for s in everything}) == [900, 901]
+    assert len(everything) in (2 * per_process, 2 * per_process + 2)
+    assert {tuple(s[2:]) for s in everything} == {(70, 30, 0, 0), (0, 0, 95, 0)}
+    assert max(s[1] for s in everything) <= int((1000.0 + WALL_LESS_FAKE_S) * 1e6)
+    # After the step back at 1020, the 10 s of samples to 1030 are stamped no later than the newest seen
+    # at 1020 (but for the last, a few us past it): asked since it, they are all but hidden.
+    at_1020, at_1030 = over_c[4], over_c[5]
+    assert isinstance(at_1020[2], list) and at_1020[2], "1015-1020 still on the old clock"
+    assert isinstance(at_1030[2], str) or len(at_1030[2]) <= 1, at_1030[2]
+    assert {tuple(s[2:]) for s in over_c[6][3] if s[0] == 901} >= {(40, 10, 95, 3)}
+
+
 @pytest.fixture(scope="module")
 def activity(fake_libnvml_dir, tmp_path_factory) -> dict:
     """The activity probe's answers over the library, for the tests below that read them."""
@@ -641,7 +732,9 @@ def test_a_30s_window_at_a_scripted_activity_answers_that_activity(activity):
     burn = [[GRAPHICS, 0, "99.0"], [SM, 0, "97.0"], [OCCUPANCY, 0, "48.0"]]
     assert windows["mig card0 9"][:3] == windows["get card0/mig2"][:3] == activity["mig_handle_and_card"][:3] == burn
     assert [row[2] for row in windows["mig card0 2"][:5]] == ["0.0", "0.0", "0.0", "-1.0", "0.0"]
-    assert [row[2] for row in windows[f"mig card0 {EMPTY_GPU_INSTANCE}"][:5]] == ["0.0", "0.0", "0.0", "-1.0", "0.0"]
+    # a GPU instance without a compute instance samples, but has no data: no measured 0 (DCGM answers blank)
+    assert [row[1:] for row in windows[f"mig card0 {EMPTY_GPU_INSTANCE}"][:5]] == [
+        [pynvml.NVML_ERROR_NO_DATA, "-1.0"]] * 5
     assert [row[2] for row in windows["mig card0 10"][:2]] == ["nan", "inf"]  # as scripted: the exporter's to drop
     assert [row[2] for row in activity["under_100ms"][:5]] == ["0.0"] * 5
     assert activity["backwards"] == windows["get card1"]
@@ -856,12 +949,48 @@ def test_serve_source_nvml_maps_our_library_and_answers_as_read_does(fake_libnvm
     # registered yet).
     listener = 'mig_exporter_xid_source_readable{source="nvml_events"} '
     assert any(line.startswith(listener) for line in body.splitlines())
+    # GPM activity needs two samples: serve's first scrape says first_sample, read waits a second for
+    # its second (the next test reads activity through the library).
     ours = [line for line in body.splitlines() if line.startswith("mig_exporter_") and "_read_" not in line
+            and "activity" not in line
             and not line.startswith(("mig_exporter_build_info", "mig_exporter_scrape", "mig_exporter_exporter",
                                      listener))]
     assert len(ours) > 20
     assert set(ours) <= set(read.stdout.splitlines())
     assert served.get("/-/ready")[0] == 200
+
+
+def test_serve_reads_gpm_and_process_activity_through_the_library_on_the_real_clocks(fake_libnvml_env, serve):
+    """The exporter's own activity calls over the C library, not only pynvml's: nvmlGpmMigSampleGet's
+    unsigned GPU instance id, nvmlGpmMetricsGet's struct unpacked at nvml.h's offsets, and
+    nvmlDeviceGetProcessUtilization's 64-bit timestamp, its samples stamped by the real wall clock.
+    Two scrapes 1.2 s apart on the real monotonic clock: gpu_burn's GPU instance busy, the whole
+    H100 at its scripted 40%, the training job at its share and the idle llama.cpp at 0."""
+    mig_card = SCENARIOS["h100-mig-processes"]().cards[0]
+    demo = SCENARIOS["demo"]()
+    whole = dataclasses.replace(demo.cards[1], **fake_nvml.H100, process_samples=(),
+                                activity=fake_nvml.gpm(graphics=40.0, sm=35.0, occupancy=20.0, tensor=12.5, dram=7.0),
+                                process_activity={50318: (63, 41)})
+    served = serve(fake_libnvml_env(dataclasses.replace(demo, cards=(mig_card, whole))))
+    first = served.get("/metrics")[1]
+    assert 'reason="first_sample"} 1' in first
+    time.sleep(1.2)
+    status, body, _ = served.get("/metrics")
+    assert status == 200 and "first_sample" not in body
+    graphics = {dict(re.findall(r'(\w+)="([^"]*)"', line))["index"]: float(line.rsplit(" ", 1)[1])
+                for line in body.splitlines() if line.startswith("mig_exporter_device_graphics_activity_ratio{")}
+    assert graphics == {"1000": 0.0, "1001": 0.0, "1002": 0.99, "1003": 0.0, "1": pytest.approx(0.40)}
+    window = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+              if line.startswith("mig_exporter_device_activity_window_seconds{") and 'index="1"' in line]
+    assert len(window) == 1 and 1.0 <= window[0] < 10, window
+    assert float(_sample(body, 'mig_exporter_device_dram_bandwidth_ratio{card="1",index="1",mig_profile=""}')
+                 or "nan") == pytest.approx(0.07)
+    shares = {(dict(re.findall(r'(\w+)="([^"]*)"', line))["pid"], line.split("{")[0]): float(line.rsplit(" ", 1)[1])
+              for line in body.splitlines() if line.startswith("mig_exporter_process_") and "_activity_ratio{" in line}
+    assert shares == {("50318", "mig_exporter_process_sm_activity_ratio"): pytest.approx(0.63, abs=0.01),
+                      ("50318", "mig_exporter_process_memory_activity_ratio"): pytest.approx(0.41, abs=0.01),
+                      ("50102", "mig_exporter_process_sm_activity_ratio"): 0.0,
+                      ("50102", "mig_exporter_process_memory_activity_ratio"): 0.0}
 
 
 def test_every_later_scrape_through_the_library_lists_the_processes_as_one_read_does(fake_libnvml_env, serve):

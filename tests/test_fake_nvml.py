@@ -863,7 +863,7 @@ def test_an_unknown_or_destroyed_gpu_instance_fails_and_a_recreated_one_counts_a
     assert _metrics_get(fresh, _mig_sample(card, 9), metrics=(1,))[0][1] == 0.0
 
 
-def test_a_gpu_instance_without_a_compute_instance_has_no_mig_device_but_can_be_sampled(nvml):
+def test_a_gpu_instance_without_a_compute_instance_has_no_mig_device_and_no_data(nvml):
     base = h100_mig_processes()
     fake = nvml(dataclasses.replace(base, cards=(dataclasses.replace(base.cards[0], empty_gpu_instances=(1,)),)))
     card = handles(0)
@@ -871,7 +871,8 @@ def test_a_gpu_instance_without_a_compute_instance_has_no_mig_device_but_can_be_
     fake.set_clock(0.0)
     first = _mig_sample(card, 1)
     fake.advance(5)
-    assert [v for _, v in _metrics_get(first, _mig_sample(card, 1))] == [0.0] * 5
+    # It samples, but each metric answers NO_DATA, never a measured 0 (DCGM answers blank values).
+    assert [code for code, _ in _metrics_get(first, _mig_sample(card, 1))] == [pynvml.NVML_ERROR_NO_DATA] * 5
 
 
 def test_a_whole_card_is_sampled_by_its_handle(nvml):

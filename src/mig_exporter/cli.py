@@ -199,7 +199,8 @@ def _activity_window_option() -> Callable[..., Any]:
         help="The least time each GPM activity value (NVML, Hopper and later) averages over, and the time each "
              "process's activity on a whole card averages over (NVML): every scraper gets about this window, "
              "whatever its phase, from samples kept about 2.5 windows (a scraper slower than that sees "
-             "first_sample). docs/activity.md.")
+             "first_sample). read, which reads once, takes a first GPM sample and waits a second: its GPM window "
+             "is about 1 s. docs/activity.md.")
 
 
 def _make_pod_reader(kubernetes: bool, proc_root: str, socket: str, log_dir: str, demo: bool) -> PodReader | None:
@@ -591,6 +592,7 @@ def read(source: str, nvidia_smi: str, timeout: float, demo: bool, log_level: st
                             slurm_job_map_dir=slurm_job_map_dir, demo=demo, process_series=process_series)
     scraper.kmsg = _make_kmsg_reader(xid_kmsg, demo)  # the XIDs since boot: a one-shot read has them too
     with _reaping(), _signals_kill_commands():
+        _first_activity_sample(chosen, timeout)
         # serve's answer to a scrape without a header, text format: the same exporter and encoder.
         text, _content_type = Exporter(scraper, timeout_s=timeout).answer(Deadline.after(timeout)).encoded(None, False)
     if output is None:
@@ -794,18 +796,23 @@ def doctor(nvidia_smi: str, timeout: float, slow_threshold: float, output_format
     sys.exit(report.exit_code)
 
 
-# The share of --timeout doctor's first NVML read may take: it only takes GPM's first sample, and
-# a driver that hangs must not cost doctor its whole timeout twice.
+# The share of --timeout the first NVML read of doctor and read may take: it only takes GPM's first
+# sample, and a driver that hangs must not cost them their whole timeout twice.
 FIRST_SAMPLE_SHARE_OF_TIMEOUT = 0.25
 
 
-def _first_activity_sample(nvml: NvmlSource, timeout_s: float) -> None:
+def _first_activity_sample(source: Source, timeout_s: float) -> None:
     """GPM gives a device's activity between two samples at least a second apart: where a first
-    read finds GPM, wait that second, so the read doctor shows has the activity, not
-    "first_sample" (issue 39): doctor's window is that second, whatever --collector.activity.window
-    (its output says "over the last 1 s"). What this read finds wrong, the timed read finds again."""
+    NVML read finds GPM, wait that second, so the read doctor shows (or read prints) has the
+    activity, not "first_sample" (issue 39). A one-shot command's GPM window is that second, whatever
+    --collector.activity.window (doctor's output says "over the last 1 s"); its process activity
+    still averages the driver's buffer over the window. What this read finds wrong, the read that
+    counts finds again. nvidia-smi has no GPM here: not read twice."""
     try:
-        snapshot = nvml.read(Deadline.after(timeout_s * FIRST_SAMPLE_SHARE_OF_TIMEOUT))
+        chosen = source.choose() if isinstance(source, AutoSource) else source
+        if not isinstance(chosen, NvmlSource):
+            return
+        snapshot = chosen.read(Deadline.after(timeout_s * FIRST_SAMPLE_SHARE_OF_TIMEOUT))
     except Exception:  # reported by the timed read that follows
         return
     if any(d.activity_unknown == ACTIVITY_FIRST_SAMPLE for d in snapshot.devices):

@@ -29,7 +29,8 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_GPU_IS_LOST 15
 #define NVML_ERROR_RESET_REQUIRED 16
 #define NVML_ERROR_LIB_RM_VERSION_MISMATCH 18
-#define NVML_ERROR_NO_DATA 20
+#define NVML_ERROR_MEMORY 20
+#define NVML_ERROR_NO_DATA 21
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
@@ -153,12 +154,18 @@ struct health {
 struct gpm_step { long long gi; unsigned int metric; double from_s, percent; }; /* gi WHOLE_CARD: the card */
 struct gpm_fail { unsigned int metric; int code; }; /* the card's and its GPU instances' alike */
 struct putil { unsigned int pid; unsigned long long at_us; unsigned int sm, mem, enc, dec; };
+/* A process's scripted shares (sm, mem, enc, dec %) from fake time from_s on: what the driver samples
+ * of it each period while any is above 0 (the Python fake's FakeCard.process_activity). */
+struct pscript { unsigned int pid; double from_s; unsigned int share[4]; };
 struct activity {
     int gpm;                                /* nvmlGpmQueryDeviceSupport's isSupportedDevice */
     struct gpm_step *steps; int nsteps;     /* ordered by from_s; a later line wins a tie */
     struct gpm_fail *fails; int nfails;
     unsigned int *bare_gi; int nbare;       /* GPU instances without a compute instance */
     struct putil *putil; int nputil;
+    struct pscript *pscripts; int npscripts; /* ordered by from_s; a later line wins a tie */
+    unsigned long long period_us;            /* the driver's sample period (putil_period; 0: 166 667) */
+    int merged;                              /* one sample a process a call (putil_merged) */
 };
 
 struct fake_dev {
@@ -353,6 +360,8 @@ static int health_line(struct fake_dev *d, char **tok, int n) {
 static int xid_line(char **tok); /* a queued XID event: the XID events' region, below */
 /* A line of a card's activity (the GPM region, below): 1 read, 0 not such a line, -1 bad. */
 static int activity_line(struct activity *a, char **tok, int n);
+/* A wall_clock line (the GPM region, below): 0 read, -1 bad. */
+static int wall_clock_line(char **tok);
 static char clock_file[4096]; /* the fake clock's file (scenario line clock_file), read at each sample */
 
 #define MAX_WORDS 40
@@ -384,6 +393,9 @@ static int load(const char *path) {
         else if (!strcmp(k, "hang") && n == 3) { copy(hang_function, sizeof hang_function, tok[1]); hang_after = atol(tok[2]); }
         else if (!strcmp(k, "xid") && n == 6) { if (xid_line(tok)) return fclose(f), parse_error(path, line, "bad xid"); }
         else if (!strcmp(k, "clock_file") && n == 2) copy(clock_file, sizeof clock_file, tok[1]);
+        else if (!strcmp(k, "wall_clock") && n == 3) {
+            if (wall_clock_line(tok)) return fclose(f), parse_error(path, line, "bad wall_clock");
+        }
         else if (!strcmp(k, "process_name") && n == 3) {
             pnames = realloc(pnames, sizeof(*pnames) * (size_t)(npnames + 1));
             pnames[npnames].pid = (unsigned int)strtoul(tok[1], NULL, 10);
@@ -1380,6 +1392,25 @@ static int activity_line(struct activity *a, char **tok, int n) {
         a->putil = realloc(a->putil, sizeof(*a->putil) * (size_t)(a->nputil + 1));
         a->putil[a->nputil++] = (struct putil){(unsigned int)v[0], v[1], (unsigned int)v[2], (unsigned int)v[3],
                                                (unsigned int)v[4], (unsigned int)v[5]};
+    } else if (!strcmp(k, "pactivity") && n == 7) { /* PID SM MEM ENC DEC FROM_S */
+        struct pscript s;
+        NUMBERS(1, 5, v);
+        s.pid = (unsigned int)v[0];
+        for (int i = 0; i < 4; i++) s.share[i] = (unsigned int)v[i + 1];
+        if (!strcmp(tok[6], "-")) s.from_s = -HUGE_VAL; /* since always */
+        else if (decimal(tok[6], &s.from_s)) return -1;
+        int at = a->npscripts; /* after every line that starts no later: a later line wins a tie */
+        while (at > 0 && a->pscripts[at - 1].from_s > s.from_s) at--;
+        a->pscripts = realloc(a->pscripts, sizeof(*a->pscripts) * (size_t)(a->npscripts + 1));
+        memmove(&a->pscripts[at + 1], &a->pscripts[at], sizeof(*a->pscripts) * (size_t)(a->npscripts - at));
+        a->pscripts[at] = s;
+        a->npscripts++;
+    } else if (!strcmp(k, "putil_period") && n == 2) { /* US */
+        NUMBERS(1, 1, v);
+        if (!v[0]) return -1;
+        a->period_us = v[0];
+    } else if (!strcmp(k, "putil_merged") && n == 1) {
+        a->merged = 1;
     } else {
         return 0;
     }
@@ -1420,10 +1451,16 @@ static int gpm_metric_code(const struct activity *a, unsigned int metric) {
     return metric >= 1 && metric <= GPM_LAST_PERCENT_METRIC ? NVML_SUCCESS : NVML_ERROR_NOT_SUPPORTED;
 }
 
-/* The GPU instance exists on this card: a MIG device (compute instance) of it, or one without. */
-static int has_gpu_instance(const struct fake_dev *card, unsigned int gi) {
+/* The GPU instance has a compute instance on this card: a MIG device of it. */
+static int has_compute_instance(const struct fake_dev *card, long long gi) {
     for (int s = 0; s < MAX_SLOTS; s++)
         if (card->mig_dev[s] >= 0 && devs[card->mig_dev[s]].gi == gi) return 1;
+    return 0;
+}
+
+/* The GPU instance exists on this card: a MIG device (compute instance) of it, or one without. */
+static int has_gpu_instance(const struct fake_dev *card, unsigned int gi) {
+    if (has_compute_instance(card, gi)) return 1;
     for (int i = 0; i < card->activity.nbare; i++)
         if (card->activity.bare_gi[i] == gi) return 1;
     return 0;
@@ -1516,10 +1553,13 @@ EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *get) {
         || s1.card != s2.card || s1.gi != s2.gi)
         return NVML_ERROR_INVALID_ARGUMENT;
     const struct activity *a = &devs[card_dev[s2.card]].activity;
+    /* A GPU instance without a compute instance has no data (DCGM's DcgmGpmManager.cpp skips it and
+     * answers blank values): each metric NO_DATA, never a measured 0. */
+    int bare = s2.gi != WHOLE_CARD && !has_compute_instance(&devs[card_dev[s2.card]], s2.gi);
     double seconds = s2.at_s - s1.at_s;
     for (unsigned int i = 0; i < get->numMetrics; i++) {
         nvmlGpmMetric_t *m = &get->metrics[i];
-        m->nvmlReturn = gpm_metric_code(a, m->metricId);
+        m->nvmlReturn = bare ? NVML_ERROR_NO_DATA : gpm_metric_code(a, m->metricId);
         if (m->nvmlReturn != NVML_SUCCESS) continue;
         double now = percent_at(a, s2.gi, m->metricId, s2.at_s);
         if (!isfinite(now)) m->value = now; /* answered as it is, as the Python fake does */
@@ -1528,6 +1568,136 @@ EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *get) {
                                      : -busy_percent_s(a, s2.gi, m->metricId, s2.at_s, s1.at_s)) / seconds;
     }
     return NVML_SUCCESS;
+}
+
+/* ---- per-process utilisation samples, made as the fake clock runs ----
+ * As the Python fake's _util_make/_util_answer: a card's scripted processes (pactivity) are sampled
+ * once a driver period, at each multiple of the period on the fake clock, for the last
+ * PROCESS_SAMPLE_BUFFER_S (a card has a full buffer behind it, as under a driver running since
+ * boot), a process only while one of its shares is above 0, under the script in force before the
+ * sample's time (a line FROM_S on stands for the Python fake's set_scenario at FROM_S). Each is
+ * stamped with the fake wall clock at its time: the fake clock plus the wall_clock offset in force
+ * before then (as step_wall_clock: the samples already taken keep their stamps). The fixed putil
+ * samples come first. putil_merged: one sample a process, its mean (rounded half to even, as
+ * Python's round) over those newer than lastSeen, stamped at its newest. */
+
+#define PROCESS_SAMPLE_BUFFER_US 120000000LL
+#define DEFAULT_PERIOD_US 166667ULL
+
+struct wall_step { double from_s, offset_s; };
+static struct wall_step *wall_steps; /* ordered by from_s */
+static int nwall_steps, wall_default_set;
+static double wall_default_s; /* with no line: the real wall clock less CLOCK_MONOTONIC, at load */
+
+static int wall_clock_line(char **tok) { /* wall_clock OFFSET_S FROM_S */
+    struct wall_step s;
+    if (decimal(tok[1], &s.offset_s) || !isfinite(s.offset_s)) return -1;
+    if (!strcmp(tok[2], "-")) s.from_s = -HUGE_VAL;
+    else if (decimal(tok[2], &s.from_s)) return -1;
+    int at = nwall_steps;
+    while (at > 0 && wall_steps[at - 1].from_s > s.from_s) at--;
+    wall_steps = realloc(wall_steps, sizeof(*wall_steps) * (size_t)(nwall_steps + 1));
+    memmove(&wall_steps[at + 1], &wall_steps[at], sizeof(*wall_steps) * (size_t)(nwall_steps - at));
+    wall_steps[at] = s;
+    nwall_steps++;
+    return 0;
+}
+
+/* The wall clock less the fake clock for a sample taken at t. Called under gpm_lock. */
+static double wall_offset_at(double t) {
+    if (!wall_default_set) {
+        struct timespec real, mono;
+        clock_gettime(CLOCK_REALTIME, &real);
+        clock_gettime(CLOCK_MONOTONIC, &mono);
+        wall_default_s = ((double)real.tv_sec - (double)mono.tv_sec) + ((double)real.tv_nsec - (double)mono.tv_nsec) / 1e9;
+        wall_default_set = 1;
+    }
+    double offset = wall_default_s;
+    for (int i = 0; i < nwall_steps && wall_steps[i].from_s < t; i++) offset = wall_steps[i].offset_s;
+    return offset;
+}
+
+static long long floor_div(long long a, long long b) { return a / b - (a % b != 0 && (a < 0) != (b < 0)); }
+
+/* The process's shares in the period ending at t: its last line starting before t; idle before. */
+static const unsigned int *shares_at(const struct activity *a, unsigned int pid, double t) {
+    static const unsigned int idle[4];
+    const unsigned int *shares = idle;
+    for (int i = 0; i < a->npscripts && a->pscripts[i].from_s < t; i++)
+        if (a->pscripts[i].pid == pid) shares = a->pscripts[i].share;
+    return shares;
+}
+
+/* sum / count rounded half to even, as Python's round (in integers: no libm). */
+static unsigned int mean_half_even(unsigned long long sum, unsigned long long count) {
+    unsigned long long q = sum / count, r = sum % count;
+    return (unsigned int)(q + (2 * r > count || (2 * r == count && (q & 1))));
+}
+
+/* The samples the driver holds for this whole card now, newer than lastSeen, in *out (malloc'd;
+ * the caller frees): their count, or -1 out of memory. */
+static int process_samples(const struct activity *a, unsigned long long lastSeen,
+                           nvmlProcessUtilizationSample_t **out) {
+    unsigned long long period = a->period_us ? a->period_us : DEFAULT_PERIOD_US;
+    unsigned int *pids = NULL;
+    int npids = 0;
+    for (int i = 0; i < a->npscripts; i++) { /* each pid once, in the order of its first line */
+        int seen = 0;
+        for (int j = 0; j < npids; j++) seen |= pids[j] == a->pscripts[i].pid;
+        if (seen) continue;
+        pids = realloc(pids, sizeof(*pids) * (size_t)(npids + 1));
+        pids[npids++] = a->pscripts[i].pid;
+    }
+    pthread_mutex_lock(&gpm_lock);
+    long long now_us = (long long)(fake_now_s() * 1e6);
+    long long first = npids ? floor_div(now_us - PROCESS_SAMPLE_BUFFER_US, (long long)period) + 1 : 1;
+    long long last = npids ? floor_div(now_us, (long long)period) : 0;
+    size_t cap = (size_t)a->nputil + (size_t)(last >= first ? last - first + 1 : 0) * (size_t)npids;
+    nvmlProcessUtilizationSample_t *all = malloc(sizeof(*all) * (cap ? cap : 1));
+    int n = 0;
+    if (all) {
+        for (int i = 0; i < a->nputil; i++) {
+            const struct putil *p = &a->putil[i];
+            if (p->at_us > lastSeen)
+                all[n++] = (nvmlProcessUtilizationSample_t){p->pid, p->at_us, p->sm, p->mem, p->enc, p->dec};
+        }
+        for (long long k = first; k <= last; k++) {
+            long long at_us = k * (long long)period;
+            double t = (double)at_us / 1e6;
+            long long stamp = at_us + (long long)(wall_offset_at(t) * 1e6);
+            for (int j = 0; j < npids; j++) {
+                const unsigned int *s = shares_at(a, pids[j], t);
+                if ((s[0] || s[1] || s[2] || s[3]) && stamp > 0 && (unsigned long long)stamp > lastSeen)
+                    all[n++] = (nvmlProcessUtilizationSample_t){pids[j], (unsigned long long)stamp,
+                                                                s[0], s[1], s[2], s[3]};
+            }
+        }
+    }
+    pthread_mutex_unlock(&gpm_lock);
+    free(pids);
+    if (!all) return -1;
+    if (a->merged) { /* one a pid, in the order of its first sample: its mean, at its newest stamp */
+        int m = 0;
+        for (int i = 0; i < n; i++) {
+            int j = 0;
+            while (j < m && all[j].pid != all[i].pid) j++;
+            if (j < m) continue;
+            unsigned long long sum[4] = {0}, count = 0;
+            unsigned long long newest = 0;
+            for (int k = i; k < n; k++) {
+                if (all[k].pid != all[i].pid) continue;
+                sum[0] += all[k].smUtil, sum[1] += all[k].memUtil, sum[2] += all[k].encUtil, sum[3] += all[k].decUtil;
+                if (all[k].timeStamp > newest) newest = all[k].timeStamp;
+                count++;
+            }
+            all[m++] = (nvmlProcessUtilizationSample_t){all[i].pid, newest, mean_half_even(sum[0], count),
+                                                        mean_half_even(sum[1], count), mean_half_even(sum[2], count),
+                                                        mean_half_even(sum[3], count)};
+        }
+        n = m;
+    }
+    *out = all;
+    return n;
 }
 
 /* NVML: "One utilization sample structure is returned per process running, that had some non-zero
@@ -1547,21 +1717,17 @@ EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlPro
         }
         return d->slot >= 0 ? NVML_ERROR_INVALID_ARGUMENT : NVML_ERROR_NOT_SUPPORTED;
     }
-    const struct activity *a = &d->activity;
-    unsigned int n = 0;
-    for (int i = 0; i < a->nputil; i++) n += a->putil[i].at_us > lastSeen;
-    if (!n) return NVML_ERROR_NOT_FOUND;
-    if (!samples || *count < n) {
-        *count = n;
-        return NVML_ERROR_INSUFFICIENT_SIZE;
-    }
-    *count = n;
-    for (int i = 0, j = 0; i < a->nputil; i++) {
-        const struct putil *p = &a->putil[i];
-        if (p->at_us > lastSeen)
-            samples[j++] = (nvmlProcessUtilizationSample_t){p->pid, p->at_us, p->sm, p->mem, p->enc, p->dec};
-    }
-    return NVML_SUCCESS;
+    nvmlProcessUtilizationSample_t *held = NULL;
+    int found = process_samples(&d->activity, lastSeen, &held);
+    if (found < 0) return NVML_ERROR_MEMORY;
+    unsigned int n = (unsigned int)found;
+    nvmlReturn_t rc = NVML_SUCCESS;
+    if (!n) rc = NVML_ERROR_NOT_FOUND;
+    else if (!samples || *count < n) rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    else memcpy(samples, held, sizeof(*held) * n);
+    if (n) *count = n;
+    free(held);
+    return rc;
 }
 
 /* ---- for tests/test_fake_libnvml.py: this file's layouts, to compare with pynvml's ---- */

@@ -78,8 +78,9 @@ SeriesKey = tuple[object, "int | None"]
 Members = frozenset[tuple["int | None", "str | None", "str | None"]]
 _WHOLE_CARD: Members = frozenset()
 
-# nvmlProcessUtilizationSample_t: pid, timeStamp (CPU us), smUtil, memUtil, at pynvml's offsets.
-_SAMPLE_FIELDS = ("pid", "timeStamp", "smUtil", "memUtil")
+# nvmlProcessUtilizationSample_t: pid, timeStamp (CPU us), smUtil, memUtil, encUtil, decUtil, at
+# pynvml's offsets (the media engines only to tell a transcoder from an idle process, as pmon's).
+_SAMPLE_FIELDS = ("pid", "timeStamp", "smUtil", "memUtil", "encUtil", "decUtil")
 # Reads of the samples that grow between the sizing call and the read each time.
 _SAMPLE_ATTEMPTS = 3
 
@@ -379,15 +380,17 @@ _SLEW = 0.001
 
 class _Span:
     """Part of one process's time on a card, [start_us, end_us]: the integral of its SM and memory
-    percent over it (percent x us), and how long of it no value was known (a sample over 100)."""
+    percent over it (percent x us), how long of it no value was known (a sample over 100), and how
+    long it worked on a media engine (NVENC, NVDEC) alone, with no SM or memory share."""
 
-    __slots__ = ("end_us", "mem_area", "mem_unknown_us", "sm_area", "sm_unknown_us", "start_us")
+    __slots__ = ("end_us", "media_us", "mem_area", "mem_unknown_us", "sm_area", "sm_unknown_us", "start_us")
 
-    def __init__(self, start_us: int, end_us: int, sm: int, mem: int) -> None:
+    def __init__(self, start_us: int, end_us: int, sm: int, mem: int, media: bool = False) -> None:
         length = end_us - start_us
         self.start_us, self.end_us = start_us, end_us
         self.sm_area, self.sm_unknown_us = (sm * length, 0) if sm <= 100 else (0, length)
         self.mem_area, self.mem_unknown_us = (mem * length, 0) if mem <= 100 else (0, length)
+        self.media_us = length if media and not sm and not mem else 0
 
     def absorb(self, later: _Span) -> None:
         """Become one span with ``later`` (after it): a gap between the two was idle."""
@@ -396,6 +399,7 @@ class _Span:
         self.sm_unknown_us += later.sm_unknown_us
         self.mem_area += later.mem_area
         self.mem_unknown_us += later.mem_unknown_us
+        self.media_us += later.media_us
 
 
 class _CardWindow:
@@ -441,6 +445,9 @@ class ProcessActivityReader:
       period back) every listed process is unknown (``None``);
     - a value over 100 is no measurement (nvtop drops such samples, its bug #110): its time is left
       out of that process's average, and a process with nothing else in the window reads ``None``;
+    - a process whose only work in the window was on a media engine (``encUtil``/``decUtil`` above 0,
+      SM and memory 0: a transcoder on NVENC) reads ``None``: not idle, and no share to give (as a
+      pmon row busy on enc or dec alone);
     - the timestamps are the wall clock's: where it stepped (its distance from the monotonic clock
       moved by more than CLOCK_STEP_S), the card's window starts again, and that read's values are
       unknown, with a problem line; a sample stamped in the future (from before a step back) makes
@@ -511,20 +518,20 @@ class ProcessActivityReader:
         for card in stale:
             del self._cards[card]
 
-    def _keep(self, state: _CardWindow, samples: list[tuple[int, int, int, int]], since: int,
+    def _keep(self, state: _CardWindow, samples: list[tuple[int, int, int, int, int, int]], since: int,
               now_us: int) -> set[int]:
         """Add the driver's new samples to ``state``'s spans; the pids of samples stamped in the
         future (a wall clock stepped back since the driver took them), whose values are unknown."""
         future: set[int] = set()
-        by_pid: dict[int, list[tuple[int, int, int]]] = {}
+        by_pid: dict[int, list[tuple[int, int, int, bool]]] = {}
         horizon = now_us + _STEP_US
-        for pid, stamp, sm, mem in samples:
+        for pid, stamp, sm, mem, enc, dec in samples:
             if stamp <= since:
                 continue  # older than asked: not this answer's
             if stamp > horizon:
                 future.add(pid)
                 continue
-            by_pid.setdefault(pid, []).append((stamp, sm, mem))
+            by_pid.setdefault(pid, []).append((stamp, sm, mem, enc > 0 or dec > 0))
         for found in by_pid.values():
             found.sort()
             gaps = [b[0] - a[0] for a, b in itertools.pairwise(found) if b[0] > a[0]]
@@ -539,7 +546,7 @@ class ProcessActivityReader:
         for pid, found in by_pid.items():
             spans = state.spans.setdefault(pid, [])
             after = since or None
-            for stamp, sm, mem in found:
+            for stamp, sm, mem, media in found:
                 start = stamp - longest if after is None else max(stamp - longest, after)
                 if spans and start < spans[-1].end_us:
                     start = spans[-1].end_us  # never count a time twice
@@ -547,7 +554,7 @@ class ProcessActivityReader:
                 if start >= stamp:
                     continue
                 starts.append(start)
-                span = _Span(start, stamp, sm, mem)
+                span = _Span(start, stamp, sm, mem, media)
                 if spans and stamp - spans[-1].start_us <= bucket:
                     spans[-1].absorb(span)
                 else:
@@ -581,7 +588,7 @@ class ProcessActivityReader:
             if pid in future:
                 rows.append(ProcessActivity(pid, None, None))
                 continue
-            sm_area = sm_unknown = mem_area = mem_unknown = 0.0
+            sm_area = sm_unknown = mem_area = mem_unknown = media = 0.0
             for span in state.spans.get(pid, ()):
                 if span.start_us >= end:
                     break
@@ -591,12 +598,16 @@ class ProcessActivityReader:
                 sm_unknown += span.sm_unknown_us * inside
                 mem_area += span.mem_area * inside
                 mem_unknown += span.mem_unknown_us * inside
+                media += span.media_us * inside
+            if media > 0 and not sm_area and not mem_area:
+                rows.append(ProcessActivity(pid, None, None))  # a transcoder: not idle, no share to give
+                continue
             rows.append(ProcessActivity(pid, _ratio(sm_area, covered - sm_unknown, period),
                                         _ratio(mem_area, covered - mem_unknown, period)))
         return tuple(rows)
 
-    def _samples(self, handle: Any, since: int) -> list[tuple[int, int, int, int]]:
-        """(pid, timestamp us, sm %, mem %) of the samples newer than ``since``, as pynvml's wrapper
+    def _samples(self, handle: Any, since: int) -> list[tuple[int, int, int, int, int, int]]:
+        """(pid, timestamp us, sm %, mem %, enc %, dec %) of the samples newer than ``since``, as pynvml's wrapper
         asks them (sized by a call with no array, then read), without its per-entry objects; a list
         that grew in between is asked again, a bounded number of times."""
         name = "nvmlDeviceGetProcessUtilization"
