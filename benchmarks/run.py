@@ -789,13 +789,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="only count the series a node exports and their churn (benchmarks/series.py; no timing)")
     parser.add_argument("--fleet", action="store_true",
                         help="only the fleet (benchmarks/fleet.py): N exporters of big-mig with job turnover, one real "
-                             "Prometheus scraping them, for each --collector.processes mode (~35 minutes; --quick: ~2)")
+                             "Prometheus scraping them, for each --collector.processes mode (~35 minutes; --quick: ~1)")
     parser.add_argument("--fleet-nodes", type=int, metavar="N", help="exporters in the fleet (default 50; quick 5)")
     parser.add_argument("--fleet-minutes", type=float, metavar="M",
-                        help="minutes each mode runs after every target's first scrape (default 10; quick 0.3)")
+                        help="minutes each mode runs after every target's first scrape (default 10; quick 0.15)")
     parser.add_argument("--fleet-turnover", type=int, metavar="S",
                         help="seconds between a node's job turnovers, its processes all replaced (default 600; "
-                             "quick 10)")
+                             "quick 5)")
     parser.add_argument("--fleet-picture", metavar="PATH",
                         help="where the fleet's picture goes (default docs/images/fleet.png; none with --quick)")
     args = parser.parse_args(argv)
