@@ -44,9 +44,10 @@ Activity: per card ``gpm_supported`` (the Hopper cards' ``H100``/``H200`` say ye
 ``advance``/``set_clock``): a window of N s at a scripted activity reads that activity;
 ``gpm_metric_errors`` (each metric's own return code), ``empty_gpu_instances`` (a GPU instance
 with no compute instance); ``process_samples`` (fixed ``FakeUtilSample`` entries of
-nvmlDeviceGetProcessUtilization on a whole card) and ``process_activity`` (pid -> (sm %, mem %):
-one sample a driver period, ``process_sample_period_us``, made as the fake's clock runs, stamped by
-its wall clock, ``FakeNvml.wall_time``, which ``step_wall_clock`` moves as NTP would);
+nvmlDeviceGetProcessUtilization on a whole card) and ``process_activity`` (pid -> (sm %, mem %) or
+(sm %, mem %, enc %, dec %): one sample a driver period, ``process_sample_period_us``, made as
+the fake's clock runs, stamped by its wall clock, ``FakeNvml.wall_time``, which
+``step_wall_clock`` moves as NTP would);
 ``process_samples_merged`` (one sample a process a call, as drivers in the field answer).
 ``FakeNvml.gpm_samples_held`` counts the GPM samples not freed.
 
@@ -771,7 +772,7 @@ class FakeNvml:
         # The wall clock (the driver's process utilisation timestamps): the monotonic one plus this.
         self.wall_offset_s = time.time() - time.monotonic()
         # Process utilisation: each whole card's samples (taken at, monotonic us; timestamp, wall us;
-        # pid, sm, mem), oldest first, and the monotonic time (us) up to which its periods were sampled.
+        # pid, (sm, mem, enc, dec) %), oldest first, and the monotonic time (us) up to which its periods were sampled.
         self._util_samples: dict[str, list[tuple[int, int, int, tuple[int, int, int, int]]]] = {}
         self._util_made_to_us: dict[str, int] = {}
         # GPM: the counters (key -> integrated up to, metric -> percent x seconds) and the samples

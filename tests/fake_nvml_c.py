@@ -23,6 +23,7 @@ scenario_b),)`` gives the activity scripts of ``scenario_b`` from 30 s on, as th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -190,8 +191,7 @@ def _activity(card: FakeCard) -> list[str]:
     lines += [f"putil {u.pid} {u.timestamp_us} {u.sm_percent} {u.memory_percent} {u.encoder_percent} "
               f"{u.decoder_percent}" for u in card.process_samples]
     lines += [f"pactivity {pid} {_shares(shares)} -" for pid, shares in card.process_activity.items()]
-    if card.process_activity:
-        lines.append(f"putil_period {card.process_sample_period_us}")
+    lines.append(f"putil_period {card.process_sample_period_us}")
     if card.process_samples_merged:
         lines.append("putil_merged")
     return lines
@@ -200,6 +200,17 @@ def _activity(card: FakeCard) -> list[str]:
 def _shares(shares: Sequence[int]) -> str:
     """A process_activity entry, (sm, mem) or (sm, mem, enc, dec), as pactivity's four numbers."""
     return " ".join(str(int(s)) for s in (*shares, 0, 0, 0, 0)[:4])
+
+
+def _scripts_only(card: FakeCard, after: FakeCard) -> bool:
+    """Whether ``after`` is ``card`` but for its activity scripts: all a later line can change."""
+    if len(after.mig_devices) != len(card.mig_devices):
+        return False
+    kept = dataclasses.replace(after, activity=card.activity, process_activity=card.process_activity,
+                               mig_devices=tuple(dataclasses.replace(m, activity=c.activity)
+                                                 for m, c in zip(after.mig_devices, card.mig_devices, strict=True)))
+    order = [pid for pid in card.process_activity if pid in after.process_activity]
+    return kept == card and order == [pid for pid in after.process_activity if pid in card.process_activity]
 
 
 def _later_activity(card: FakeCard, from_s: float, pids: Sequence[int]) -> list[str]:
@@ -236,8 +247,10 @@ def scenario_text(scenario: FakeNvmlScenario, *, hang: tuple[str, int] | None = 
     lines += [f"wall_clock {float(offset)!r} {'-' if at is None else repr(float(at))}" for at, offset in wall_clock]
     lines += [f"process_name {pid} {_text(name)}" for pid, name in scenario.process_names.items()]
     for _, after in later:
-        if len(after.cards) != len(scenario.cards):
-            raise ValueError("later scenarios change activity scripts only: give them the same cards")
+        if len(after.cards) != len(scenario.cards) or not all(
+                _scripts_only(card, changed) for card, changed in zip(scenario.cards, after.cards, strict=True)):
+            raise ValueError("later scenarios change activity scripts only (GPM's and the processes', those of both "
+                             "in the same order): give them the same cards otherwise")
     grow = dict(grow or {})
     for index, card in enumerate(scenario.cards):
         lines += ["card", f"name {_text(card.name)}", f"uuid {_text(card.uuid)}",

@@ -705,8 +705,26 @@ def test_a_card_without_process_utilisation_is_not_asked_again(fake_nvml_lib):
 # -- the flag -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("source", ["nvml", "auto"])
+def test_read_takes_a_first_gpm_sample_and_waits_a_second_so_it_gives_activity(fake_nvml_lib, source):
+    """A one-shot read (node_exporter's textfile collector, from cron) keeps no samples from before:
+    it takes a first one, waits a second and reads, so each GPU instance has its activity over about
+    1 s, never first_sample every time."""
+    fake = fake_nvml_lib("h100-mig-processes")
+    result = CliRunner().invoke(cli, ["read", "--source", source])
+    assert result.exit_code == 0, result.output
+    assert "first_sample" not in result.output
+    graphics = {line.split('index="')[1].split('"')[0]: line.rsplit(" ", 1)[1] for line in result.output.splitlines()
+                if line.startswith("mig_exporter_device_graphics_activity_ratio{")}
+    assert graphics == {"1000": "0.0", "1001": "0.0", "1002": "0.99", "1003": "0.0"}
+    window = [float(line.rsplit(" ", 1)[1]) for line in result.output.splitlines()
+              if line.startswith("mig_exporter_device_activity_window_seconds{")]
+    assert window and all(1.0 <= w < 5.0 for w in window), window
+    assert fake.called("nvmlDeviceGetMemoryInfo_v2", "card0/mig2") == 2  # two reads: the first only samples
+
+
 def test_the_window_flag_reaches_the_nvml_source(fake_nvml_lib, monkeypatch):
-    fake_nvml_lib("h100-mig-processes")
+    fake_nvml_lib("demo")  # no GPM: read takes no first sample
     made = []
 
     class Recording(NvmlSource):

@@ -846,6 +846,15 @@ def test_the_scenario_file_carries_the_activity_lines():
     assert f"activity 2 {DRAM} 0.0 30.0" in lines  # later: every percent metric, idle where unscripted
     with pytest.raises(ValueError, match="same cards"):
         scenario_text(scenario, later=((30.0, SCENARIOS["demo"]()),))
+    # process scripts, and what a later line cannot change (the period, merging) refused
+    first, later = _made_scenarios(166_667, False)
+    lines = scenario_text(first, later=((1015.0, later),)).splitlines()
+    assert {"pactivity 900 70 30 0 0 -", "pactivity 901 0 0 95 0 -", "putil_period 166667",
+            "pactivity 900 0 0 0 0 1015.0", "pactivity 901 40 10 95 3 1015.0"} <= set(lines)
+    merged = dataclasses.replace(later, cards=(later.cards[0], dataclasses.replace(
+        later.cards[1], process_samples_merged=True)))
+    with pytest.raises(ValueError, match="activity scripts only"):
+        scenario_text(first, later=((1015.0, merged),))
 
 
 # -- the exporter in a process of its own, over the library ---------------------------

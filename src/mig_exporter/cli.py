@@ -807,9 +807,11 @@ def _first_activity_sample(source: Source, timeout_s: float) -> None:
     activity, not "first_sample" (issue 39). A one-shot command's GPM window is that second, whatever
     --collector.activity.window (doctor's output says "over the last 1 s"); its process activity
     still averages the driver's buffer over the window. What this read finds wrong, the read that
-    counts finds again. nvidia-smi has no GPM here: not read twice."""
+    counts finds again. Where no card has GPM there is no wait, only this extra NVML read (a few
+    milliseconds). nvidia-smi has no GPM here: it is not read twice; nor is a source auto has not
+    chosen yet (its choice would run outside this bounded read)."""
     try:
-        chosen = source.choose() if isinstance(source, AutoSource) else source
+        chosen = source.chosen if isinstance(source, AutoSource) else source
         if not isinstance(chosen, NvmlSource):
             return
         snapshot = chosen.read(Deadline.after(timeout_s * FIRST_SAMPLE_SHARE_OF_TIMEOUT))

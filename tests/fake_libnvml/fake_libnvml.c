@@ -5,6 +5,7 @@
  * function; see README.md beside it for the file format and how to add a function. */
 
 #define _GNU_SOURCE
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stddef.h>
@@ -156,7 +157,7 @@ struct gpm_fail { unsigned int metric; int code; }; /* the card's and its GPU in
 struct putil { unsigned int pid; unsigned long long at_us; unsigned int sm, mem, enc, dec; };
 /* A process's scripted shares (sm, mem, enc, dec %) from fake time from_s on: what the driver samples
  * of it each period while any is above 0 (the Python fake's FakeCard.process_activity). */
-struct pscript { unsigned int pid; double from_s; unsigned int share[4]; };
+struct pscript { unsigned int pid; double from_s; long long from_us; unsigned int share[4]; };
 struct activity {
     int gpm;                                /* nvmlGpmQueryDeviceSupport's isSupportedDevice */
     struct gpm_step *steps; int nsteps;     /* ordered by from_s; a later line wins a tie */
@@ -1361,6 +1362,12 @@ static int decimal(const char *t, double *v) {
     return end && end != t && !*end ? 0 : -1;
 }
 
+/* A FROM_S in whole microseconds, as the Python fake counts them: its set_scenario or step_wall_clock at
+ * T makes the samples up to int(T x 1e6) before the change (-inf: since always). */
+static long long from_us(double from_s) {
+    return from_s == -HUGE_VAL ? LLONG_MIN : (long long)(from_s * 1e6);
+}
+
 static int activity_line(struct activity *a, char **tok, int n) {
     const char *k = tok[0];
     unsigned long long v[6];
@@ -1398,7 +1405,8 @@ static int activity_line(struct activity *a, char **tok, int n) {
         s.pid = (unsigned int)v[0];
         for (int i = 0; i < 4; i++) s.share[i] = (unsigned int)v[i + 1];
         if (!strcmp(tok[6], "-")) s.from_s = -HUGE_VAL; /* since always */
-        else if (decimal(tok[6], &s.from_s)) return -1;
+        else if (decimal(tok[6], &s.from_s) || !isfinite(s.from_s)) return -1;
+        s.from_us = from_us(s.from_s);
         int at = a->npscripts; /* after every line that starts no later: a later line wins a tie */
         while (at > 0 && a->pscripts[at - 1].from_s > s.from_s) at--;
         a->pscripts = realloc(a->pscripts, sizeof(*a->pscripts) * (size_t)(a->npscripts + 1));
@@ -1584,16 +1592,17 @@ EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *get) {
 #define PROCESS_SAMPLE_BUFFER_US 120000000LL
 #define DEFAULT_PERIOD_US 166667ULL
 
-struct wall_step { double from_s, offset_s; };
+struct wall_step { double from_s, offset_s; long long from_us; };
 static struct wall_step *wall_steps; /* ordered by from_s */
 static int nwall_steps, wall_default_set;
-static double wall_default_s; /* with no line: the real wall clock less CLOCK_MONOTONIC, at load */
+static double wall_default_s; /* with no line: the real wall clock less CLOCK_MONOTONIC, when first asked */
 
 static int wall_clock_line(char **tok) { /* wall_clock OFFSET_S FROM_S */
     struct wall_step s;
     if (decimal(tok[1], &s.offset_s) || !isfinite(s.offset_s)) return -1;
     if (!strcmp(tok[2], "-")) s.from_s = -HUGE_VAL;
-    else if (decimal(tok[2], &s.from_s)) return -1;
+    else if (decimal(tok[2], &s.from_s) || !isfinite(s.from_s)) return -1;
+    s.from_us = from_us(s.from_s);
     int at = nwall_steps;
     while (at > 0 && wall_steps[at - 1].from_s > s.from_s) at--;
     wall_steps = realloc(wall_steps, sizeof(*wall_steps) * (size_t)(nwall_steps + 1));
@@ -1603,8 +1612,8 @@ static int wall_clock_line(char **tok) { /* wall_clock OFFSET_S FROM_S */
     return 0;
 }
 
-/* The wall clock less the fake clock for a sample taken at t. Called under gpm_lock. */
-static double wall_offset_at(double t) {
+/* The wall clock less the fake clock for a sample taken at at_us. Called under gpm_lock. */
+static double wall_offset_at(long long at_us) {
     if (!wall_default_set) {
         struct timespec real, mono;
         clock_gettime(CLOCK_REALTIME, &real);
@@ -1613,17 +1622,17 @@ static double wall_offset_at(double t) {
         wall_default_set = 1;
     }
     double offset = wall_default_s;
-    for (int i = 0; i < nwall_steps && wall_steps[i].from_s < t; i++) offset = wall_steps[i].offset_s;
+    for (int i = 0; i < nwall_steps && wall_steps[i].from_us < at_us; i++) offset = wall_steps[i].offset_s;
     return offset;
 }
 
 static long long floor_div(long long a, long long b) { return a / b - (a % b != 0 && (a < 0) != (b < 0)); }
 
-/* The process's shares in the period ending at t: its last line starting before t; idle before. */
-static const unsigned int *shares_at(const struct activity *a, unsigned int pid, double t) {
+/* The process's shares in the period ending at at_us: its last line starting before; idle before. */
+static const unsigned int *shares_at(const struct activity *a, unsigned int pid, long long at_us) {
     static const unsigned int idle[4];
     const unsigned int *shares = idle;
-    for (int i = 0; i < a->npscripts && a->pscripts[i].from_s < t; i++)
+    for (int i = 0; i < a->npscripts && a->pscripts[i].from_us < at_us; i++)
         if (a->pscripts[i].pid == pid) shares = a->pscripts[i].share;
     return shares;
 }
@@ -1663,10 +1672,9 @@ static int process_samples(const struct activity *a, unsigned long long lastSeen
         }
         for (long long k = first; k <= last; k++) {
             long long at_us = k * (long long)period;
-            double t = (double)at_us / 1e6;
-            long long stamp = at_us + (long long)(wall_offset_at(t) * 1e6);
+            long long stamp = at_us + (long long)(wall_offset_at(at_us) * 1e6);
             for (int j = 0; j < npids; j++) {
-                const unsigned int *s = shares_at(a, pids[j], t);
+                const unsigned int *s = shares_at(a, pids[j], at_us);
                 if ((s[0] || s[1] || s[2] || s[3]) && stamp > 0 && (unsigned long long)stamp > lastSeen)
                     all[n++] = (nvmlProcessUtilizationSample_t){pids[j], (unsigned long long)stamp,
                                                                 s[0], s[1], s[2], s[3]};

@@ -56,6 +56,11 @@ class AutoSource:
                 self._chosen = chosen
             return self._chosen
 
+    @property
+    def chosen(self) -> NvmlSource | NvidiaSmiSource | None:
+        """The source chosen so far, without choosing (None: not yet)."""
+        return self._chosen
+
     def ready(self) -> tuple[bool, str]:
         try:
             return self.choose().ready()
