@@ -298,18 +298,25 @@ def test_a_gpu_instance_that_goes_away_has_its_samples_freed(fake_nvml_lib):
     assert fake.gpm_samples_held == 3 * 3 and source.activity.samples_held == 9
 
 
-def test_samples_are_freed_on_close_and_before_nvml_is_initialised_again(fake_nvml_lib):
+def _eight_samples_kept_then_a_driver_level_error(fake_nvml_lib):
+    """h100-mig-processes read twice (8 GPM samples kept), then a read failing with
+    NVML_ERROR_UNINITIALIZED: NVML must be initialised again. The scenario is healthy again after it."""
     fake, source = start(fake_nvml_lib, "h100-mig-processes")
     read_at(fake, source, T0)
     read_at(fake, source, T0 + 15)
     assert fake.gpm_samples_held == 8
-    # A driver-level error: the next read initialises NVML again, after freeing what it held.
     healthy = fake.scenario
     fake.set_scenario(dataclasses.replace(healthy, system_errors={"nvmlDeviceGetCount_v2":
                                                                   pynvml.NVML_ERROR_UNINITIALIZED}))
     with pytest.raises(Exception, match="NVML_ERROR_UNINITIALIZED"):
         read_at(fake, source, T0 + 30)
     fake.set_scenario(healthy)
+    return fake, source
+
+
+def test_samples_are_freed_on_close_and_before_nvml_is_initialised_again(fake_nvml_lib):
+    # A driver-level error: the next read initialises NVML again, after freeing what it held.
+    fake, source = _eight_samples_kept_then_a_driver_level_error(fake_nvml_lib)
     before = len(fake.calls)
     found = by_gpu_instance(read_at(fake, source, T0 + 45))
     calls = [c.function for c in fake.calls[before:]]
@@ -490,16 +497,7 @@ def test_samples_are_freed_before_a_readiness_check_initialises_nvml_again(fake_
     """/-/ready (and --source auto's choice) runs every few seconds: after a driver-level error it is
     usually what initialises NVML again, before the next read. The samples of the old initialisation
     are freed before the new one, whoever initialises."""
-    fake, source = start(fake_nvml_lib, "h100-mig-processes")
-    read_at(fake, source, T0)
-    read_at(fake, source, T0 + 15)
-    assert fake.gpm_samples_held == 8
-    healthy = fake.scenario
-    fake.set_scenario(dataclasses.replace(healthy, system_errors={"nvmlDeviceGetCount_v2":
-                                                                  pynvml.NVML_ERROR_UNINITIALIZED}))
-    with pytest.raises(Exception, match="NVML_ERROR_UNINITIALIZED"):
-        read_at(fake, source, T0 + 30)
-    fake.set_scenario(healthy)
+    fake, source = _eight_samples_kept_then_a_driver_level_error(fake_nvml_lib)
     before = len(fake.calls)
     assert source.ready()[0]
     calls = [c.function for c in fake.calls[before:]]

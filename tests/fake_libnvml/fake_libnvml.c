@@ -1362,10 +1362,29 @@ static int decimal(const char *t, double *v) {
     return end && end != t && !*end ? 0 : -1;
 }
 
-/* A FROM_S in whole microseconds, as the Python fake counts them: its set_scenario or step_wall_clock at
- * T makes the samples up to int(T x 1e6) before the change (-inf: since always). */
-static long long from_us(double from_s) {
-    return from_s == -HUGE_VAL ? LLONG_MIN : (long long)(from_s * 1e6);
+/* Insert `item` into `array`[0:`count`] (grown by one) after every element that starts no later, so
+ * the array stays ordered by from_s and a later line wins a tie. */
+#define INSERT_BY_FROM(array, count, item) do {                                                       \
+        int at_ = (count);                                                                              \
+        while (at_ > 0 && (array)[at_ - 1].from_s > (item).from_s) at_--;                               \
+        (array) = realloc((array), sizeof(*(array)) * (size_t)((count) + 1));                           \
+        memmove(&(array)[at_ + 1], &(array)[at_], sizeof(*(array)) * (size_t)((count) - at_));         \
+        (array)[at_] = (item);                                                                          \
+        (count)++;                                                                                      \
+    } while (0)
+
+/* A FROM_S field: "-" since always, else a finite number of seconds; also in whole microseconds, as the
+ * Python fake counts them (its set_scenario or step_wall_clock at T makes the samples up to
+ * int(T x 1e6) before the change). 0, or -1 when it is neither. */
+static int from_time(const char *t, double *from_s, long long *from_us) {
+    if (!strcmp(t, "-")) {
+        *from_s = -HUGE_VAL;
+        *from_us = LLONG_MIN;
+        return 0;
+    }
+    if (decimal(t, from_s) || !isfinite(*from_s)) return -1;
+    *from_us = (long long)(*from_s * 1e6);
+    return 0;
 }
 
 static int activity_line(struct activity *a, char **tok, int n) {
@@ -1380,12 +1399,7 @@ static int activity_line(struct activity *a, char **tok, int n) {
         step.metric = (unsigned int)v[0];
         if (!strcmp(tok[4], "-")) step.from_s = -HUGE_VAL; /* since always */
         else if (decimal(tok[4], &step.from_s)) return -1;
-        int at = a->nsteps; /* after every step that starts no later: a later line wins a tie */
-        while (at > 0 && a->steps[at - 1].from_s > step.from_s) at--;
-        a->steps = realloc(a->steps, sizeof(*a->steps) * (size_t)(a->nsteps + 1));
-        memmove(&a->steps[at + 1], &a->steps[at], sizeof(*a->steps) * (size_t)(a->nsteps - at));
-        a->steps[at] = step;
-        a->nsteps++;
+        INSERT_BY_FROM(a->steps, a->nsteps, step);
     } else if (!strcmp(k, "gpm_error") && n == 3) { /* METRIC CODE */
         NUMBERS(1, 2, v);
         a->fails = realloc(a->fails, sizeof(*a->fails) * (size_t)(a->nfails + 1));
@@ -1404,15 +1418,8 @@ static int activity_line(struct activity *a, char **tok, int n) {
         NUMBERS(1, 5, v);
         s.pid = (unsigned int)v[0];
         for (int i = 0; i < 4; i++) s.share[i] = (unsigned int)v[i + 1];
-        if (!strcmp(tok[6], "-")) s.from_s = -HUGE_VAL; /* since always */
-        else if (decimal(tok[6], &s.from_s) || !isfinite(s.from_s)) return -1;
-        s.from_us = from_us(s.from_s);
-        int at = a->npscripts; /* after every line that starts no later: a later line wins a tie */
-        while (at > 0 && a->pscripts[at - 1].from_s > s.from_s) at--;
-        a->pscripts = realloc(a->pscripts, sizeof(*a->pscripts) * (size_t)(a->npscripts + 1));
-        memmove(&a->pscripts[at + 1], &a->pscripts[at], sizeof(*a->pscripts) * (size_t)(a->npscripts - at));
-        a->pscripts[at] = s;
-        a->npscripts++;
+        if (from_time(tok[6], &s.from_s, &s.from_us)) return -1;
+        INSERT_BY_FROM(a->pscripts, a->npscripts, s);
     } else if (!strcmp(k, "putil_period") && n == 2) { /* US */
         NUMBERS(1, 1, v);
         if (!v[0]) return -1;
@@ -1600,15 +1607,8 @@ static double wall_default_s; /* with no line: the real wall clock less CLOCK_MO
 static int wall_clock_line(char **tok) { /* wall_clock OFFSET_S FROM_S */
     struct wall_step s;
     if (decimal(tok[1], &s.offset_s) || !isfinite(s.offset_s)) return -1;
-    if (!strcmp(tok[2], "-")) s.from_s = -HUGE_VAL;
-    else if (decimal(tok[2], &s.from_s) || !isfinite(s.from_s)) return -1;
-    s.from_us = from_us(s.from_s);
-    int at = nwall_steps;
-    while (at > 0 && wall_steps[at - 1].from_s > s.from_s) at--;
-    wall_steps = realloc(wall_steps, sizeof(*wall_steps) * (size_t)(nwall_steps + 1));
-    memmove(&wall_steps[at + 1], &wall_steps[at], sizeof(*wall_steps) * (size_t)(nwall_steps - at));
-    wall_steps[at] = s;
-    nwall_steps++;
+    if (from_time(tok[2], &s.from_s, &s.from_us)) return -1;
+    INSERT_BY_FROM(wall_steps, nwall_steps, s);
     return 0;
 }
 
